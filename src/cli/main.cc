@@ -1,1 +1,60 @@
-int main() { return 0; }
+// vblk: the command-line entry point. Subcommands follow qemu-img's words,
+// options, output and exit codes (see docs/qemu-img-compat.md).
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "cli/common.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*fn)(int, char**);
+  const char* synopsis;
+};
+
+const Command kCommands[] = {
+    {"bench", vblk::cli::cmd_bench,
+     "bench [-c count] [-d depth] [-f fmt] [--flush-interval=flush_interval] [-i aio] [-n] [--no-drain] [-o "
+     "offset] [--pattern=pattern] [-q] [-s buffer_size] [-S step_size] [-t cache] [-w] [-U] filename"},
+    {"compare", vblk::cli::cmd_compare,
+     "compare [--image-opts] [-f fmt] [-F fmt] [-T src_cache] [-p] [-q] [-s] [-U] filename1 filename2"},
+    {"create", vblk::cli::cmd_create, "create [-q] [-f fmt] [-o options] filename [size]"},
+    {"info", vblk::cli::cmd_info, "info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename"},
+    {"map", vblk::cli::cmd_map,
+     "map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] filename"},
+};
+
+void help() {
+  std::printf(
+      "vblk version " VBLK_VERSION " - a userspace block-storage engine for VM disk images\n"
+      "usage: vblk [standard options] command [command options]\n"
+      "\n"
+      "Command syntax (qemu-img compatible):\n");
+  for (const auto& c : kCommands) std::printf("  %s\n", c.synopsis);
+  std::printf(
+      "\n"
+      "Supported formats: raw file null-co\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* slash = std::strrchr(argv[0], '/');
+  vblk::cli::g_prog = slash ? slash + 1 : argv[0];
+  if (argc < 2) vblk::cli::error_exit("Not enough arguments");
+  std::string cmd = argv[1];
+  if (cmd == "-h" || cmd == "--help") {
+    help();
+    return 0;
+  }
+  if (cmd == "-V" || cmd == "--version") {
+    std::printf("vblk version " VBLK_VERSION "\n");
+    return 0;
+  }
+  for (const auto& c : kCommands) {
+    if (cmd == c.name) return c.fn(argc - 1, argv + 1);
+  }
+  vblk::cli::error_exit("Command not found: " + cmd);
+}

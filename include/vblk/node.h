@@ -1,0 +1,194 @@
+// Node: one instance of a block driver (file, raw, null-co, qcow2, ...) in the
+// node graph, QEMU-style. A node answers coroutine requests over byte ranges
+// and may have children (a format node over its `file` child, a filter over
+// the node it filters).
+//
+// The public methods are the single validating choke point: they check the
+// range and permissions, pad unaligned requests (read-modify-write with
+// overlapping requests serialised), bounce buffers whose memory is not
+// aligned as the driver needs, split requests at the driver's max transfer,
+// emulate FUA and write-zeroes where the driver cannot, and track in-flight
+// requests so drain() can wait for them. Drivers implement the protected do_*
+// hooks and may assume clean input: aligned, in range, within max transfer.
+//
+// Ownership: a node owns references to its children (shared_ptr); the graph
+// owns nodes by name. A node lives on one Loop and is not thread-safe.
+// Limits and capabilities are data, filled once at open (see BlockLimits).
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "vblk/loop.h"
+#include "vblk/result.h"
+#include "vblk/sync.h"
+#include "vblk/task.h"
+
+namespace vblk {
+
+// Request flags.
+enum ReqFlags : uint32_t {
+  kReqNone = 0,
+  kReqFua = 1u << 0,         // write: durable when it completes
+  kReqMayUnmap = 1u << 1,    // write_zeroes: holes are fine
+  kReqNoFallback = 1u << 2,  // write_zeroes: fail with ENOTSUP rather than write zero buffers
+};
+
+// Block status flags (the values QEMU uses, so the mapping is obvious).
+enum StatusFlags : uint32_t {
+  kStatusData = 0x01,         // reads return data stored here
+  kStatusZero = 0x02,         // reads return zeroes
+  kStatusOffsetValid = 0x04,  // `map` is the offset in `file`
+  kStatusRaw = 0x08,          // driver passes through: ask `file` at `map`
+  kStatusAllocated = 0x10,    // allocated at this layer (not from a backing file)
+  kStatusEof = 0x20,          // the range reaches the end of the node
+};
+
+class Node;
+
+struct BlockStatus {
+  uint32_t flags = 0;
+  uint64_t bytes = 0;     // length of the run with these flags (> 0 unless at EOF)
+  uint64_t map = 0;       // host offset in `file` when kStatusOffsetValid
+  Node* file = nullptr;   // the node `map` refers to
+  int depth = 0;          // for status through a backing chain
+};
+
+// Limits, read once per node at open.
+struct BlockLimits {
+  uint32_t request_alignment = 1;  // offset and length alignment the driver needs
+  uint32_t buffer_alignment = 1;   // memory alignment the driver needs (O_DIRECT)
+  uint64_t max_transfer = 0;       // 0: no limit
+  uint64_t opt_transfer = 0;       // preferred request size, 0: none
+  uint64_t max_zeroes = 0;         // max bytes per write_zeroes call, 0: no limit
+};
+
+// Capabilities, read once per node at open.
+struct NodeCaps {
+  bool native_fua = false;      // do_write honours kReqFua itself
+  bool zeroes = false;          // do_write_zeroes is implemented
+  bool discard = false;         // do_discard is implemented
+  bool copy_range = false;      // do_copy_range_to is implemented
+};
+
+struct Child {
+  std::string role;  // "file", "backing", ...
+  std::shared_ptr<Node> node;
+};
+
+class Node {
+ public:
+  Node(Loop& loop, std::string driver);
+  virtual ~Node();
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  // ---- identity and graph
+  const std::string& driver() const { return driver_; }
+  const std::string& node_name() const { return node_name_; }
+  void set_node_name(std::string n) { node_name_ = std::move(n); }
+  // The user-visible file name (the file node's path for format nodes).
+  virtual std::string filename() const;
+  const std::vector<Child>& children() const { return children_; }
+  Node* child(const std::string& role) const;
+  Node* file_child() const { return child("file"); }
+  Loop& loop() const { return loop_; }
+
+  // ---- properties
+  uint64_t length() const { return length_; }
+  bool read_only() const { return read_only_; }
+  void set_read_only(bool ro) { read_only_ = ro; }
+  const BlockLimits& limits() const { return limits_; }
+  const NodeCaps& caps() const { return caps_; }
+  // Writethrough: every write is followed by a flush (cache=writethrough).
+  void set_writethrough(bool on) { writethrough_ = on; }
+  // No-flush: flush() succeeds without doing anything (cache=unsafe).
+  void set_no_flush(bool on) { no_flush_ = on; }
+  // Growable nodes (a format's file child) accept I/O past their end.
+  void set_growable(bool on) { growable_ = on; }
+  bool growable() const { return growable_; }
+
+  // ---- I/O (validated, aligned, tracked)
+  Task<Status> read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags = kReqNone);
+  Task<Status> write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags = kReqNone);
+  Task<Status> write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags = kReqNone);
+  Task<Status> discard(uint64_t offset, uint64_t bytes);
+  Task<Status> flush();
+  // Status of [offset, offset+bytes) at this node: one run, starting at offset.
+  Task<Result<BlockStatus>> block_status(uint64_t offset, uint64_t bytes);
+  // Copies bytes from this node to dst without a bounce through memory, when
+  // both sides allow it (copy_file_range). ENOTSUP if not possible: callers
+  // fall back to read+write.
+  Task<Status> copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes, uint32_t flags = 0);
+  Task<Status> truncate(uint64_t length, bool exact = true);
+  // Waits until no request is in flight on this node.
+  Task<void> drain();
+  uint64_t in_flight() const { return in_flight_; }
+
+  // The node copy offload writes to when `this` is a copy_range destination:
+  // pass-through layers adjust `offset` and ask their child; file returns
+  // itself; everything else nullptr (no offload).
+  virtual Node* copy_target(uint64_t& offset) {
+    (void)offset;
+    return nullptr;
+  }
+
+  // Allocated size on disk (qemu-img's "disk size"), -ENOTSUP if unknown.
+  virtual Result<uint64_t> allocated_size() const;
+
+ protected:
+  // Drivers implement these. Input is clean: aligned to request_alignment,
+  // within max_transfer, within length (unless growable), buffer memory
+  // aligned to buffer_alignment.
+  virtual Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) = 0;
+  virtual Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags);
+  virtual Task<Status> do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags);
+  virtual Task<Status> do_discard(uint64_t offset, uint64_t bytes);
+  virtual Task<Status> do_flush();
+  virtual Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes);
+  virtual Task<Status> do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes,
+                                        uint32_t flags);
+  virtual Task<Status> do_truncate(uint64_t length, bool exact);
+
+  // For drivers: set during open.
+  void add_child(std::string role, std::shared_ptr<Node> n) { children_.push_back({std::move(role), std::move(n)}); }
+  void set_length(uint64_t len) { length_ = len; }
+  BlockLimits limits_;
+  NodeCaps caps_;
+
+ private:
+  struct Tracked {
+    uint64_t begin, end;
+    bool serialising;
+    CoEvent* done;
+  };
+  // Registers a request; waits first for overlapping serialising requests
+  // (and, if this one serialises, for every overlapping request).
+  Task<std::list<Tracked>::iterator> track(uint64_t begin, uint64_t end, bool serialising, CoEvent* done);
+  void untrack(std::list<Tracked>::iterator it);
+
+  Task<Status> read_aligned(uint64_t offset, std::span<uint8_t> buf, uint32_t flags);
+  Task<Status> write_aligned(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags);
+  Task<Status> write_padded(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags);
+  Task<Status> zeroes_by_writing(uint64_t offset, uint64_t bytes, uint32_t flags);
+  Status check_range(uint64_t offset, uint64_t bytes, bool write) const;
+
+  Loop& loop_;
+  std::string driver_;
+  std::string node_name_;
+  std::vector<Child> children_;
+  uint64_t length_ = 0;
+  bool read_only_ = false;
+  bool writethrough_ = false;
+  bool no_flush_ = false;
+  bool growable_ = false;
+  uint64_t in_flight_ = 0;
+  std::list<Tracked> tracked_;
+  CoEvent idle_;
+};
+
+}  // namespace vblk

@@ -1,0 +1,18 @@
+// The built-in drivers' entry points (one file each in this folder).
+#pragma once
+
+#include "block/open.h"
+
+namespace vblk::drivers {
+
+Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts);
+Result<std::shared_ptr<Node>> open_raw(OpenContext& ctx, Json& opts);
+Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts);
+int probe_raw(std::span<const uint8_t> head);
+
+// Creates (or truncates) a file the way qemu-img create does for raw/file:
+// size rounded up to 512, preallocation off|falloc|full, first block written
+// so later O_DIRECT alignment probing reads real data.
+Status create_file(const std::string& path, uint64_t size, const std::string& prealloc);
+
+}  // namespace vblk::drivers

@@ -1,0 +1,358 @@
+// The `file` protocol driver: a regular file or block device.
+//
+// Reads and writes go through the loop (io_uring, or the thread pool with
+// aio=threads). Block status comes from SEEK_DATA/SEEK_HOLE, write-zeroes and
+// discard from fallocate, copy offload from copy_file_range. With
+// cache.direct=on the file is opened O_DIRECT and the request alignment is
+// probed, as QEMU does, so the generic layer pads and bounces for it.
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+
+#include "block/drivers/drivers.h"
+#include "vblk/buffer.h"
+
+namespace vblk {
+
+class FileNode final : public Node {
+ public:
+  FileNode(Loop& loop, std::string path, int fd, bool is_blockdev, AioMode aio)
+      : Node(loop, "file"), path_(std::move(path)), fd_(fd), blockdev_(is_blockdev), aio_(loop.effective(aio)) {
+    caps_.zeroes = true;
+    caps_.discard = true;
+    caps_.copy_range = true;
+  }
+  ~FileNode() override { ::close(fd_); }
+
+  std::string filename() const override { return path_; }
+
+  Result<uint64_t> allocated_size() const override {
+    struct stat st;
+    if (::fstat(fd_, &st) < 0) return Error(errno);
+    return static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+
+  Status init_length() {
+    auto sz = host_size();
+    VBLK_TRY(sz);
+    set_length(align_up(*sz, 512));  // QEMU counts whole 512-byte sectors
+    return {};
+  }
+
+  Status probe_alignment(bool direct) {
+    if (!direct) return {};
+    uint32_t align = 0;
+    if (blockdev_) {
+      int ssz = 0;
+      if (::ioctl(fd_, BLKSSZGET, &ssz) == 0 && ssz > 0) align = static_cast<uint32_t>(ssz);
+    }
+    if (!align) {
+      AlignedBuffer probe(4096, 4096);
+      for (uint32_t a : {512u, 1024u, 2048u, 4096u}) {
+        if (::pread(fd_, probe.data(), a, 0) >= 0 || errno != EINVAL) {
+          align = a;
+          break;
+        }
+      }
+    }
+    if (!align) return Error(EINVAL, "Could not find working O_DIRECT alignment");
+    limits_.request_alignment = align;
+    limits_.buffer_alignment = std::max<uint32_t>(align, 512);
+    return {};
+  }
+
+  int fd() const { return fd_; }
+  Node* copy_target(uint64_t&) override { return this; }
+
+ protected:
+  Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t) override {
+    size_t done = 0;
+    while (done < buf.size()) {
+      long r = co_await loop().pread(fd_, buf.data() + done, buf.size() - done, offset + done, aio_);
+      if (r == -EINTR || r == -EAGAIN) continue;
+      if (r < 0) co_return Error(static_cast<int>(-r));
+      if (r == 0) {  // past the end of the file: the rest reads as zeroes
+        std::memset(buf.data() + done, 0, buf.size() - done);
+        break;
+      }
+      done += static_cast<size_t>(r);
+    }
+    co_return Status{};
+  }
+
+  Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t) override {
+    size_t done = 0;
+    while (done < buf.size()) {
+      long r = co_await loop().pwrite(fd_, buf.data() + done, buf.size() - done, offset + done, aio_);
+      if (r == -EINTR || r == -EAGAIN) continue;
+      if (r < 0) co_return Error(static_cast<int>(-r));
+      if (r == 0) co_return Error(EIO);
+      done += static_cast<size_t>(r);
+    }
+    co_return Status{};
+  }
+
+  Task<Status> do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) override {
+    if (!blockdev_) {
+      // Beyond the end of the file, growing it is the cheapest zeroing.
+      auto sz = host_size();
+      if (!sz) co_return sz.take_error();
+      if (offset + bytes > *sz) {
+        uint64_t old = *sz;
+        if (::ftruncate(fd_, static_cast<off_t>(offset + bytes)) < 0) co_return Error(errno);
+        if (offset >= old) co_return Status{};
+        bytes = old - offset;
+      }
+    }
+    if (flags & kReqMayUnmap) {
+      long r = co_await loop().fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, bytes, aio_);
+      if (r == 0) co_return Status{};
+    }
+    long r = co_await loop().fallocate(fd_, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, offset, bytes, aio_);
+    if (r == 0) co_return Status{};
+    if (r != -EOPNOTSUPP && r != -EINVAL && r != -ENOTSUP) co_return Error(static_cast<int>(-r));
+    // No ZERO_RANGE (e.g. tmpfs): punch, then allocate again unless unmapping is fine.
+    r = co_await loop().fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, bytes, aio_);
+    if (r == 0 && !(flags & kReqMayUnmap)) r = co_await loop().fallocate(fd_, 0, offset, bytes, aio_);
+    if (r == 0) co_return Status{};
+    co_return Error(ENOTSUP);
+  }
+
+  Task<Status> do_discard(uint64_t offset, uint64_t bytes) override {
+    long r = co_await loop().fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, bytes, aio_);
+    if (r == 0) co_return Status{};
+    if (r == -EOPNOTSUPP || r == -EINVAL) co_return Error(ENOTSUP);
+    co_return Error(static_cast<int>(-r));
+  }
+
+  Task<Status> do_flush() override {
+    long r = co_await loop().fsync(fd_, true, aio_);
+    if (r < 0) co_return Error(static_cast<int>(-r));
+    co_return Status{};
+  }
+
+  Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override {
+    BlockStatus s{.flags = kStatusOffsetValid, .bytes = bytes, .map = offset, .file = this};
+    if (blockdev_) {
+      s.flags |= kStatusData;
+      co_return s;
+    }
+    // lseek on a local file is a metadata lookup that does not wait for I/O.
+    off_t d = ::lseek(fd_, static_cast<off_t>(offset), SEEK_DATA);
+    if (d < 0) {
+      s.flags |= errno == ENXIO ? kStatusZero : kStatusData;  // ENXIO: a hole up to EOF
+      co_return s;
+    }
+    if (static_cast<uint64_t>(d) > offset) {
+      s.flags |= kStatusZero;
+      s.bytes = std::min<uint64_t>(bytes, static_cast<uint64_t>(d) - offset);
+      co_return s;
+    }
+    off_t h = ::lseek(fd_, static_cast<off_t>(offset), SEEK_HOLE);
+    s.flags |= kStatusData;
+    if (h > static_cast<off_t>(offset)) {
+      uint64_t n = align_up(static_cast<uint64_t>(h) - offset, limits_.request_alignment);
+      s.bytes = std::min<uint64_t>(bytes, n);
+    }
+    co_return s;
+  }
+
+  Task<Status> do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes,
+                                uint32_t) override;
+
+  Task<Status> do_truncate(uint64_t length, bool) override {
+    if (blockdev_) {
+      if (length > this->length()) co_return Error(EINVAL, "Cannot grow device files");
+      co_return Status{};
+    }
+    if (::ftruncate(fd_, static_cast<off_t>(length)) < 0) co_return Error(errno, std::string("Failed to resize the file: ") + std::strerror(errno));
+    set_length(align_up(length, 512));
+    co_return Status{};
+  }
+
+ private:
+  Result<uint64_t> host_size() const {
+    if (blockdev_) {
+      uint64_t sz = 0;
+      if (::ioctl(fd_, BLKGETSIZE64, &sz) < 0) return Error(errno);
+      return sz;
+    }
+    struct stat st;
+    if (::fstat(fd_, &st) < 0) return Error(errno);
+    return static_cast<uint64_t>(st.st_size);
+  }
+
+  std::string path_;
+  int fd_;
+  bool blockdev_;
+  AioMode aio_;
+};
+
+// Copy offload reaches the destination's file through pass-through layers.
+int copy_target_fd(Node& dst, uint64_t& offset);
+
+Task<Status> FileNode::do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes, uint32_t) {
+  int out = copy_target_fd(dst, dst_offset);
+  if (out < 0) co_return Error(ENOTSUP);
+  uint64_t done = 0;
+  while (done < bytes) {
+    loff_t in_off = static_cast<loff_t>(offset + done), out_off = static_cast<loff_t>(dst_offset + done);
+    size_t n = static_cast<size_t>(std::min<uint64_t>(bytes - done, 1u << 30));
+    int in = fd_;
+    std::function<long()> fn = [&] {
+      ssize_t r = ::copy_file_range(in, &in_off, out, &out_off, n, 0);
+      return r < 0 ? -static_cast<long>(errno) : static_cast<long>(r);
+    };
+    long r = co_await loop().run_blocking(fn);
+    if (r == -EXDEV || r == -ENOSYS || r == -EOPNOTSUPP || r == -EINVAL || r == -EBADF) co_return Error(ENOTSUP);
+    if (r < 0) co_return Error(static_cast<int>(-r));
+    if (r == 0) {
+      // Source shorter than its virtual size: the tail reads as zeroes.
+      co_return co_await dst.write_zeroes(dst_offset + done, bytes - done, 0);
+    }
+    done += static_cast<uint64_t>(r);
+  }
+  co_return Status{};
+}
+
+int copy_target_fd(Node& dst, uint64_t& offset) {
+  if (auto* f = dynamic_cast<FileNode*>(dst.copy_target(offset))) return f->fd();
+  return -1;
+}
+
+namespace drivers {
+
+Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts) {
+  auto filename = take_string(opts, "filename");
+  VBLK_TRY(filename);
+  if (!*filename || filename->value().empty()) return Error(EINVAL, "The 'file' block driver requires a file name");
+  std::string path = **filename;
+  if (path.rfind("file:", 0) == 0) path = path.substr(5);
+  bool direct = false, no_flush = false;
+  if (auto cache = take_dict(opts, "cache")) {
+    auto d = take_bool(*cache, "direct");
+    VBLK_TRY(d);
+    auto nf = take_bool(*cache, "no-flush");
+    VBLK_TRY(nf);
+    direct = d->value_or(false);
+    no_flush = nf->value_or(false);
+    if (!cache->empty()) return Error(EINVAL, "Invalid parameter 'cache." + cache->begin().key() + "'");
+  }
+  auto aio_s = take_string(opts, "aio");
+  VBLK_TRY(aio_s);
+  AioMode aio = AioMode::IoUring;
+  if (*aio_s) {
+    const std::string& a = **aio_s;
+    if (a == "threads") {
+      aio = AioMode::Threads;
+    } else if (a == "io_uring") {
+      aio = AioMode::IoUring;
+    } else if (a == "native") {
+      if (!direct)
+        return Error(EINVAL, "aio=native was specified, but it requires cache.direct=on, which was not specified.");
+      aio = AioMode::IoUring;  // Linux AIO's job is done by io_uring here
+    } else {
+      return Error(EINVAL, "Parameter 'aio' does not accept value '" + a + "'");
+    }
+  }
+  auto ro = take_bool(opts, "read-only");
+  VBLK_TRY(ro);
+  bool read_only = ro->value_or(ctx.read_only);
+  // Accepted for compatibility; vblk does not take OFD locks yet.
+  (void)take_string(opts, "locking");
+  (void)take_string(opts, "discard");
+  (void)take_string(opts, "detect-zeroes");
+  (void)take_bool(opts, "auto-read-only");
+
+  int flags = (read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC;
+  int fd = ::open(path.c_str(), flags | (direct ? O_DIRECT : 0));
+  if (fd < 0 && direct && errno == EINVAL) {
+    int probe = ::open(path.c_str(), flags);
+    if (probe >= 0) {
+      ::close(probe);
+      return Error(EINVAL, "Could not open '" + path + "': filesystem does not support O_DIRECT");
+    }
+  }
+  if (fd < 0) return Error(errno, "Could not open '" + path + "': " + std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd, &st) < 0) {
+    int e = errno;
+    ::close(fd);
+    return Error(e, "Could not stat '" + path + "': " + std::strerror(e));
+  }
+  if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
+    ::close(fd);
+    return Error(EINVAL, "'file' driver requires '" + path + "' to be a regular file");
+  }
+  auto node = std::make_shared<FileNode>(ctx.loop, path, fd, S_ISBLK(st.st_mode), aio);
+  node->set_read_only(read_only);
+  node->set_no_flush(no_flush);
+  VBLK_TRY(node->probe_alignment(direct));
+  VBLK_TRY(node->init_length());
+  return std::shared_ptr<Node>(node);
+}
+
+Status create_file(const std::string& path, uint64_t size, const std::string& prealloc) {
+  if (prealloc != "off" && prealloc != "falloc" && prealloc != "full") {
+    if (prealloc == "metadata") return Error(EINVAL, "Unsupported preallocation mode: metadata");
+    return Error(EINVAL, "invalid parameter value: " + prealloc);
+  }
+  uint64_t rounded = align_up(size, 512);
+  if (rounded < size) return Error(EINVAL, "Could not resize file: Invalid argument");
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return Error(errno, "Could not create '" + path + "': " + std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  if (::ftruncate(fd, 0) < 0) return Error(errno, std::string("Could not resize file: ") + std::strerror(errno));
+  auto first_block = [&] {
+    // Written so that O_DIRECT alignment probing later reads real data.
+    size_t n = rounded < 4096 ? 512 : 4096;
+    AlignedBuffer zero(n, 4096);
+    zero.zero();
+    [[maybe_unused]] ssize_t w = ::pwrite(fd, zero.data(), n, 0);
+  };
+  if (rounded > static_cast<uint64_t>(INT64_MAX)) return Error(EINVAL, "Could not resize file: Invalid argument");
+  if (prealloc == "full") {
+    if (::ftruncate(fd, static_cast<off_t>(rounded)) < 0) {
+      int e = errno;
+      return Error(e, std::string("Could not resize file: ") + std::strerror(e));
+    }
+    AlignedBuffer zero(64 << 10, 4096);
+    zero.zero();
+    for (uint64_t pos = 0; pos < rounded;) {
+      size_t n = static_cast<size_t>(std::min<uint64_t>(zero.size(), rounded - pos));
+      ssize_t w = ::pwrite(fd, zero.data(), n, static_cast<off_t>(pos));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        return Error(errno, std::string("Could not write zeros for preallocation: ") + std::strerror(errno));
+      }
+      pos += static_cast<uint64_t>(w);
+    }
+    if (::fsync(fd) < 0) return Error(errno, std::string("Could not flush file to disk: ") + std::strerror(errno));
+    return {};
+  }
+  if (prealloc == "falloc") {
+    int r = rounded ? ::posix_fallocate(fd, 0, static_cast<off_t>(rounded)) : 0;
+    if (r != 0) return Error(r, std::string("Could not preallocate new data: ") + std::strerror(r));
+    if (rounded) first_block();
+    return {};
+  }
+  if (::ftruncate(fd, static_cast<off_t>(rounded)) < 0) {
+    int e = errno;
+    if (e == EFBIG) return Error(EFBIG, "The image size is too large for file format 'raw'");
+    return Error(e, std::string("Could not resize file: ") + std::strerror(e));
+  }
+  if (rounded) first_block();
+  return {};
+}
+
+}  // namespace drivers
+}  // namespace vblk

@@ -1,0 +1,78 @@
+// The `null-co` driver: a node of a given size that stores nothing. Writes
+// succeed at once; reads return zeroes only with read-zeroes=on (otherwise the
+// buffer is left as is, which is what makes it useful for benchmarks).
+#include <cstring>
+
+#include "block/drivers/drivers.h"
+
+namespace vblk {
+namespace {
+
+class NullNode final : public Node {
+ public:
+  NullNode(Loop& loop, uint64_t size, bool read_zeroes, uint64_t latency_ns)
+      : Node(loop, "null-co"), read_zeroes_(read_zeroes), latency_ns_(latency_ns) {
+    caps_.zeroes = true;
+    caps_.discard = true;
+    caps_.native_fua = true;
+    set_length(size);
+  }
+
+  std::string filename() const override { return "null-co://"; }
+  Result<uint64_t> allocated_size() const override { return uint64_t{0}; }
+
+ protected:
+  Task<void> delay() {
+    if (latency_ns_) co_await loop().sleep(std::chrono::nanoseconds(latency_ns_));
+  }
+  Task<Status> do_read(uint64_t, std::span<uint8_t> buf, uint32_t) override {
+    co_await delay();
+    if (read_zeroes_) std::memset(buf.data(), 0, buf.size());
+    co_return Status{};
+  }
+  Task<Status> do_write(uint64_t, std::span<const uint8_t>, uint32_t) override {
+    co_await delay();
+    co_return Status{};
+  }
+  Task<Status> do_write_zeroes(uint64_t, uint64_t, uint32_t) override {
+    co_await delay();
+    co_return Status{};
+  }
+  Task<Status> do_discard(uint64_t, uint64_t) override { co_return Status{}; }
+  Task<Status> do_flush() override { co_return Status{}; }
+  Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override {
+    BlockStatus s{.flags = 0, .bytes = bytes, .map = offset, .file = this};
+    if (read_zeroes_) s.flags = kStatusZero | kStatusOffsetValid;
+    co_return s;
+  }
+  Task<Status> do_truncate(uint64_t length, bool) override {
+    set_length(length);
+    co_return Status{};
+  }
+
+ private:
+  bool read_zeroes_;
+  uint64_t latency_ns_;
+};
+
+}  // namespace
+
+namespace drivers {
+
+Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts) {
+  auto size = take_size(opts, "size");
+  VBLK_TRY(size);
+  auto rz = take_bool(opts, "read-zeroes");
+  VBLK_TRY(rz);
+  auto lat = take_size(opts, "latency-ns");
+  VBLK_TRY(lat);
+  auto ro = take_bool(opts, "read-only");
+  VBLK_TRY(ro);
+  (void)take_string(opts, "filename");
+  auto node = std::make_shared<NullNode>(ctx.loop, size->value_or(1ull << 30), rz->value_or(false), lat->value_or(0));
+  node->set_read_only(ro->value_or(ctx.read_only));
+  return std::shared_ptr<Node>(node);
+}
+
+}  // namespace drivers
+}  // namespace vblk

@@ -1,0 +1,41 @@
+#include "vblk/graph.h"
+
+#include <fmt/format.h>
+
+namespace vblk {
+
+Status Graph::add(const std::shared_ptr<Node>& n) {
+  if (n->node_name().empty()) n->set_node_name(generate_name());
+  if (nodes_.count(n->node_name())) return Error(EEXIST, "Duplicate nodes with node-name='" + n->node_name() + "'");
+  nodes_[n->node_name()] = n;
+  return {};
+}
+
+std::shared_ptr<Node> Graph::find(const std::string& name) const {
+  auto it = nodes_.find(name);
+  return it == nodes_.end() ? nullptr : it->second;
+}
+
+Status Graph::remove(const std::string& name) {
+  auto it = nodes_.find(name);
+  if (it == nodes_.end()) return Error(ENOENT, "Failed to find node with node-name='" + name + "'");
+  if (it->second.use_count() > 1) return Error(EBUSY, "Node '" + name + "' is busy: node is used as child or by a job");
+  nodes_.erase(it);
+  return {};
+}
+
+std::vector<std::shared_ptr<Node>> Graph::nodes() const {
+  std::vector<std::shared_ptr<Node>> out;
+  for (auto& [k, v] : nodes_) out.push_back(v);
+  return out;
+}
+
+std::string Graph::generate_name() {
+  std::string name;
+  do {
+    name = fmt::format("#block{:03d}", next_id_++);
+  } while (nodes_.count(name));
+  return name;
+}
+
+}  // namespace vblk

@@ -1,0 +1,338 @@
+// The generic request path every node request crosses (see node.h): range and
+// permission checks, alignment padding, bounce buffers, max-transfer
+// splitting, FUA and write-zeroes emulation, in-flight tracking.
+#include "vblk/node.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "vblk/buffer.h"
+
+namespace vblk {
+
+namespace {
+// Bounce and zero buffers are capped so a huge request does not allocate its
+// whole size at once.
+constexpr uint64_t kBounceChunk = 1 << 20;
+}  // namespace
+
+Node::Node(Loop& loop, std::string driver) : loop_(loop), driver_(std::move(driver)), idle_(loop) { idle_.set(); }
+Node::~Node() = default;
+
+std::string Node::filename() const {
+  if (Node* f = file_child()) return f->filename();
+  return {};
+}
+
+Node* Node::child(const std::string& role) const {
+  for (const auto& c : children_)
+    if (c.role == role) return c.node.get();
+  return nullptr;
+}
+
+Result<uint64_t> Node::allocated_size() const {
+  if (Node* f = file_child()) return f->allocated_size();
+  return Error(ENOTSUP);
+}
+
+Status Node::check_range(uint64_t offset, uint64_t bytes, bool write) const {
+  if (write && read_only_) return Error(EPERM, "Block node is read-only");
+  if (offset + bytes < offset) return Error(EIO);
+  if (!growable_ && offset + bytes > length_) return Error(EIO);
+  return {};
+}
+
+// ---- in-flight tracking
+
+Task<std::list<Node::Tracked>::iterator> Node::track(uint64_t begin, uint64_t end, bool serialising, CoEvent* done) {
+  for (;;) {
+    CoEvent* blocker = nullptr;
+    for (auto& t : tracked_) {
+      if (t.begin < end && begin < t.end && (t.serialising || serialising)) {
+        blocker = t.done;
+        break;
+      }
+    }
+    if (!blocker) break;
+    co_await blocker->wait();
+  }
+  ++in_flight_;
+  idle_.reset();
+  co_return tracked_.insert(tracked_.end(), Tracked{begin, end, serialising, done});
+}
+
+void Node::untrack(std::list<Tracked>::iterator it) {
+  it->done->set();
+  tracked_.erase(it);
+  if (--in_flight_ == 0) idle_.set();
+}
+
+Task<void> Node::drain() {
+  while (in_flight_ > 0) co_await idle_.wait();
+}
+
+// ---- read
+
+Task<Status> Node::read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) {
+  if (buf.empty()) co_return Status{};
+  VBLK_CO_TRY(check_range(offset, buf.size(), false));
+  const uint64_t align = limits_.request_alignment;
+  const uint64_t begin = align_down(offset, align);
+  const uint64_t end = align_up(offset + buf.size(), align);
+  CoEvent done(loop_);
+  auto it = co_await track(begin, end, false, &done);
+  Status st;
+  if (begin == offset && end == offset + buf.size() && is_aligned(buf.data(), limits_.buffer_alignment)) {
+    st = co_await read_aligned(offset, buf, flags);
+  } else {
+    // Unaligned offset, length or memory: read the aligned superset into a
+    // bounce buffer, in bounded chunks.
+    uint64_t pos = offset;
+    size_t copied = 0;
+    while (copied < buf.size() && st.ok()) {
+      uint64_t a = align_down(pos, align);
+      uint64_t want = std::min<uint64_t>(buf.size() - copied, kBounceChunk);
+      uint64_t e = align_up(pos + want, align);
+      AlignedBuffer bounce(e - a, std::max<size_t>(limits_.buffer_alignment, 512));
+      st = co_await read_aligned(a, bounce.span(), flags);
+      if (st.ok()) std::memcpy(buf.data() + copied, bounce.data() + (pos - a), want);
+      copied += want;
+      pos += want;
+    }
+  }
+  untrack(it);
+  co_return st;
+}
+
+Task<Status> Node::read_aligned(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) {
+  const uint64_t max = limits_.max_transfer ? limits_.max_transfer : buf.size();
+  for (size_t done = 0; done < buf.size();) {
+    size_t n = static_cast<size_t>(std::min<uint64_t>(max, buf.size() - done));
+    VBLK_CO_TRY(co_await do_read(offset + done, buf.subspan(done, n), flags));
+    done += n;
+  }
+  co_return Status{};
+}
+
+// ---- write
+
+Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
+  if (buf.empty()) co_return Status{};
+  VBLK_CO_TRY(check_range(offset, buf.size(), true));
+  if (writethrough_) flags |= kReqFua;
+  const uint64_t align = limits_.request_alignment;
+  const uint64_t begin = align_down(offset, align);
+  const uint64_t end = align_up(offset + buf.size(), align);
+  const bool aligned = begin == offset && end == offset + buf.size();
+  CoEvent done(loop_);
+  // A padded write reads and rewrites its edge blocks: it must not overlap
+  // anything in flight, or it could write back stale bytes.
+  auto it = co_await track(begin, end, !aligned, &done);
+  Status st;
+  if (aligned && is_aligned(buf.data(), limits_.buffer_alignment)) {
+    st = co_await write_aligned(offset, buf, flags);
+  } else if (aligned) {
+    for (size_t copied = 0; copied < buf.size() && st.ok();) {
+      size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size() - copied, kBounceChunk));
+      AlignedBuffer bounce(n, std::max<size_t>(limits_.buffer_alignment, 512));
+      std::memcpy(bounce.data(), buf.data() + copied, n);
+      st = co_await write_aligned(offset + copied, bounce.span(), flags);
+      copied += n;
+    }
+  } else {
+    st = co_await write_padded(offset, buf, flags);
+  }
+  untrack(it);
+  co_return st;
+}
+
+Task<Status> Node::write_padded(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
+  const uint64_t align = limits_.request_alignment;
+  uint64_t pos = offset;
+  size_t copied = 0;
+  while (copied < buf.size()) {
+    uint64_t want = std::min<uint64_t>(buf.size() - copied, kBounceChunk);
+    uint64_t a = align_down(pos, align);
+    uint64_t e = align_up(pos + want, align);
+    AlignedBuffer bounce(e - a, std::max<size_t>(limits_.buffer_alignment, 512));
+    // Fill the partial head and tail blocks from the node (past its end the
+    // driver returns zeroes); one read if they are the same block.
+    const bool head = a < pos;
+    const bool tail = e > pos + want;
+    if (head) VBLK_CO_TRY(co_await read_aligned(a, bounce.span().subspan(0, align), 0));
+    if (tail && !(head && e - align == a))
+      VBLK_CO_TRY(co_await read_aligned(e - align, bounce.span().subspan(e - align - a, align), 0));
+    std::memcpy(bounce.data() + (pos - a), buf.data() + copied, want);
+    VBLK_CO_TRY(co_await write_aligned(a, bounce.span(), flags));
+    copied += want;
+    pos += want;
+  }
+  co_return Status{};
+}
+
+Task<Status> Node::write_aligned(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
+  const bool emulate_fua = (flags & kReqFua) && !caps_.native_fua;
+  if (emulate_fua) flags &= ~kReqFua;
+  const uint64_t max = limits_.max_transfer ? limits_.max_transfer : buf.size();
+  for (size_t done = 0; done < buf.size();) {
+    size_t n = static_cast<size_t>(std::min<uint64_t>(max, buf.size() - done));
+    VBLK_CO_TRY(co_await do_write(offset + done, buf.subspan(done, n), flags));
+    done += n;
+  }
+  if (growable_ && offset + buf.size() > length_) length_ = offset + buf.size();
+  if (emulate_fua) VBLK_CO_TRY(co_await do_flush());
+  co_return Status{};
+}
+
+// ---- write zeroes
+
+Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) {
+  if (bytes == 0) co_return Status{};
+  VBLK_CO_TRY(check_range(offset, bytes, true));
+  if (writethrough_) flags |= kReqFua;
+  const uint64_t align = limits_.request_alignment;
+  // Unaligned head and tail become ordinary padded writes of zeroes.
+  uint64_t head_end = std::min(offset + bytes, align_up(offset, align));
+  if (head_end > offset) {
+    VBLK_CO_TRY(co_await zeroes_by_writing(offset, head_end - offset, flags));
+  }
+  uint64_t mid_end = std::max(head_end, align_down(offset + bytes, align));
+  if (mid_end > head_end) {
+    CoEvent done(loop_);
+    auto it = co_await track(head_end, mid_end, false, &done);
+    Status st;
+    if (caps_.zeroes) {
+      const uint64_t max = limits_.max_zeroes ? limits_.max_zeroes : mid_end - head_end;
+      bool emulate_fua = (flags & kReqFua) && !caps_.native_fua;
+      for (uint64_t pos = head_end; pos < mid_end && st.ok();) {
+        uint64_t n = std::min(max, mid_end - pos);
+        st = co_await do_write_zeroes(pos, n, emulate_fua ? flags & ~kReqFua : flags);
+        pos += n;
+      }
+      if (st.ok() && growable_ && mid_end > length_) length_ = mid_end;
+      if (st.ok() && emulate_fua) st = co_await do_flush();
+    } else {
+      st = Error(ENOTSUP);
+    }
+    untrack(it);
+    if (!st.ok()) {
+      if (st.error().code != ENOTSUP || (flags & kReqNoFallback)) co_return st;
+      VBLK_CO_TRY(co_await zeroes_by_writing(head_end, mid_end - head_end, flags));
+    }
+  }
+  if (offset + bytes > mid_end && mid_end >= head_end) {
+    VBLK_CO_TRY(co_await zeroes_by_writing(mid_end, offset + bytes - mid_end, flags));
+  }
+  co_return Status{};
+}
+
+Task<Status> Node::zeroes_by_writing(uint64_t offset, uint64_t bytes, uint32_t flags) {
+  if (flags & kReqNoFallback) co_return Error(ENOTSUP);
+  AlignedBuffer zero(std::min(bytes, kBounceChunk), std::max<size_t>(limits_.buffer_alignment, 512));
+  zero.zero();
+  for (uint64_t pos = offset; pos < offset + bytes;) {
+    uint64_t n = std::min<uint64_t>(zero.size(), offset + bytes - pos);
+    VBLK_CO_TRY(co_await write(pos, zero.span().subspan(0, n), flags & kReqFua));
+    pos += n;
+  }
+  co_return Status{};
+}
+
+// ---- discard, flush, truncate
+
+Task<Status> Node::discard(uint64_t offset, uint64_t bytes) {
+  VBLK_CO_TRY(check_range(offset, bytes, true));
+  if (!caps_.discard) co_return Status{};  // discard is advisory
+  // Only whole aligned blocks can be discarded.
+  uint64_t a = align_up(offset, limits_.request_alignment);
+  uint64_t e = align_down(offset + bytes, limits_.request_alignment);
+  if (e <= a) co_return Status{};
+  CoEvent done(loop_);
+  auto it = co_await track(a, e, false, &done);
+  Status st = co_await do_discard(a, e - a);
+  untrack(it);
+  if (!st.ok() && st.error().code == ENOTSUP) co_return Status{};
+  co_return st;
+}
+
+Task<Status> Node::flush() {
+  if (no_flush_) co_return Status{};
+  co_return co_await do_flush();
+}
+
+Task<Status> Node::truncate(uint64_t length, bool exact) {
+  if (read_only_) co_return Error(EPERM, "Block node is read-only");
+  co_await drain();
+  VBLK_CO_TRY(co_await do_truncate(length, exact));
+  co_return Status{};
+}
+
+// ---- block status
+
+Task<Result<BlockStatus>> Node::block_status(uint64_t offset, uint64_t bytes) {
+  if (offset >= length_) co_return BlockStatus{.flags = kStatusEof, .bytes = 0};
+  bytes = std::min(bytes, length_ - offset);
+  if (bytes == 0) co_return BlockStatus{.flags = 0, .bytes = 0};
+  const uint64_t align = limits_.request_alignment;
+  const uint64_t a = align_down(offset, align);
+  const uint64_t e = std::max(align_up(offset + bytes, align), a + align);
+  auto r = co_await do_block_status(a, e - a);
+  if (!r) co_return r;
+  BlockStatus s = *r;
+  // Narrow the widened answer back to what was asked.
+  uint64_t skip = offset - a;
+  s.bytes = s.bytes > skip ? std::min(s.bytes - skip, bytes) : std::min<uint64_t>(bytes, align - skip);
+  if (s.flags & kStatusOffsetValid) s.map += skip;
+  if (s.flags & kStatusRaw) {
+    // A pass-through layer: the answer is the child's, at the mapped offset.
+    Node* f = s.file;
+    auto inner = co_await f->block_status(s.map, s.bytes);
+    if (!inner) co_return inner;
+    BlockStatus in = *inner;
+    in.flags &= ~kStatusEof;
+    if (offset + in.bytes == length_) in.flags |= kStatusEof;
+    co_return in;
+  }
+  if (s.flags & (kStatusData | kStatusZero)) s.flags |= kStatusAllocated;
+  s.flags &= ~kStatusEof;
+  if (offset + s.bytes == length_) s.flags |= kStatusEof;
+  co_return s;
+}
+
+// ---- copy range
+
+Task<Status> Node::copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes, uint32_t flags) {
+  if (bytes == 0) co_return Status{};
+  VBLK_CO_TRY(check_range(offset, bytes, false));
+  VBLK_CO_TRY(dst.check_range(dst_offset, bytes, true));
+  if (!caps_.copy_range) co_return Error(ENOTSUP);
+  CoEvent d1(loop_), d2(dst.loop_);
+  auto it1 = co_await track(offset, offset + bytes, false, &d1);
+  auto it2 = co_await dst.track(dst_offset, dst_offset + bytes, false, &d2);
+  Status st = co_await do_copy_range_to(offset, dst, dst_offset, bytes, flags);
+  if (st.ok() && dst.growable_ && dst_offset + bytes > dst.length_) dst.length_ = dst_offset + bytes;
+  dst.untrack(it2);
+  untrack(it1);
+  co_return st;
+}
+
+// ---- defaults for drivers
+
+Task<Status> Node::do_write(uint64_t, std::span<const uint8_t>, uint32_t) { co_return Error(EPERM); }
+Task<Status> Node::do_write_zeroes(uint64_t, uint64_t, uint32_t) { co_return Error(ENOTSUP); }
+Task<Status> Node::do_discard(uint64_t, uint64_t) { co_return Error(ENOTSUP); }
+
+Task<Status> Node::do_flush() {
+  for (auto& c : children_) VBLK_CO_TRY(co_await c.node->flush());
+  co_return Status{};
+}
+
+Task<Result<BlockStatus>> Node::do_block_status(uint64_t offset, uint64_t bytes) {
+  // Without better knowledge everything is data stored at this layer.
+  co_return BlockStatus{.flags = kStatusData | kStatusOffsetValid, .bytes = bytes, .map = offset, .file = this};
+}
+
+Task<Status> Node::do_copy_range_to(uint64_t, Node&, uint64_t, uint64_t, uint32_t) { co_return Error(ENOTSUP); }
+Task<Status> Node::do_truncate(uint64_t, bool) { co_return Error(ENOTSUP, "Image format driver does not support resize"); }
+
+}  // namespace vblk

@@ -1,0 +1,144 @@
+#include "block/open.h"
+
+#include <cstring>
+
+#include "block/drivers/drivers.h"
+#include "vblk/buffer.h"
+#include "vblk/graph.h"
+
+namespace vblk {
+
+namespace {
+
+// The registry is a plain table: static libraries drop self-registering
+// objects nobody references, and the order here is the probe order.
+const DriverInfo kDrivers[] = {
+    {"file", true, drivers::open_file, nullptr},
+    {"host_device", true, drivers::open_file, nullptr},
+    {"null-co", true, drivers::open_null, nullptr},
+    {"raw", false, drivers::open_raw, drivers::probe_raw},
+};
+
+std::string leftover_error(const DriverInfo& d, const std::string& key) {
+  if (d.is_protocol) return "Block protocol '" + std::string(d.name) + "' doesn't support the option '" + key + "'";
+  return "Block format '" + std::string(d.name) + "' does not support the option '" + key + "'";
+}
+
+// First leaf key in nested options, dotted ("cache.foo").
+std::string first_key(const Json& j) {
+  auto it = j.begin();
+  if (it->is_object() && !it->empty()) return it.key() + "." + first_key(*it);
+  return it.key();
+}
+
+}  // namespace
+
+const DriverInfo* find_driver(const std::string& name) {
+  for (const auto& d : kDrivers)
+    if (name == d.name) return &d;
+  return nullptr;
+}
+
+Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
+  if (!opts.is_object()) return Error(EINVAL, "Invalid parameter type, expected: object");
+  auto driver = take_string(opts, "driver");
+  VBLK_TRY(driver);
+  if (!*driver) return Error(EINVAL, "Parameter 'driver' is missing");
+  const DriverInfo* d = find_driver(**driver);
+  if (!d) return Error(EINVAL, "Unknown driver '" + **driver + "'");
+  auto name = take_string(opts, "node-name");
+  VBLK_TRY(name);
+  auto node = d->open(ctx, opts);
+  VBLK_TRY(node);
+  if (!opts.empty()) return Error(EINVAL, leftover_error(*d, first_key(opts)));
+  if (*name) (*node)->set_node_name(**name);
+  if (ctx.graph) VBLK_TRY(ctx.graph->add(*node));
+  return node;
+}
+
+Result<std::shared_ptr<Node>> open_child(OpenContext& ctx, Json& parent_opts, const std::string& role, bool required) {
+  auto it = parent_opts.find(role);
+  if (it == parent_opts.end()) {
+    if (required) return Error(EINVAL, "A block device must be specified for \"" + role + "\"");
+    return std::shared_ptr<Node>();
+  }
+  Json spec = *it;
+  parent_opts.erase(it);
+  if (spec.is_string()) {
+    std::string ref = spec.get<std::string>();
+    if (ctx.graph) {
+      if (auto n = ctx.graph->find(ref)) return n;
+    }
+    return Error(ENOENT, "Cannot find device='" + ref + "' nor node-name='" + ref + "'");
+  }
+  if (!spec.is_object()) return Error(EINVAL, "Invalid parameter type for '" + role + "', expected: object");
+  return open_node(ctx, std::move(spec));
+}
+
+Task<Result<std::string>> probe_format(Node& file) {
+  AlignedBuffer head(std::min<uint64_t>(2048, std::max<uint64_t>(file.length(), 512)), 4096);
+  head.zero();
+  if (file.length() > 0) {
+    uint64_t n = std::min<uint64_t>(head.size(), file.length());
+    auto st = co_await file.read(0, head.span().subspan(0, n));
+    if (!st) co_return st.take_error();
+  }
+  const DriverInfo* best = nullptr;
+  int best_score = 0;
+  for (const auto& d : kDrivers) {
+    if (!d.probe) continue;
+    int s = d.probe(head.span());
+    if (s > best_score) {
+      best_score = s;
+      best = &d;
+    }
+  }
+  co_return std::string(best ? best->name : "raw");
+}
+
+Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& filename, const ImageOpenOptions& o,
+                                         bool* probed_raw) {
+  if (probed_raw) *probed_raw = false;
+  Json file = Json::object();
+  file["driver"] = "file";
+  file["filename"] = filename;
+  if (o.direct) file["cache"]["direct"] = true;
+  if (!o.aio.empty()) file["aio"] = o.aio;
+  OpenContext fctx = ctx;
+  fctx.read_only = o.read_only;
+  std::string format = o.format;
+  if (format == "file") {
+    auto n = open_node(fctx, file);
+    VBLK_TRY(n);
+    (*n)->set_no_flush(o.no_flush);
+    (*n)->set_writethrough(o.writethrough);
+    return n;
+  }
+  if (!format.empty() && !find_driver(format)) return Error(EINVAL, "Unknown driver '" + format + "'");
+  auto fnode = open_node(fctx, file);
+  VBLK_TRY(fnode);
+  (*fnode)->set_no_flush(o.no_flush);
+  if (format.empty()) {
+    auto probed = ctx.loop.run(probe_format(**fnode));
+    VBLK_TRY(probed);
+    format = *probed;
+    if (probed_raw && format == "raw") *probed_raw = true;
+  }
+  // Hand the open file node to the format through a private graph.
+  Graph local;
+  VBLK_TRY(local.add(*fnode));
+  Json fmt = Json::object();
+  fmt["driver"] = format;
+  fmt["file"] = (*fnode)->node_name();
+  OpenContext gctx = fctx;
+  gctx.graph = &local;
+  auto top = open_node(gctx, fmt);
+  VBLK_TRY(top);
+  (*fnode)->set_node_name("");
+  (*top)->set_node_name("");
+  (*top)->set_writethrough(o.writethrough);
+  (*top)->set_no_flush(o.no_flush);
+  return top;
+}
+
+}  // namespace vblk

@@ -1,0 +1,62 @@
+// Opening nodes from options, the driver registry and format probing.
+//
+// Options are QEMU's blockdev options as JSON: {"driver":"raw","file":
+// {"driver":"file","filename":"a.img"}}. A child may be given inline (an
+// object), as a node name (a string), or — for qemu-img style opening — as a
+// plain file name that open_image() turns into a `file` node.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+
+#include "block/options.h"
+#include "vblk/node.h"
+
+namespace vblk {
+
+class Graph;
+
+struct OpenContext {
+  Loop& loop;
+  Graph* graph = nullptr;   // for child references by node name (may be null)
+  bool read_only = false;   // default for nodes that do not say
+};
+
+using DriverOpenFn = Result<std::shared_ptr<Node>> (*)(OpenContext& ctx, Json& opts);
+// Returns a score 0..100 that `head` (the first bytes of a file) is this format.
+using DriverProbeFn = int (*)(std::span<const uint8_t> head);
+
+struct DriverInfo {
+  const char* name;
+  bool is_protocol;      // file, null-co, nbd...: error wording says "protocol"
+  DriverOpenFn open;
+  DriverProbeFn probe;   // formats only; nullptr for protocols
+};
+
+const DriverInfo* find_driver(const std::string& name);
+
+// Opens a node from blockdev options (consumes `opts`). Unknown leftover
+// options are an error: "Block format 'raw' does not support the option 'x'".
+Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts);
+
+// Opens a child: inline options, a node-name reference, or a file name.
+Result<std::shared_ptr<Node>> open_child(OpenContext& ctx, Json& parent_opts, const std::string& role, bool required);
+
+// qemu-img style: opens `filename` with `format` ("" = probe). Returns the
+// top node; *probed_raw is set when probing fell back to raw.
+struct ImageOpenOptions {
+  std::string format;   // "" probes
+  bool read_only = true;
+  bool direct = false;    // cache.direct
+  bool no_flush = false;  // cache=unsafe
+  bool writethrough = false;
+  std::string aio;        // "" default, "threads", "io_uring", "native"
+};
+Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& filename, const ImageOpenOptions& o,
+                                         bool* probed_raw = nullptr);
+
+// Probes the format of an already open protocol node.
+Task<Result<std::string>> probe_format(Node& file);
+
+}  // namespace vblk

@@ -1,0 +1,174 @@
+#include "block/options.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace vblk {
+
+namespace {
+Error type_error(const std::string& key, const char* what) {
+  return Error(EINVAL, "Parameter '" + key + "' expects " + what);
+}
+}  // namespace
+
+Result<std::optional<bool>> take_bool(Json& opts, const std::string& key) {
+  auto it = opts.find(key);
+  if (it == opts.end()) return std::optional<bool>();
+  Json v = *it;
+  opts.erase(it);
+  if (v.is_boolean()) return std::optional<bool>(v.get<bool>());
+  if (v.is_string()) {
+    std::string s = v.get<std::string>();
+    if (s == "on" || s == "true" || s == "yes") return std::optional<bool>(true);
+    if (s == "off" || s == "false" || s == "no") return std::optional<bool>(false);
+  }
+  return type_error(key, "'on' or 'off'");
+}
+
+Result<std::optional<uint64_t>> take_size(Json& opts, const std::string& key) {
+  auto it = opts.find(key);
+  if (it == opts.end()) return std::optional<uint64_t>();
+  Json v = *it;
+  opts.erase(it);
+  if (v.is_number_unsigned()) return std::optional<uint64_t>(v.get<uint64_t>());
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) return std::optional<uint64_t>(v.get<uint64_t>());
+  if (v.is_string()) {
+    auto r = parse_size(v.get<std::string>());
+    if (r) return std::optional<uint64_t>(*r);
+  }
+  return type_error(key, "a non-negative number below 2^64");
+}
+
+Result<std::optional<std::string>> take_string(Json& opts, const std::string& key) {
+  auto it = opts.find(key);
+  if (it == opts.end()) return std::optional<std::string>();
+  Json v = *it;
+  opts.erase(it);
+  if (v.is_string()) return std::optional<std::string>(v.get<std::string>());
+  if (v.is_number()) return std::optional<std::string>(v.dump());
+  return Error(EINVAL, "Invalid parameter type for '" + key + "', expected: string");
+}
+
+std::optional<Json> take_dict(Json& opts, const std::string& key) {
+  auto it = opts.find(key);
+  if (it != opts.end() && it->is_object()) {
+    Json v = *it;
+    opts.erase(it);
+    return v;
+  }
+  return std::nullopt;
+}
+
+Result<Json> parse_keyval(const std::string& text, const std::string& implied_key) {
+  Json out = Json::object();
+  if (text.empty()) return out;
+  // Split at single commas; ",," is a literal comma.
+  std::vector<std::string> items;
+  std::string cur;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == ',') {
+      if (i + 1 < text.size() && text[i + 1] == ',') {
+        cur += ',';
+        ++i;
+        continue;
+      }
+      items.push_back(std::move(cur));
+      cur.clear();
+      continue;
+    }
+    cur += text[i];
+  }
+  items.push_back(std::move(cur));
+  for (size_t n = 0; n < items.size(); ++n) {
+    const std::string& item = items[n];
+    size_t eq = item.find('=');
+    std::string key, value;
+    if (eq != std::string::npos) {
+      key = item.substr(0, eq);
+      value = item.substr(eq + 1);
+    } else if (n == 0 && !implied_key.empty()) {
+      key = implied_key;
+      value = item;
+    } else {
+      return Error(EINVAL, "Expected '=' after parameter '" + item + "'");
+    }
+    if (key.empty()) return Error(EINVAL, "Invalid parameter ''");
+    // Nest dotted keys: file.filename=x -> {"file":{"filename":"x"}}.
+    Json* node = &out;
+    size_t start = 0;
+    for (;;) {
+      size_t dot = key.find('.', start);
+      std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+      if (dot == std::string::npos) {
+        if (node->contains(part) && (*node)[part].is_object())
+          return Error(EINVAL, "Parameter '" + key + "' conflicts with its sub-keys");
+        (*node)[part] = value;
+        break;
+      }
+      Json& next = (*node)[part];
+      if (next.is_null()) next = Json::object();
+      if (!next.is_object()) return Error(EINVAL, "Parameter '" + key.substr(0, dot) + "' is not a dictionary");
+      node = &next;
+      start = dot + 1;
+    }
+  }
+  return out;
+}
+
+Result<uint64_t> parse_size(const std::string& text) {
+  const char* nptr = text.c_str();
+  char* end = nullptr;
+  errno = 0;
+  unsigned long long val = std::strtoull(nptr, &end, 10);
+  if (end == nptr) return Error(EINVAL);
+  if (errno == ERANGE) return Error(ERANGE);
+  for (const char* p = nptr; p < end; ++p)
+    if (*p == '-') return Error(EINVAL);
+  bool hex = false;
+  uint64_t valf = 0;  // fraction as a 0.64 fixed-point number
+  if (val == 0 && (*end == 'x' || *end == 'X')) {
+    errno = 0;
+    val = std::strtoull(nptr, &end, 16);
+    if (errno == ERANGE) return Error(ERANGE);
+    if (*end == '.') return Error(EINVAL);
+    hex = true;
+  } else if (*end == '.') {
+    char* fend = nullptr;
+    double frac = std::strtod(end, &fend);
+    if (fend == end) {
+      ++end;  // a bare "." : fraction 0
+    } else {
+      for (const char* p = end; p < fend; ++p)
+        if (*p == 'e' || *p == 'E') return Error(EINVAL);
+      // Same rounding as QEMU: a fraction that rounds to 1.0 becomes 0.
+      valf = static_cast<uint64_t>(std::ldexp(frac, 64));
+      if (frac >= 1.0) valf = 0;
+      end = fend;
+    }
+  }
+  (void)hex;
+  uint64_t mul = 1;
+  switch (*end) {
+    case 'b': case 'B': mul = 1; ++end; break;
+    case 'k': case 'K': mul = 1ull << 10; ++end; break;
+    case 'm': case 'M': mul = 1ull << 20; ++end; break;
+    case 'g': case 'G': mul = 1ull << 30; ++end; break;
+    case 't': case 'T': mul = 1ull << 40; ++end; break;
+    case 'p': case 'P': mul = 1ull << 50; ++end; break;
+    case 'e': case 'E': mul = 1ull << 60; ++end; break;
+    default: break;
+  }
+  if (mul == 1 && valf != 0) return Error(EINVAL);
+  if (*end != '\0') return Error(EINVAL);
+  unsigned __int128 whole = static_cast<unsigned __int128>(val) * mul;
+  unsigned __int128 fracmul = static_cast<unsigned __int128>(valf) * mul;
+  unsigned __int128 res = whole + (fracmul >> 64);
+  if (static_cast<uint64_t>(fracmul) & (1ull << 63)) res += 1;  // round half up
+  if (res >> 64) return Error(ERANGE);
+  return static_cast<uint64_t>(res);
+}
+
+}  // namespace vblk

@@ -1,0 +1,215 @@
+#include "cli/common.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include "block/options.h"
+
+namespace vblk::cli {
+
+std::string g_prog = "vblk";
+
+void error_report(const std::string& msg) { std::fprintf(stderr, "%s: %s\n", g_prog.c_str(), msg.c_str()); }
+
+void error_exit(const std::string& msg) {
+  error_report(msg);
+  std::fprintf(stderr, "Try '%s --help' for more information\n", g_prog.c_str());
+  std::exit(1);
+}
+
+void unrecognized_option(char** argv, int optind) {
+  error_exit("unrecognized option '" + std::string(argv[optind - 1]) + "'");
+}
+
+void missing_argument(char** argv, int optind) {
+  error_exit("missing argument for option '" + std::string(argv[optind - 1]) + "'");
+}
+
+std::string size_to_str(uint64_t val) {
+  static const char* suffixes[] = {"", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"};
+  int e = 0;
+  std::frexp(static_cast<double>(val) / (1000.0 / 1024.0), &e);
+  int i = (e - 1) / 10 * 10;
+  if (i < 0) i = 0;
+  double div = static_cast<double>(1ull << i);
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%0.3g %sB", static_cast<double>(val) / div, suffixes[i / 10]);
+  return buf;
+}
+
+std::optional<int64_t> cvtnum(const std::string& name, const std::string& value, int64_t max) {
+  auto r = parse_size(value);
+  if (!r) {
+    if (r.error().code == ERANGE) {
+      error_report("Invalid " + name + " specified. Must be between 0 and " + std::to_string(max) + ".");
+    } else {
+      error_report("Invalid " + name + " specified. You may use k, M, G, T, P or E suffixes for");
+      error_report("kilobytes, megabytes, gigabytes, terabytes, petabytes and exabytes.");
+    }
+    return std::nullopt;
+  }
+  if (*r > static_cast<uint64_t>(max)) {
+    error_report("Invalid " + name + " specified. Must be between 0 and " + std::to_string(max) + ".");
+    return std::nullopt;
+  }
+  return static_cast<int64_t>(*r);
+}
+
+std::optional<unsigned long> parse_ulong(const std::string& value, unsigned long max) {
+  if (value.empty()) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  unsigned long v = std::strtoul(value.c_str(), &end, 0);
+  if (errno || *end || end == value.c_str() || v > max) return std::nullopt;
+  return v;
+}
+
+bool parse_cache_mode(const std::string& mode, CacheMode& out) {
+  out = CacheMode{};
+  if (mode == "none" || mode == "off") {
+    out.direct = true;
+  } else if (mode == "directsync") {
+    out.direct = true;
+    out.writethrough = true;
+  } else if (mode == "writeback") {
+  } else if (mode == "unsafe") {
+    out.no_flush = true;
+  } else if (mode == "writethrough") {
+    out.writethrough = true;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+namespace {
+void json_string(std::string& out, const std::string& s) {
+  out += '"';
+  for (size_t i = 0; i < s.size();) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    switch (c) {
+      case '"': out += "\\\""; ++i; continue;
+      case '\\': out += "\\\\"; ++i; continue;
+      case '\b': out += "\\b"; ++i; continue;
+      case '\f': out += "\\f"; ++i; continue;
+      case '\n': out += "\\n"; ++i; continue;
+      case '\r': out += "\\r"; ++i; continue;
+      case '\t': out += "\\t"; ++i; continue;
+      default: break;
+    }
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    // Decode UTF-8; invalid sequences become U+FFFD, like QEMU.
+    uint32_t cp = 0xFFFD;
+    size_t len = 1;
+    if (c >= 0xC2 && c <= 0xDF && i + 1 < s.size()) {
+      cp = ((c & 0x1F) << 6) | (s[i + 1] & 0x3F);
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF && i + 2 < s.size()) {
+      cp = ((c & 0x0F) << 12) | ((s[i + 1] & 0x3F) << 6) | (s[i + 2] & 0x3F);
+      len = 3;
+    } else if (c >= 0xF0 && c <= 0xF4 && i + 3 < s.size()) {
+      cp = ((c & 0x07) << 18) | ((s[i + 1] & 0x3F) << 12) | ((s[i + 2] & 0x3F) << 6) | (s[i + 3] & 0x3F);
+      len = 4;
+    } else if (c < 0x80) {
+      cp = c;
+    }
+    char buf[16];
+    if (cp >= 0x10000) {
+      cp -= 0x10000;
+      std::snprintf(buf, sizeof buf, "\\u%04X\\u%04X", 0xD800 + (cp >> 10), 0xDC00 + (cp & 0x3FF));
+    } else {
+      std::snprintf(buf, sizeof buf, "\\u%04X", cp);
+    }
+    out += buf;
+    i += len;
+  }
+  out += '"';
+}
+
+void json_pretty(std::string& out, const nlohmann::ordered_json& j, int indent) {
+  std::string pad(static_cast<size_t>(indent) * 4, ' ');
+  if (j.is_object()) {
+    out += "{\n";
+    size_t n = 0;
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      out += pad + "    ";
+      json_string(out, it.key());
+      out += ": ";
+      json_pretty(out, it.value(), indent + 1);
+      out += ++n < j.size() ? ",\n" : "\n";
+    }
+    out += pad + "}";
+  } else if (j.is_array()) {
+    out += "[\n";
+    size_t n = 0;
+    for (const auto& v : j) {
+      out += pad + "    ";
+      json_pretty(out, v, indent + 1);
+      out += ++n < j.size() ? ",\n" : "\n";
+    }
+    out += pad + "]";
+  } else if (j.is_string()) {
+    json_string(out, j.get<std::string>());
+  } else {
+    out += j.dump();
+  }
+}
+}  // namespace
+
+std::string qemu_json_pretty(const nlohmann::ordered_json& j) {
+  std::string out;
+  json_pretty(out, j, 0);
+  return out;
+}
+
+std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
+  OpenContext ctx{loop};
+  ctx.read_only = a.read_only;
+  Result<std::shared_ptr<Node>> node = Error(EINVAL);
+  bool probed_raw = false;
+  if (a.image_opts) {
+    auto opts = parse_keyval(a.filename, "file");
+    if (!opts) {
+      error_report("Could not open '" + a.filename + "': " + opts.error().what());
+      return nullptr;
+    }
+    Json o = *opts;
+    if (!o.contains("driver")) {
+      error_report("Could not open '" + a.filename + "': Parameter 'driver' is missing");
+      return nullptr;
+    }
+    if (a.cache.direct) o["cache"]["direct"] = "on";
+    node = open_node(ctx, o);
+  } else {
+    ImageOpenOptions io;
+    io.format = a.format;
+    io.read_only = a.read_only;
+    io.direct = a.cache.direct;
+    io.no_flush = a.cache.no_flush;
+    io.writethrough = a.cache.writethrough;
+    io.aio = a.aio;
+    node = open_image(ctx, a.filename, io, &probed_raw);
+  }
+  if (!node) {
+    error_report("Could not open '" + a.filename + "': " + node.error().what());
+    return nullptr;
+  }
+  if (probed_raw && !a.read_only) {
+    std::fprintf(stderr,
+                 "WARNING: Image format was not specified for '%s' and probing guessed raw.\n"
+                 "         Automatically detecting the format is dangerous for raw images, write operations on "
+                 "block 0 will be restricted.\n"
+                 "         Specify the 'raw' format explicitly to remove the restrictions.\n",
+                 (*node)->filename().c_str());
+  }
+  (*node)->set_writethrough(a.cache.writethrough);
+  return *node;
+}
+
+}  // namespace vblk::cli

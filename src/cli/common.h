@@ -1,0 +1,68 @@
+// Shared pieces of the qemu-img compatible command line: message style,
+// option parsing helpers, size formatting, cache modes and image opening.
+//
+// Messages follow qemu-img: "<prog>: <message>" on stderr; usage errors add
+// "Try '<prog> --help' for more information" and exit 1.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "block/open.h"
+#include "vblk/loop.h"
+#include "vblk/node.h"
+
+namespace vblk::cli {
+
+extern std::string g_prog;  // basename of argv[0]
+
+void error_report(const std::string& msg);
+[[noreturn]] void error_exit(const std::string& msg);
+// getopt's unknown/missing-argument reports, worded as qemu-img words them.
+[[noreturn]] void unrecognized_option(char** argv, int optind);
+[[noreturn]] void missing_argument(char** argv, int optind);
+
+// qemu-img's human size: "10 MiB", "1.5 KiB", "0.977 MiB".
+std::string size_to_str(uint64_t val);
+
+// qemu-img's cvtnum: a size with suffix; prints qemu-img's error and returns
+// nullopt when invalid or above max.
+std::optional<int64_t> cvtnum(const std::string& name, const std::string& value, int64_t max = INT64_MAX);
+// qemu_strtoul base 0 within [0, max]; nullopt when invalid.
+std::optional<unsigned long> parse_ulong(const std::string& value, unsigned long max);
+
+struct CacheMode {
+  bool direct = false;
+  bool writethrough = false;
+  bool no_flush = false;
+};
+// none/off, writeback, writethrough, directsync, unsafe.
+bool parse_cache_mode(const std::string& mode, CacheMode& out);
+
+// QEMU's JSON pretty printer (4-space indent, uppercase \u escapes), over
+// ordered JSON so key order is ours to choose.
+std::string qemu_json_pretty(const nlohmann::ordered_json& j);
+
+struct ImageArgs {
+  std::string filename;
+  std::string format;      // -f ("" probes)
+  bool image_opts = false; // --image-opts: filename is key=value options
+  bool read_only = true;
+  CacheMode cache;
+  std::string aio;         // -i
+};
+
+// Opens an image as qemu-img does and reports "Could not open 'X': ..." on
+// failure (returns nullptr). Prints the raw-probing warning for writable opens.
+std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a);
+
+int cmd_create(int argc, char** argv);
+int cmd_info(int argc, char** argv);
+int cmd_map(int argc, char** argv);
+int cmd_compare(int argc, char** argv);
+int cmd_bench(int argc, char** argv);
+
+}  // namespace vblk::cli
