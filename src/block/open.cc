@@ -48,7 +48,26 @@ Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
   if (!d) return Error(EINVAL, "Unknown driver '" + **driver + "'");
   auto name = take_string(opts, "node-name");
   VBLK_TRY(name);
-  auto node = d->open(ctx, opts);
+  // Generic options every node takes; cache.* is inherited by children.
+  OpenContext nctx = ctx;
+  if (auto cache = take_dict(opts, "cache")) {
+    auto direct = take_bool(*cache, "direct");
+    VBLK_TRY(direct);
+    auto no_flush = take_bool(*cache, "no-flush");
+    VBLK_TRY(no_flush);
+    if (!cache->empty()) return Error(EINVAL, leftover_error(*d, "cache." + first_key(*cache)));
+    nctx.cache_direct = direct->value_or(ctx.cache_direct);
+    nctx.cache_no_flush = no_flush->value_or(ctx.cache_no_flush);
+  }
+  for (const char* k : {"discard", "detect-zeroes"}) {
+    auto v = take_string(opts, k);
+    VBLK_TRY(v);
+  }
+  for (const char* k : {"auto-read-only", "force-share"}) {
+    auto v = take_bool(opts, k);
+    VBLK_TRY(v);
+  }
+  auto node = d->open(nctx, opts);
   VBLK_TRY(node);
   if (!opts.empty()) return Error(EINVAL, leftover_error(*d, first_key(opts)));
   if (*name) (*node)->set_node_name(**name);
@@ -103,6 +122,7 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
   file["driver"] = "file";
   file["filename"] = filename;
   if (o.direct) file["cache"]["direct"] = true;
+  if (o.no_flush) file["cache"]["no-flush"] = true;
   if (!o.aio.empty()) file["aio"] = o.aio;
   OpenContext fctx = ctx;
   fctx.read_only = o.read_only;

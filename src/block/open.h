@@ -21,6 +21,9 @@ struct OpenContext {
   Loop& loop;
   Graph* graph = nullptr;   // for child references by node name (may be null)
   bool read_only = false;   // default for nodes that do not say
+  // Generic cache options, inherited by children unless they set their own.
+  bool cache_direct = false;
+  bool cache_no_flush = false;
 };
 
 using DriverOpenFn = Result<std::shared_ptr<Node>> (*)(OpenContext& ctx, Json& opts);

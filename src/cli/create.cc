@@ -101,18 +101,39 @@ int cmd_create(int argc, char** argv) {
   if (!backing.empty()) return fail("Backing file not supported for file format '" + fmt + "'");
   if (!backing_fmt.empty()) return fail("Backing file format not supported for file format '" + fmt + "'");
 
-  // Parse -o into the known options, keeping the values as typed.
+  // Parse -o the QemuOpts way: "key" alone means "key=on", ",," is a comma.
   std::map<std::string, std::string> opts;
   if (!options.empty()) {
-    auto kv = parse_keyval(options);
-    if (!kv) return fail(kv.error().what());
-    for (auto& [k, v] : kv->items()) {
+    std::string item;
+    auto add = [&](const std::string& it) -> bool {
+      size_t eq = it.find('=');
+      std::string k = eq == std::string::npos ? it : it.substr(0, eq);
+      std::string v = eq == std::string::npos ? "on" : it.substr(eq + 1);
       bool known = false;
       for (const char* name : kRawOptions) known |= k == name;
-      if (!known || !v.is_string()) return fail("Invalid parameter '" + k + "'");
-      opts[k] = v.get<std::string>();
+      if (!known) {
+        fail("Invalid parameter '" + k + "'");
+        return false;
+      }
+      opts[k] = v;
+      return true;
+    };
+    for (size_t i = 0; i <= options.size(); ++i) {
+      if (i == options.size() || options[i] == ',') {
+        if (i + 1 < options.size() && options[i + 1] == ',') {
+          item += ',';
+          ++i;
+          continue;
+        }
+        if (!add(item)) return 1;
+        item.clear();
+        continue;
+      }
+      item += options[i];
     }
   }
+  if (opts.count("nocow") && opts["nocow"] != "on" && opts["nocow"] != "off")
+    return fail("Parameter 'nocow' expects 'on' or 'off'");
   if (opts.count("size")) {
     if (size) return fail("The image size must be specified only once");
     auto s = parse_size(opts["size"]);

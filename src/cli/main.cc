@@ -53,6 +53,7 @@ int main(int argc, char** argv) {
     std::printf("vblk version " VBLK_VERSION "\n");
     return 0;
   }
+  if (!cmd.empty() && cmd[0] == '-') vblk::cli::error_exit("unrecognized option '" + cmd + "'");
   for (const auto& c : kCommands) {
     if (cmd == c.name) return c.fn(argc - 1, argv + 1);
   }

@@ -234,16 +234,8 @@ Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts) {
   if (!*filename || filename->value().empty()) return Error(EINVAL, "The 'file' block driver requires a file name");
   std::string path = **filename;
   if (path.rfind("file:", 0) == 0) path = path.substr(5);
-  bool direct = false, no_flush = false;
-  if (auto cache = take_dict(opts, "cache")) {
-    auto d = take_bool(*cache, "direct");
-    VBLK_TRY(d);
-    auto nf = take_bool(*cache, "no-flush");
-    VBLK_TRY(nf);
-    direct = d->value_or(false);
-    no_flush = nf->value_or(false);
-    if (!cache->empty()) return Error(EINVAL, "Invalid parameter 'cache." + cache->begin().key() + "'");
-  }
+  // cache.* is a generic option: open_node() put it in the context.
+  const bool direct = ctx.cache_direct, no_flush = ctx.cache_no_flush;
   auto aio_s = take_string(opts, "aio");
   VBLK_TRY(aio_s);
   AioMode aio = AioMode::IoUring;
@@ -266,9 +258,6 @@ Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts) {
   bool read_only = ro->value_or(ctx.read_only);
   // Accepted for compatibility; vblk does not take OFD locks yet.
   (void)take_string(opts, "locking");
-  (void)take_string(opts, "discard");
-  (void)take_string(opts, "detect-zeroes");
-  (void)take_bool(opts, "auto-read-only");
 
   int flags = (read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC;
   int fd = ::open(path.c_str(), flags | (direct ? O_DIRECT : 0));
@@ -294,15 +283,18 @@ Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts) {
   node->set_read_only(read_only);
   node->set_no_flush(no_flush);
   VBLK_TRY(node->probe_alignment(direct));
+  if (direct && !read_only && S_ISREG(st.st_mode) &&
+      static_cast<uint64_t>(st.st_size) % node->limits().request_alignment)
+    return Error(EINVAL, "Cannot get 'write' permission without 'resize': Image size is not a multiple of request alignment");
   VBLK_TRY(node->init_length());
   return std::shared_ptr<Node>(node);
 }
 
 Status create_file(const std::string& path, uint64_t size, const std::string& prealloc) {
-  if (prealloc != "off" && prealloc != "falloc" && prealloc != "full") {
-    if (prealloc == "metadata") return Error(EINVAL, "Unsupported preallocation mode: metadata");
+  // An unknown mode fails before anything is touched; "metadata" is a valid
+  // mode that raw cannot do, so (as in QEMU) the file is created first.
+  if (prealloc != "off" && prealloc != "falloc" && prealloc != "full" && prealloc != "metadata")
     return Error(EINVAL, "invalid parameter value: " + prealloc);
-  }
   uint64_t rounded = align_up(size, 512);
   if (rounded < size) return Error(EINVAL, "Could not resize file: Invalid argument");
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
@@ -312,6 +304,7 @@ Status create_file(const std::string& path, uint64_t size, const std::string& pr
     ~Closer() { ::close(fd); }
   } closer{fd};
   if (::ftruncate(fd, 0) < 0) return Error(errno, std::string("Could not resize file: ") + std::strerror(errno));
+  if (prealloc == "metadata") return Error(EINVAL, "Unsupported preallocation mode: metadata");
   auto first_block = [&] {
     // Written so that O_DIRECT alignment probing later reads real data.
     size_t n = rounded < 4096 ? 512 : 4096;
