@@ -1,8 +1,9 @@
 // Task<T>: a lazily started C++20 coroutine that produces a T.
 //
-// A Task starts when it is awaited and resumes its awaiter by symmetric
-// transfer when it finishes, so chains of tasks (a qcow2 read awaiting an L2
-// load awaiting a file read) cost no extra scheduling. Exceptions are kept in
+// A Task starts when it is awaited. If it finishes without suspending, the
+// awaiter simply continues (no resume, no stack growth); if it suspended, it
+// resumes its awaiter by symmetric transfer when it finishes. Chains of tasks
+// (a qcow2 read awaiting an L2 load awaiting a file read) cost no scheduling. Exceptions are kept in
 // the promise and rethrown to the awaiter: nothing is swallowed. Expected
 // failures travel as Result values, not exceptions.
 //
@@ -28,6 +29,12 @@ namespace detail {
 struct TaskPromiseBase {
   std::coroutine_handle<> continuation = std::noop_coroutine();
   std::exception_ptr exception;
+  // True while the awaiter is still inside its await_suspend, running this
+  // task's first steps. A task that finishes then hands control back by
+  // returning, not by resuming the awaiter: a loop of synchronous awaits
+  // needs no tail call to keep the stack flat (sanitizer builds have none).
+  bool starting = false;
+  bool finished_inline = false;
 
   std::suspend_always initial_suspend() noexcept { return {}; }
 
@@ -35,7 +42,12 @@ struct TaskPromiseBase {
     bool await_ready() noexcept { return false; }
     template <class P>
     std::coroutine_handle<> await_suspend(std::coroutine_handle<P> h) noexcept {
-      return h.promise().continuation;
+      auto& p = h.promise();
+      if (p.starting) {
+        p.finished_inline = true;
+        return std::noop_coroutine();
+      }
+      return p.continuation;
     }
     void await_resume() noexcept {}
   };
@@ -94,9 +106,13 @@ class [[nodiscard]] Task {
     struct Awaiter {
       Handle h;
       bool await_ready() noexcept { return false; }
-      std::coroutine_handle<> await_suspend(std::coroutine_handle<> awaiting) noexcept {
-        h.promise().continuation = awaiting;
-        return h;
+      bool await_suspend(std::coroutine_handle<> awaiting) noexcept {
+        auto& p = h.promise();
+        p.continuation = awaiting;
+        p.starting = true;
+        h.resume();
+        p.starting = false;
+        return !p.finished_inline;  // finished already: do not suspend at all
       }
       T await_resume() { return h.promise().take(); }
     };

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what vblk needs to build and test on Debian 12, skipping what is
+# already there. Uses sudo when not root.
+set -euo pipefail
+pkgs=(build-essential cmake ninja-build pkg-config python3
+      liburing-dev zlib1g-dev libzstd-dev nlohmann-json3-dev libcli11-dev libfmt-dev
+      libgtest-dev libgmock-dev libbenchmark-dev
+      qemu-utils qemu-system-common libnbd-bin nbdkit fio)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO=sudo
+echo "vblk: installing ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,56 @@
+#include <gtest/gtest.h>
+
+#include "block/options.h"
+
+using namespace vblk;
+
+TEST(ParseSize, QemuVectors) {
+  struct V {
+    const char* in;
+    uint64_t out;
+  };
+  for (V v : {V{"0", 0}, V{"1k", 1024}, V{"1K", 1024}, V{"1b", 1}, V{"1m", 1 << 20}, V{"1.5G", 1610612736ull},
+              V{"1.", 1}, V{"1.k", 1024}, V{"0.5k", 512}, V{"0.3k", 307}, V{"1.0005k", 1025}, V{"+1024", 1024},
+              V{"010", 10}, V{"0x1000", 4096}, V{"0x10k", 16384}, V{"0.00048828125k", 1}}) {
+    auto r = parse_size(v.in);
+    ASSERT_TRUE(r.ok()) << v.in;
+    EXPECT_EQ(*r, v.out) << v.in;
+  }
+  for (const char* bad : {"1.5", "1.5b", "1kB", "1KiB", "1e3", "1.5e3k", ".5G", "1Z", "abc", "", "0x", "-1",
+                          "1024 ", "1kk"}) {
+    auto r = parse_size(bad);
+    EXPECT_FALSE(r.ok()) << bad;
+    if (!r.ok()) {
+      EXPECT_EQ(r.error().code, EINVAL) << bad;
+    }
+  }
+  for (const char* big : {"16E", "18446744073709551616", "12345678901234567890123"}) {
+    auto r = parse_size(big);
+    ASSERT_FALSE(r.ok()) << big;
+    EXPECT_EQ(r.error().code, ERANGE) << big;
+  }
+}
+
+TEST(ParseKeyval, NestsDottedKeysAndHandlesCommas) {
+  auto r = parse_keyval("driver=raw,file.filename=a,,b.img,file.cache.direct=on");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ((*r)["driver"], "raw");
+  EXPECT_EQ((*r)["file"]["filename"], "a,b.img");
+  EXPECT_EQ((*r)["file"]["cache"]["direct"], "on");
+  auto implied = parse_keyval("a.img,driver=raw", "file");
+  ASSERT_TRUE(implied.ok());
+  EXPECT_EQ((*implied)["file"], "a.img");
+  EXPECT_FALSE(parse_keyval("driver=raw,oops").ok());
+  EXPECT_FALSE(parse_keyval("a=1,a.b=2").ok());
+}
+
+TEST(TakeOptions, AcceptStringsAndTypedValues) {
+  Json o = {{"a", "on"}, {"b", false}, {"c", "4k"}, {"d", 512}, {"e", "maybe"}};
+  EXPECT_EQ(**take_bool(o, "a"), true);
+  EXPECT_EQ(**take_bool(o, "b"), false);
+  EXPECT_EQ(**take_size(o, "c"), 4096u);
+  EXPECT_EQ(**take_size(o, "d"), 512u);
+  EXPECT_FALSE(take_bool(o, "e").ok());
+  EXPECT_TRUE(o.empty());  // every getter consumed its key
+  EXPECT_FALSE(take_bool(o, "missing")->has_value());
+}
