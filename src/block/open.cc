@@ -1,5 +1,7 @@
 #include "block/open.h"
 
+#include <sys/stat.h>
+
 #include <cstring>
 
 #include "block/drivers/drivers.h"
@@ -14,7 +16,7 @@ namespace {
 // objects nobody references, and the order here is the probe order.
 const DriverInfo kDrivers[] = {
     {"file", true, drivers::open_file, nullptr},
-    {"host_device", true, drivers::open_file, nullptr},
+    {"host_device", true, drivers::open_host_device, nullptr},
     {"null-co", true, drivers::open_null, nullptr},
     {"raw", false, drivers::open_raw, drivers::probe_raw},
 };
@@ -119,7 +121,10 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
                                          bool* probed_raw) {
   if (probed_raw) *probed_raw = false;
   Json file = Json::object();
-  file["driver"] = "file";
+  // A plain name picks the protocol driver by what it is, as qemu-img does.
+  struct stat st;
+  bool is_dev = ::stat(filename.c_str(), &st) == 0 && (S_ISBLK(st.st_mode) || S_ISCHR(st.st_mode));
+  file["driver"] = is_dev ? "host_device" : "file";
   file["filename"] = filename;
   if (o.direct) file["cache"]["direct"] = true;
   if (o.no_flush) file["cache"]["no-flush"] = true;
@@ -127,7 +132,8 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
   OpenContext fctx = ctx;
   fctx.read_only = o.read_only;
   std::string format = o.format;
-  if (format == "file") {
+  if (format == "file" || format == "host_device") {
+    file["driver"] = format;
     auto n = open_node(fctx, file);
     VBLK_TRY(n);
     (*n)->set_no_flush(o.no_flush);

@@ -6,6 +6,7 @@
 namespace vblk::drivers {
 
 Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts);
+Result<std::shared_ptr<Node>> open_host_device(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_raw(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts);
 int probe_raw(std::span<const uint8_t> head);

@@ -23,7 +23,7 @@ namespace vblk {
 class FileNode final : public Node {
  public:
   FileNode(Loop& loop, std::string path, int fd, bool is_blockdev, AioMode aio)
-      : Node(loop, "file"), path_(std::move(path)), fd_(fd), blockdev_(is_blockdev), aio_(loop.effective(aio)) {
+      : Node(loop, is_blockdev ? "host_device" : "file"), path_(std::move(path)), fd_(fd), blockdev_(is_blockdev), aio_(loop.effective(aio)) {
     caps_.zeroes = true;
     caps_.discard = true;
     caps_.copy_range = true;
@@ -228,10 +228,12 @@ int copy_target_fd(Node& dst, uint64_t& offset) {
 
 namespace drivers {
 
-Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts) {
+namespace {
+Result<std::shared_ptr<Node>> open_posix(OpenContext& ctx, Json& opts, bool host_device) {
   auto filename = take_string(opts, "filename");
   VBLK_TRY(filename);
-  if (!*filename || filename->value().empty()) return Error(EINVAL, "The 'file' block driver requires a file name");
+  if (!*filename || filename->value().empty())
+    return Error(EINVAL, std::string("The '") + (host_device ? "host_device" : "file") + "' block driver requires a file name");
   std::string path = **filename;
   if (path.rfind("file:", 0) == 0) path = path.substr(5);
   // cache.* is a generic option: open_node() put it in the context.
@@ -275,9 +277,14 @@ Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts) {
     ::close(fd);
     return Error(e, "Could not stat '" + path + "': " + std::strerror(e));
   }
-  if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
+  // As in QEMU: `file` is for regular files, `host_device` for block devices.
+  if (!host_device && !S_ISREG(st.st_mode)) {
     ::close(fd);
     return Error(EINVAL, "'file' driver requires '" + path + "' to be a regular file");
+  }
+  if (host_device && !S_ISBLK(st.st_mode) && !S_ISCHR(st.st_mode)) {
+    ::close(fd);
+    return Error(EINVAL, "'host_device' driver requires '" + path + "' to be either a character or block device");
   }
   auto node = std::make_shared<FileNode>(ctx.loop, path, fd, S_ISBLK(st.st_mode), aio);
   node->set_read_only(read_only);
@@ -289,6 +296,11 @@ Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts) {
   VBLK_TRY(node->init_length());
   return std::shared_ptr<Node>(node);
 }
+
+}  // namespace
+
+Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts) { return open_posix(ctx, opts, false); }
+Result<std::shared_ptr<Node>> open_host_device(OpenContext& ctx, Json& opts) { return open_posix(ctx, opts, true); }
 
 Status create_file(const std::string& path, uint64_t size, const std::string& prealloc) {
   // An unknown mode fails before anything is touched; "metadata" is a valid
