@@ -17,7 +17,6 @@
 #pragma once
 
 #include <cstdint>
-#include <list>
 #include <memory>
 #include <span>
 #include <string>
@@ -161,15 +160,25 @@ class Node {
   NodeCaps caps_;
 
  private:
+  // A request in flight, living in the requesting coroutine's frame and
+  // linked into the node's list: tracking costs no allocation.
   struct Tracked {
-    uint64_t begin, end;
-    bool serialising;
-    CoEvent* done;
+    uint64_t begin = 0, end = 0;
+    bool serialising = false;
+    Tracked* prev = nullptr;
+    Tracked* next = nullptr;
+    std::vector<std::coroutine_handle<>> waiters;  // empty unless someone waits
   };
-  // Registers a request; waits first for overlapping serialising requests
-  // (and, if this one serialises, for every overlapping request).
-  Task<std::list<Tracked>::iterator> track(uint64_t begin, uint64_t end, bool serialising, CoEvent* done);
-  void untrack(std::list<Tracked>::iterator it);
+  // Tracking, without allocation or suspension in the common case:
+  //   Tracked t{...};
+  //   if (find_conflict(t)) co_await wait_conflicts(t);
+  //   link(t); ... untrack(t);
+  // A conflict is an overlapping serialising request (or, if t serialises,
+  // any overlapping request).
+  Tracked* find_conflict(const Tracked& t) const;
+  Task<void> wait_conflicts(Tracked& t);
+  void link(Tracked& t);
+  void untrack(Tracked& t);
 
   Task<Status> read_aligned(uint64_t offset, std::span<uint8_t> buf, uint32_t flags);
   Task<Status> write_aligned(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags);
@@ -187,7 +196,7 @@ class Node {
   bool no_flush_ = false;
   bool growable_ = false;
   uint64_t in_flight_ = 0;
-  std::list<Tracked> tracked_;
+  Tracked* tracked_head_ = nullptr;
   CoEvent idle_;
 };
 

@@ -19,6 +19,8 @@
 #include <optional>
 #include <utility>
 
+#include "vblk/frame_pool.h"
+
 namespace vblk {
 
 template <class T = void>
@@ -37,6 +39,10 @@ struct TaskPromiseBase {
   bool finished_inline = false;
 
   std::suspend_always initial_suspend() noexcept { return {}; }
+
+  // Frames come from a per-thread pool: see frame_pool.h.
+  static void* operator new(std::size_t n) { return frame_alloc(n); }
+  static void operator delete(void* p, std::size_t n) noexcept { frame_free(p, n); }
 
   struct FinalAwaiter {
     bool await_ready() noexcept { return false; }

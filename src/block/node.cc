@@ -44,26 +44,37 @@ Status Node::check_range(uint64_t offset, uint64_t bytes, bool write) const {
 
 // ---- in-flight tracking
 
-Task<std::list<Node::Tracked>::iterator> Node::track(uint64_t begin, uint64_t end, bool serialising, CoEvent* done) {
-  for (;;) {
-    CoEvent* blocker = nullptr;
-    for (auto& t : tracked_) {
-      if (t.begin < end && begin < t.end && (t.serialising || serialising)) {
-        blocker = t.done;
-        break;
-      }
-    }
-    if (!blocker) break;
-    co_await blocker->wait();
-  }
-  ++in_flight_;
-  idle_.reset();
-  co_return tracked_.insert(tracked_.end(), Tracked{begin, end, serialising, done});
+Node::Tracked* Node::find_conflict(const Tracked& t) const {
+  for (Tracked* o = tracked_head_; o; o = o->next)
+    if (o->begin < t.end && t.begin < o->end && (o->serialising || t.serialising)) return o;
+  return nullptr;
 }
 
-void Node::untrack(std::list<Tracked>::iterator it) {
-  it->done->set();
-  tracked_.erase(it);
+Task<void> Node::wait_conflicts(Tracked& t) {
+  while (Tracked* blocker = find_conflict(t)) {
+    struct Wait {
+      Tracked* b;
+      bool await_ready() noexcept { return false; }
+      void await_suspend(std::coroutine_handle<> h) { b->waiters.push_back(h); }
+      void await_resume() noexcept {}
+    };
+    co_await Wait{blocker};
+  }
+}
+
+void Node::link(Tracked& t) {
+  t.next = tracked_head_;
+  if (tracked_head_) tracked_head_->prev = &t;
+  tracked_head_ = &t;
+  ++in_flight_;
+  idle_.reset();
+}
+
+void Node::untrack(Tracked& t) {
+  if (t.prev) t.prev->next = t.next;
+  else tracked_head_ = t.next;
+  if (t.next) t.next->prev = t.prev;
+  for (auto h : t.waiters) loop_.post(h);
   if (--in_flight_ == 0) idle_.set();
 }
 
@@ -79,8 +90,9 @@ Task<Status> Node::read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags)
   const uint64_t align = limits_.request_alignment;
   const uint64_t begin = align_down(offset, align);
   const uint64_t end = align_up(offset + buf.size(), align);
-  CoEvent done(loop_);
-  auto it = co_await track(begin, end, false, &done);
+  Tracked t{begin, end, false};
+  if (find_conflict(t)) co_await wait_conflicts(t);
+  link(t);
   Status st;
   if (begin == offset && end == offset + buf.size() && is_aligned(buf.data(), limits_.buffer_alignment)) {
     st = co_await read_aligned(offset, buf, flags);
@@ -100,7 +112,7 @@ Task<Status> Node::read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags)
       pos += want;
     }
   }
-  untrack(it);
+  untrack(t);
   co_return st;
 }
 
@@ -124,10 +136,11 @@ Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t
   const uint64_t begin = align_down(offset, align);
   const uint64_t end = align_up(offset + buf.size(), align);
   const bool aligned = begin == offset && end == offset + buf.size();
-  CoEvent done(loop_);
   // A padded write reads and rewrites its edge blocks: it must not overlap
   // anything in flight, or it could write back stale bytes.
-  auto it = co_await track(begin, end, !aligned, &done);
+  Tracked t{begin, end, !aligned};
+  if (find_conflict(t)) co_await wait_conflicts(t);
+  link(t);
   Status st;
   if (aligned && is_aligned(buf.data(), limits_.buffer_alignment)) {
     st = co_await write_aligned(offset, buf, flags);
@@ -142,7 +155,7 @@ Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t
   } else {
     st = co_await write_padded(offset, buf, flags);
   }
-  untrack(it);
+  untrack(t);
   co_return st;
 }
 
@@ -198,8 +211,9 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
   }
   uint64_t mid_end = std::max(head_end, align_down(offset + bytes, align));
   if (mid_end > head_end) {
-    CoEvent done(loop_);
-    auto it = co_await track(head_end, mid_end, false, &done);
+    Tracked t{head_end, mid_end, false};
+    if (find_conflict(t)) co_await wait_conflicts(t);
+  link(t);
     Status st;
     if (caps_.zeroes) {
       const uint64_t max = limits_.max_zeroes ? limits_.max_zeroes : mid_end - head_end;
@@ -214,7 +228,7 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
     } else {
       st = Error(ENOTSUP);
     }
-    untrack(it);
+    untrack(t);
     if (!st.ok()) {
       if (st.error().code != ENOTSUP || (flags & kReqNoFallback)) co_return st;
       VBLK_CO_TRY(co_await zeroes_by_writing(head_end, mid_end - head_end, flags));
@@ -247,10 +261,11 @@ Task<Status> Node::discard(uint64_t offset, uint64_t bytes) {
   uint64_t a = align_up(offset, limits_.request_alignment);
   uint64_t e = align_down(offset + bytes, limits_.request_alignment);
   if (e <= a) co_return Status{};
-  CoEvent done(loop_);
-  auto it = co_await track(a, e, false, &done);
+  Tracked t{a, e, false};
+  if (find_conflict(t)) co_await wait_conflicts(t);
+  link(t);
   Status st = co_await do_discard(a, e - a);
-  untrack(it);
+  untrack(t);
   if (!st.ok() && st.error().code == ENOTSUP) co_return Status{};
   co_return st;
 }
@@ -306,13 +321,15 @@ Task<Status> Node::copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, u
   VBLK_CO_TRY(check_range(offset, bytes, false));
   VBLK_CO_TRY(dst.check_range(dst_offset, bytes, true));
   if (!caps_.copy_range) co_return Error(ENOTSUP);
-  CoEvent d1(loop_), d2(dst.loop_);
-  auto it1 = co_await track(offset, offset + bytes, false, &d1);
-  auto it2 = co_await dst.track(dst_offset, dst_offset + bytes, false, &d2);
+  Tracked t1{offset, offset + bytes, false}, t2{dst_offset, dst_offset + bytes, false};
+  if (find_conflict(t1)) co_await wait_conflicts(t1);
+  link(t1);
+  if (dst.find_conflict(t2)) co_await dst.wait_conflicts(t2);
+  dst.link(t2);
   Status st = co_await do_copy_range_to(offset, dst, dst_offset, bytes, flags);
   if (st.ok() && dst.growable_ && dst_offset + bytes > dst.length_) dst.length_ = dst_offset + bytes;
-  dst.untrack(it2);
-  untrack(it1);
+  dst.untrack(t2);
+  untrack(t1);
   co_return st;
 }
 
