@@ -286,6 +286,8 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke run: request counts / {QUICK_DIVISOR}, 2 runs unless --runs is given")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write results as JSON to FILE")
+    ap.add_argument("--only", default=None, metavar="REGEX",
+                    help="run only the cases whose name matches REGEX (e.g. 'seq-1m')")
     ap.add_argument("--keep", action="store_true", help="keep the image file afterwards")
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed rounds of all cases before measuring (default 1, 0 with --quick)")
@@ -312,6 +314,10 @@ def main():
     image = os.path.join(workdir, f"bench-{human_size(args.size)}.raw")
 
     cases = build_cases(args.size, args.quick)
+    if args.only:
+        cases = [c for c in cases if re.search(args.only, c["name"])]
+        if not cases:
+            ap.error(f"--only {args.only!r} matches no case")
     started = datetime.datetime.now().astimezone()
     meta = {
         "command": shlex.join([sys.executable] + sys.argv),

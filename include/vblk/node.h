@@ -72,6 +72,8 @@ struct NodeCaps {
   bool zeroes = false;          // do_write_zeroes is implemented
   bool discard = false;         // do_discard is implemented
   bool copy_range = false;      // do_copy_range_to is implemented
+  bool serialise_zeroes = false;  // zeroes/discard change metadata: no overlap allowed
+  bool supports_backing = false;  // unallocated ranges fall through to "backing"
 };
 
 struct Child {

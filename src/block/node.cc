@@ -211,7 +211,7 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
   }
   uint64_t mid_end = std::max(head_end, align_down(offset + bytes, align));
   if (mid_end > head_end) {
-    Tracked t{head_end, mid_end, false};
+    Tracked t{head_end, mid_end, caps_.serialise_zeroes};
     if (find_conflict(t)) co_await wait_conflicts(t);
   link(t);
     Status st;
@@ -261,7 +261,7 @@ Task<Status> Node::discard(uint64_t offset, uint64_t bytes) {
   uint64_t a = align_up(offset, limits_.request_alignment);
   uint64_t e = align_down(offset + bytes, limits_.request_alignment);
   if (e <= a) co_return Status{};
-  Tracked t{a, e, false};
+  Tracked t{a, e, caps_.serialise_zeroes};
   if (find_conflict(t)) co_await wait_conflicts(t);
   link(t);
   Status st = co_await do_discard(a, e - a);
@@ -308,7 +308,13 @@ Task<Result<BlockStatus>> Node::block_status(uint64_t offset, uint64_t bytes) {
     if (offset + in.bytes == length_) in.flags |= kStatusEof;
     co_return in;
   }
-  if (s.flags & (kStatusData | kStatusZero)) s.flags |= kStatusAllocated;
+  if (s.flags & (kStatusData | kStatusZero)) {
+    s.flags |= kStatusAllocated;
+  } else if (caps_.supports_backing) {
+    // Unallocated here: zeroes unless a backing file covers the range.
+    Node* backing = child("backing");
+    if (!backing || offset >= backing->length()) s.flags |= kStatusZero;
+  }
   s.flags &= ~kStatusEof;
   if (offset + s.bytes == length_) s.flags |= kStatusEof;
   co_return s;

@@ -1,0 +1,109 @@
+#include "block/drivers/qcow2/cache.h"
+
+namespace vblk::qcow2 {
+
+MetaCache::MetaCache(Node& file, uint64_t table_size, size_t capacity)
+    : file_(file), table_size_(table_size), capacity_(capacity ? capacity : 1) {}
+
+bool MetaCache::has_dirty() const {
+  for (const auto& e : entries_)
+    if (e.dirty) return true;
+  return false;
+}
+
+Task<Status> MetaCache::write_entry(Entry& e) {
+  if (!e.dirty) co_return Status{};
+  if (dep_ && dep_->has_dirty()) VBLK_CO_TRY(co_await dep_->flush());
+  VBLK_CO_TRY(co_await file_.write(e.offset, e.data.span()));
+  e.dirty = false;
+  co_return Status{};
+}
+
+Task<Status> MetaCache::write_dirty() {
+  for (auto& e : entries_) VBLK_CO_TRY(co_await write_entry(e));
+  co_return Status{};
+}
+
+Task<Status> MetaCache::flush() {
+  VBLK_CO_TRY(co_await write_dirty());
+  co_return co_await file_.flush();
+}
+
+Task<Result<MetaCache::Entry*>> MetaCache::slot_for(uint64_t offset) {
+  // Reuse the least recently used unpinned entry once at capacity; an
+  // all-pinned cache grows past its capacity rather than deadlock.
+  if (entries_.size() >= capacity_) {
+    Entry* victim = nullptr;
+    for (auto& e : entries_)
+      if (e.pins == 0 && (!victim || e.last_use < victim->last_use)) victim = &e;
+    if (victim) {
+      VBLK_CO_TRY(co_await write_entry(*victim));
+      // Writing may have suspended: the victim may have been pinned meanwhile.
+      if (victim->pins == 0 && !victim->dirty) {
+        index_.erase(victim->offset);
+        victim->offset = offset;
+        index_[offset] = victim;
+        co_return victim;
+      }
+    }
+  }
+  entries_.emplace_back();
+  Entry* e = &entries_.back();
+  e->data = AlignedBuffer(table_size_);
+  e->offset = offset;
+  index_[offset] = e;
+  co_return e;
+}
+
+Task<Result<MetaCache::Ref>> MetaCache::get(uint64_t offset) {
+  if (auto it = index_.find(offset); it != index_.end()) {
+    it->second->last_use = ++clock_;
+    co_return Ref(it->second);
+  }
+  auto slot = co_await slot_for(offset);
+  if (!slot) co_return slot.take_error();
+  Entry* e = *slot;
+  Ref ref(e);  // pinned while reading
+  auto st = co_await file_.read(offset, e->data.span());
+  if (!st) {
+    index_.erase(offset);
+    e->offset = UINT64_MAX;  // unusable until reused
+    e->dirty = false;
+    co_return st.take_error();
+  }
+  e->dirty = false;
+  e->last_use = ++clock_;
+  co_return ref;
+}
+
+Task<Result<MetaCache::Ref>> MetaCache::get_empty(uint64_t offset) {
+  Entry* e = nullptr;
+  if (auto it = index_.find(offset); it != index_.end()) {
+    e = it->second;
+  } else {
+    auto slot = co_await slot_for(offset);
+    if (!slot) co_return slot.take_error();
+    e = *slot;
+  }
+  e->data.zero();
+  e->dirty = true;
+  e->last_use = ++clock_;
+  co_return Ref(e);
+}
+
+void MetaCache::discard(uint64_t offset) {
+  auto it = index_.find(offset);
+  if (it == index_.end()) return;
+  it->second->dirty = false;
+  it->second->offset = UINT64_MAX;
+  index_.erase(it);
+}
+
+void MetaCache::clear() {
+  for (auto& e : entries_) e.dirty = false;
+  index_.clear();
+  entries_.remove_if([](const Entry& e) { return e.pins == 0; });
+  for (auto& e : entries_) e.offset = UINT64_MAX;
+}
+
+}  // namespace vblk::qcow2

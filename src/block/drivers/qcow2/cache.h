@@ -1,0 +1,97 @@
+// MetaCache: a bounded LRU cache of qcow2 metadata tables (L2 tables or
+// refcount blocks), one cluster per entry, written back lazily.
+//
+// Crash-safety rule (QEMU's, coarse and proven): a cache may depend on
+// another. Before any dirty entry of a cache is written, its dependency is
+// flushed (entries written, then the file flushed). The L2 cache depends on
+// the refcount cache, so a new L2 entry never reaches the disk before the
+// refcount that makes its cluster allocated.
+//
+// Concurrency: used only under the qcow2 node's metadata lock, so at most one
+// coroutine is inside at a time; entries handed out are pinned (Ref) and are
+// not evicted while pinned.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "vblk/buffer.h"
+#include "vblk/node.h"
+
+namespace vblk::qcow2 {
+
+class MetaCache {
+  struct Entry {
+    uint64_t offset = 0;
+    AlignedBuffer data;
+    bool dirty = false;
+    int pins = 0;
+    uint64_t last_use = 0;
+  };
+
+ public:
+  class Ref {
+   public:
+    Ref() = default;
+    explicit Ref(Entry* e) : e_(e) { ++e_->pins; }
+    Ref(Ref&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+    Ref& operator=(Ref&& o) noexcept {
+      if (this != &o) {
+        release();
+        e_ = std::exchange(o.e_, nullptr);
+      }
+      return *this;
+    }
+    ~Ref() { release(); }
+    uint8_t* data() { return e_->data.data(); }
+    uint64_t offset() const { return e_->offset; }
+    explicit operator bool() const { return e_ != nullptr; }
+    void mark_dirty() { e_->dirty = true; }
+
+   private:
+    void release() {
+      if (e_) --e_->pins;
+      e_ = nullptr;
+    }
+    Entry* e_ = nullptr;
+  };
+
+  MetaCache(Node& file, uint64_t table_size, size_t capacity);
+
+  void set_dependency(MetaCache* dep) { dep_ = dep; }
+  void set_capacity(size_t entries) { capacity_ = entries ? entries : 1; }
+  size_t capacity() const { return capacity_; }
+  uint64_t table_size() const { return table_size_; }
+
+  // The table at `offset`, read from the file on a miss.
+  Task<Result<Ref>> get(uint64_t offset);
+  // A zero-filled table at `offset` without reading (a newly allocated one).
+  Task<Result<Ref>> get_empty(uint64_t offset);
+  // Writes every dirty entry (dependency first), then flushes the file.
+  Task<Status> flush();
+  // Writes dirty entries without the final file flush (used as a dependency step).
+  Task<Status> write_dirty();
+  // Forgets the entry at offset (its cluster was freed), dirty or not.
+  void discard(uint64_t offset);
+  // Drops everything (after an error, or on close without writing).
+  void clear();
+  bool has_dirty() const;
+
+ private:
+  Task<Result<Entry*>> slot_for(uint64_t offset);
+  Task<Status> write_entry(Entry& e);
+
+  Node& file_;
+  uint64_t table_size_;
+  size_t capacity_;
+  MetaCache* dep_ = nullptr;
+  uint64_t clock_ = 0;
+  std::list<Entry> entries_;  // stable addresses for Ref
+  std::unordered_map<uint64_t, Entry*> index_;
+};
+
+}  // namespace vblk::qcow2

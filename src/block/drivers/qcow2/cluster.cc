@@ -1,0 +1,194 @@
+// L1/L2: mapping guest offsets to host clusters, and making L2 tables
+// writable (allocating or copying them). Lock held throughout.
+#include <fmt/format.h>
+
+#include "block/drivers/qcow2/qcow2.h"
+
+namespace vblk::qcow2 {
+
+uint64_t Qcow2Node::l2_entry(MetaCache::Ref& t, uint64_t i) const { return be64(t.data() + i * l2_entry_size_); }
+uint64_t Qcow2Node::l2_bitmap(MetaCache::Ref& t, uint64_t i) const {
+  return l2_entry_size_ == 16 ? be64(t.data() + i * 16 + 8) : 0;
+}
+void Qcow2Node::set_l2_entry(MetaCache::Ref& t, uint64_t i, uint64_t entry, uint64_t bitmap) {
+  put64(t.data() + i * l2_entry_size_, entry);
+  if (l2_entry_size_ == 16) put64(t.data() + i * 16 + 8, bitmap);
+  t.mark_dirty();
+}
+
+namespace {
+struct Classified {
+  ClusterType type;
+  uint64_t host;  // cluster host offset (Normal/ZeroAlloc) or the entry (Compressed)
+};
+}  // namespace
+
+Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
+  const uint64_t l1i = offset >> (h_.cluster_bits + l2_bits_);
+  const uint64_t in_cluster = offset & (cs_ - 1);
+  Mapping m;
+  // A run never crosses an L2 table: cap at its end.
+  uint64_t table_end = (l1i + 1) << (h_.cluster_bits + l2_bits_);
+  max_bytes = std::min(max_bytes, table_end - offset);
+  if (l1i >= l1_.size() || !(l1_[l1i] & kL1OffsetMask)) {
+    m.bytes = max_bytes;
+    co_return m;
+  }
+  uint64_t l2_off = l1_[l1i] & kL1OffsetMask;
+  if (l2_off % cs_) {
+    co_await mark_corrupt(fmt::format("L2 table offset {:#x} unaligned (L1 index: {:#x})", l2_off, l1i));
+    co_return Error(EIO);
+  }
+  auto t = co_await l2_cache_->get(l2_off);
+  if (!t) co_return t.take_error();
+  uint64_t l2i = (offset >> h_.cluster_bits) & (l2_entries_ - 1);
+
+  // Classify one (sub)cluster: with extended L2 the unit is a subcluster.
+  const uint64_t unit = l2_entry_size_ == 16 ? cs_ / kSubclusters : cs_;
+  auto classify = [&](uint64_t idx, uint64_t sub, Result<Classified>& out) {
+    uint64_t e = l2_entry(*t, idx);
+    if (e & kOflagCompressed) {
+      out = Classified{ClusterType::Compressed, e};
+      return;
+    }
+    uint64_t host = e & kL2OffsetMask;
+    if (host % cs_) {
+      out = Error(EIO, fmt::format("Cluster allocation offset {:#x} unaligned (L2 offset: {:#x}, L2 index: {:#x})",
+                                   host, l2_off, idx));
+      return;
+    }
+    if (l2_entry_size_ == 16) {
+      uint64_t bm = l2_bitmap(*t, idx);
+      bool alloc = bm & (1ull << sub), zero = bm & (1ull << (sub + 32));
+      if (alloc && zero) {
+        out = Error(EIO, fmt::format("Subcluster {} of L2 index {:#x} is both allocated and zero", sub, idx));
+        return;
+      }
+      if (zero) out = Classified{ClusterType::ZeroPlain, 0};
+      else if (alloc) out = host ? Classified{ClusterType::Normal, host} : Classified{ClusterType::Unallocated, 0};
+      else out = Classified{ClusterType::Unallocated, 0};
+      return;
+    }
+    if (e & kOflagZero) out = Classified{host ? ClusterType::ZeroAlloc : ClusterType::ZeroPlain, host};
+    else if (host) out = Classified{ClusterType::Normal, host};
+    else out = Classified{ClusterType::Unallocated, 0};
+  };
+
+  uint64_t sub = (in_cluster / unit);
+  Result<Classified> first = Classified{};
+  classify(l2i, sub, first);
+  if (!first) {
+    co_await mark_corrupt(first.error().message);
+    co_return Error(EIO);
+  }
+  m.type = first->type;
+  m.copied = m.type == ClusterType::Normal && (l2_entry(*t, l2i) & kOflagCopied);
+  const bool has_host = m.type == ClusterType::Normal || m.type == ClusterType::ZeroAlloc;
+  if (has_host) m.host = first->host + (in_cluster / unit) * unit + (offset % unit);
+  if (m.type == ClusterType::Compressed) {
+    m.host = first->host;
+    m.bytes = std::min(max_bytes, cs_ - in_cluster);  // one cluster at a time
+    co_return m;
+  }
+  // Extend the run over following units with the same type (and, for
+  // Normal, contiguous host offsets and the same COPIED state).
+  uint64_t run = std::min(max_bytes, unit - (offset % unit));
+  uint64_t expect_host = m.host + run;
+  uint64_t idx = l2i, s = sub;
+  while (run < max_bytes) {
+    if (++s * unit >= cs_) {
+      s = 0;
+      if (++idx >= l2_entries_) break;
+    }
+    Result<Classified> c = Classified{};
+    classify(idx, s, c);
+    if (!c || c->type != m.type) break;
+    if (has_host) {
+      uint64_t h = c->host + s * unit;
+      bool copied = l2_entry(*t, idx) & kOflagCopied;
+      if (h != expect_host || copied != m.copied) break;
+      expect_host += unit;
+    }
+    run += std::min(unit, max_bytes - run);
+  }
+  m.bytes = run;
+  co_return m;
+}
+
+Task<Status> Qcow2Node::write_l1_entry(uint64_t index) {
+  // Write the 512-byte sector holding the entry, synced: the L1 table is
+  // updated in place and must never be half-new after a crash.
+  uint64_t first = index & ~uint64_t{63};
+  uint8_t buf[512] = {};
+  for (uint64_t i = 0; i < 64 && first + i < l1_.size(); ++i) put64(buf + i * 8, l1_[first + i]);
+  uint64_t len = std::min<uint64_t>(512, (l1_.size() - first) * 8);
+  len = (len + 511) & ~uint64_t{511};
+  VBLK_CO_TRY(co_await file_->write(h_.l1_table_offset + first * 8, {buf, len}, kReqFua));
+  co_return Status{};
+}
+
+Task<Result<MetaCache::Ref>> Qcow2Node::l2_for_write(uint64_t offset) {
+  const uint64_t l1i = offset >> (h_.cluster_bits + l2_bits_);
+  if (l1i >= l1_.size()) co_return Error(EIO, "Write beyond the L1 table");
+  uint64_t entry = l1_[l1i];
+  uint64_t old = entry & kL1OffsetMask;
+  if (old && (entry & kOflagCopied)) co_return co_await l2_cache_->get(old);
+  // Allocate a new table: a copy of the shared one (snapshots), or empty.
+  auto where = co_await alloc_clusters(1);
+  if (!where) co_return where.take_error();
+  MetaCache::Ref fresh;
+  if (old) {
+    AlignedBuffer copy(cs_);
+    {
+      auto src = co_await l2_cache_->get(old);
+      if (!src) co_return src.take_error();
+      std::memcpy(copy.data(), src->data(), cs_);
+    }
+    auto dst = co_await l2_cache_->get_empty(*where);
+    if (!dst) co_return dst.take_error();
+    std::memcpy(dst->data(), copy.data(), cs_);
+    fresh = std::move(*dst);
+  } else {
+    auto dst = co_await l2_cache_->get_empty(*where);
+    if (!dst) co_return dst.take_error();
+    fresh = std::move(*dst);
+  }
+  fresh.mark_dirty();
+  if (old) {
+    // The copy references everything the shared table maps: those clusters
+    // gain a reference, and none of them is exclusively ours any more.
+    for (uint64_t i = 0; i < l2_entries_; ++i) {
+      uint64_t e = l2_entry(fresh, i);
+      if (e & kOflagCompressed) {
+        VBLK_CO_TRY(co_await update_refcount(e & ((1ull << (62 - (h_.cluster_bits - 8))) - 1), 1, +1));
+      } else if (e & kL2OffsetMask) {
+        VBLK_CO_TRY(co_await update_refcount(e & kL2OffsetMask, cs_, +1));
+      }
+      if (e & kOflagCopied) set_l2_entry(fresh, i, e & ~kOflagCopied, l2_bitmap(fresh, i));
+    }
+  }
+  // The table and the refcounts it relies on reach the disk before the L1
+  // entry that makes it reachable (flushing the L2 cache flushes refcounts
+  // first).
+  VBLK_CO_TRY(co_await l2_cache_->flush());
+  l1_[l1i] = *where | kOflagCopied;
+  VBLK_CO_TRY(co_await write_l1_entry(l1i));
+  // The shared table lost a reference (a crash before this only leaks).
+  if (old) VBLK_CO_TRY(co_await update_refcount(old, cs_, -1));
+  co_return std::move(fresh);
+}
+
+Task<Status> Qcow2Node::free_entry(uint64_t e) {
+  if (e & kOflagCompressed) {
+    const uint32_t x = 62 - (h_.cluster_bits - 8);
+    uint64_t host = e & ((1ull << x) - 1);
+    uint64_t sectors = ((e >> x) & ((1ull << (h_.cluster_bits - 8)) - 1)) + 1;
+    uint64_t len = sectors * 512 - (host & 511);
+    co_return co_await update_refcount(host, len, -1);
+  }
+  uint64_t host = e & kL2OffsetMask;
+  if (host) co_return co_await update_refcount(host, cs_, -1);
+  co_return Status{};
+}
+
+}  // namespace vblk::qcow2

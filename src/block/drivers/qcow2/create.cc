@@ -1,0 +1,90 @@
+// Creating qcow2 images and changing their size.
+#include <fmt/format.h>
+
+#include "block/drivers/qcow2/qcow2.h"
+#include "vblk/buffer.h"
+
+namespace vblk::qcow2 {
+
+Status Qcow2Node::check_create_size(uint64_t size, uint32_t cluster_size, bool extended_l2) {
+  uint64_t per_l1 = uint64_t(cluster_size) * (cluster_size / (extended_l2 ? 16 : 8));
+  uint64_t l1 = (size + per_l1 - 1) / per_l1;
+  if (size > static_cast<uint64_t>(INT64_MAX) - per_l1 || l1 * 8 > kMaxL1Bytes)
+    return Error(EFBIG, "The image size is too large for file format 'qcow2' (try using a larger cluster size)");
+  return {};
+}
+
+Task<Status> Qcow2Node::resize(uint64_t size) {
+  auto g = co_await lock_.scoped();
+  uint64_t per_l1 = cs_ * l2_entries_;
+  uint64_t need = (size + per_l1 - 1) / per_l1;
+  if (need * 8 > kMaxL1Bytes) co_return Error(EFBIG, "The image size is too large for file format 'qcow2'");
+  if (size < h_.size) co_return Error(ENOTSUP, "qcow2 doesn't support shrinking images yet");
+  if (need > h_.l1_size) {
+    // A new, bigger L1 table: written and flushed before the header points
+    // to it; the old one is freed afterwards.
+    uint64_t clusters = (need * 8 + cs_ - 1) / cs_;
+    auto where = co_await alloc_clusters(clusters);
+    if (!where) co_return where.take_error();
+    AlignedBuffer t(clusters * cs_);
+    t.zero();
+    for (uint64_t i = 0; i < l1_.size(); ++i) put64(t.data() + i * 8, l1_[i]);
+    VBLK_CO_TRY(co_await file_->write(*where, t.span()));
+    VBLK_CO_TRY(co_await rb_cache_->flush());
+    uint64_t old_off = h_.l1_table_offset, old_size = h_.l1_size;
+    h_.l1_table_offset = *where;
+    h_.l1_size = static_cast<uint32_t>(need);
+    l1_.resize(need, 0);
+    h_.size = size;
+    VBLK_CO_TRY(co_await write_header());
+    if (old_size) VBLK_CO_TRY(co_await update_refcount(old_off, align_up(old_size * 8, cs_), -1));
+  } else {
+    h_.size = size;
+    VBLK_CO_TRY(co_await write_header());
+  }
+  set_length(size);
+  co_return co_await rb_cache_->flush();
+}
+
+Task<Status> Qcow2Node::create(Loop& loop, std::shared_ptr<Node> file, const CreateOptions& o) {
+  const uint64_t cs = o.cluster_size;
+  uint32_t order = static_cast<uint32_t>(__builtin_ctz(o.refcount_bits));
+  // Header (cluster 0), refcount table (cluster 1), refcount block (cluster
+  // 2) describing clusters 0-2; everything else through the allocator.
+  Header h;
+  h.version = o.version;
+  h.cluster_bits = static_cast<uint32_t>(__builtin_ctz(o.cluster_size));
+  h.refcount_table_offset = cs;
+  h.refcount_table_clusters = 1;
+  h.refcount_order = order;
+  h.compression_type = o.compression_type;
+  if (o.lazy_refcounts) h.compatible_features |= kCompatLazyRefcounts;
+  if (o.compression_type != kCompressionZlib) h.incompatible_features |= kIncompatCompression;
+  if (o.extended_l2) h.incompatible_features |= kIncompatExtendedL2;
+  auto hdr = serialize_header(h);
+  if (!hdr) co_return hdr.take_error();
+  AlignedBuffer meta(3 * cs);
+  meta.zero();
+  std::memcpy(meta.data(), hdr->data(), cs);
+  put64(meta.data() + cs, 2 * cs);
+  Qcow2Node tmp(loop, file);
+  tmp.refcount_bits_ = 1u << order;
+  for (uint64_t i = 0; i < 3; ++i) tmp.refcount_set(meta.data() + 2 * cs, i, 1);
+  VBLK_CO_TRY(co_await file->truncate(0));
+  VBLK_CO_TRY(co_await file->write(0, meta.span()));
+
+  OpenContext ctx{loop};
+  VBLK_CO_TRY(co_await tmp.load(ctx, false));
+  if (o.size) VBLK_CO_TRY(co_await tmp.resize(o.size));
+  if (!o.backing_file.empty()) {
+    tmp.h_.backing_file = o.backing_file;
+    tmp.h_.backing_format = o.backing_format;
+    VBLK_CO_TRY(co_await tmp.write_header());
+  }
+  if (o.preallocation != "off") {
+    co_return Error(ENOTSUP, "Preallocation mode '" + o.preallocation + "' is not supported by vblk's qcow2 yet");
+  }
+  co_return co_await tmp.flush();
+}
+
+}  // namespace vblk::qcow2

@@ -1,0 +1,317 @@
+// Guest I/O on qcow2: reads by mapping, allocating writes with copy-on-write,
+// zero and discard by L2 flags, block status, flush.
+#include <zlib.h>
+#include <zstd.h>
+
+#include <fmt/format.h>
+
+#include "block/drivers/qcow2/qcow2.h"
+
+namespace vblk::qcow2 {
+
+namespace {
+constexpr uint64_t kMaxAllocRun = 8 << 20;  // bytes of new clusters per allocating step
+}
+
+Task<Status> Qcow2Node::read_compressed(uint64_t entry, uint64_t in_cluster, std::span<uint8_t> out) {
+  const uint32_t x = 62 - (h_.cluster_bits - 8);
+  uint64_t host = entry & ((1ull << x) - 1);
+  uint64_t sectors = ((entry >> x) & ((1ull << (h_.cluster_bits - 8)) - 1)) + 1;
+  uint64_t csize = sectors * 512 - (host & 511);
+  AlignedBuffer in(csize), cluster(cs_);
+  VBLK_CO_TRY(co_await file_->read(host, in.span()));
+  if (h_.compression_type == kCompressionZstd) {
+    ZSTD_DCtx* d = ZSTD_createDCtx();
+    ZSTD_inBuffer ib{in.data(), csize, 0};
+    ZSTD_outBuffer ob{cluster.data(), cs_, 0};
+    size_t r = 1;
+    // The stored size is rounded up to sectors: stop once the cluster is full.
+    while (ob.pos < ob.size && ib.pos < ib.size && r != 0) {
+      r = ZSTD_decompressStream(d, &ob, &ib);
+      if (ZSTD_isError(r)) break;
+    }
+    ZSTD_freeDCtx(d);
+    if (ob.pos != cs_) co_return Error(EIO, "Compressed cluster could not be decompressed");
+  } else {
+    z_stream z{};
+    if (inflateInit2(&z, -12) != Z_OK) co_return Error(ENOMEM);
+    z.next_in = in.data();
+    z.avail_in = static_cast<uInt>(csize);
+    z.next_out = cluster.data();
+    z.avail_out = static_cast<uInt>(cs_);
+    int r = inflate(&z, Z_FINISH);
+    bool ok = (r == Z_STREAM_END || r == Z_BUF_ERROR) && z.avail_out == 0;
+    inflateEnd(&z);
+    if (!ok) co_return Error(EIO, "Compressed cluster could not be decompressed");
+  }
+  std::memcpy(out.data(), cluster.data() + in_cluster, out.size());
+  co_return Status{};
+}
+
+Task<Status> Qcow2Node::read_mapping(uint64_t offset, const Mapping& m, std::span<uint8_t> out) {
+  switch (m.type) {
+    case ClusterType::Normal:
+      co_return co_await file_->read(m.host, out);
+    case ClusterType::Compressed:
+      co_return co_await read_compressed(m.host, offset & (cs_ - 1), out);
+    case ClusterType::ZeroPlain:
+    case ClusterType::ZeroAlloc:
+      std::memset(out.data(), 0, out.size());
+      co_return Status{};
+    case ClusterType::Unallocated:
+      break;
+  }
+  // Unallocated: the backing file shows through; beyond its end, zeroes.
+  uint64_t from_backing = 0;
+  if (backing_ && offset < backing_->length()) from_backing = std::min<uint64_t>(out.size(), backing_->length() - offset);
+  if (from_backing) VBLK_CO_TRY(co_await backing_->read(offset, out.subspan(0, from_backing)));
+  if (from_backing < out.size()) std::memset(out.data() + from_backing, 0, out.size() - from_backing);
+  co_return Status{};
+}
+
+Task<Status> Qcow2Node::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t) {
+  size_t done = 0;
+  while (done < buf.size()) {
+    Mapping m;
+    {
+      co_await lock_.lock();
+      auto r = co_await lookup(offset + done, buf.size() - done);
+      lock_.unlock();
+      if (!r) co_return r.take_error();
+      m = *r;
+    }
+    size_t n = static_cast<size_t>(std::min<uint64_t>(m.bytes, buf.size() - done));
+    VBLK_CO_TRY(co_await read_mapping(offset + done, m, buf.subspan(done, n)));
+    done += n;
+  }
+  co_return Status{};
+}
+
+// One step of a write: either an in-place write to clusters this image owns,
+// or the allocation of a run of new clusters filled with the new data and
+// the old data around it (copy-on-write). *done is how far it got.
+Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done) {
+  co_await lock_.lock();
+  bool locked = true;
+  struct Unlock {
+    CoMutex& m;
+    bool& locked;
+    ~Unlock() {
+      if (locked) m.unlock();
+    }
+  } unlock_guard{lock_, locked};
+
+  Mapping m;
+  uint64_t first = 0, last = 0;
+  for (;;) {
+    auto r = co_await lookup(offset, std::min<uint64_t>(buf.size(), kMaxAllocRun));
+    if (!r) co_return r.take_error();
+    m = *r;
+    uint64_t n = std::min<uint64_t>(m.bytes, buf.size());
+    first = offset / cs_;
+    last = (offset + n - 1) / cs_;
+    // Another write filling any of these clusters goes first.
+    CoEvent* busy = nullptr;
+    for (auto& a : allocs_)
+      if (a.first <= last && first <= a.last) busy = a.done;
+    if (!busy) break;
+    lock_.unlock();
+    locked = false;
+    co_await busy->wait();
+    co_await lock_.lock();
+    locked = true;
+  }
+  const uint64_t n = std::min<uint64_t>(m.bytes, buf.size());
+  if (m.type == ClusterType::Normal && m.copied) {
+    lock_.unlock();
+    locked = false;
+    VBLK_CO_TRY(co_await file_->write(m.host, buf.subspan(0, n)));
+    *done = n;
+    co_return Status{};
+  }
+
+  // Allocate the run and claim its guest clusters.
+  const uint64_t count = last - first + 1;
+  auto host = co_await alloc_clusters(count);
+  if (!host) co_return host.take_error();
+  CoEvent finished(loop());
+  allocs_.push_back({first, last, &finished});
+  lock_.unlock();
+  locked = false;
+  struct Release {
+    Qcow2Node& q;
+    CoEvent& ev;
+    ~Release() {
+      for (auto it = q.allocs_.begin(); it != q.allocs_.end(); ++it)
+        if (it->done == &ev) {
+          q.allocs_.erase(it);
+          break;
+        }
+      ev.set();
+    }
+  } release{*this, finished};
+
+  const uint64_t run_start = first * cs_;
+  const uint64_t head = offset - run_start;
+  const uint64_t total = count * cs_;
+  const uint64_t tail = total - head - n;
+  if (head == 0 && tail == 0) {
+    VBLK_CO_TRY(co_await file_->write(*host, buf.subspan(0, n)));
+  } else {
+    // Copy-on-write: only the uncovered edges are read from the old place
+    // (backing file, zeroes, compressed or shared cluster).
+    // (do_read looks each piece up: with subclusters an edge may mix types;
+    // no other write can touch these clusters while we own them.)
+    AlignedBuffer cow(total, std::max<size_t>(limits_.buffer_alignment, 512));
+    if (head) VBLK_CO_TRY(co_await do_read(run_start, cow.span().subspan(0, head), 0));
+    if (tail) VBLK_CO_TRY(co_await do_read(offset + n, cow.span().subspan(head + n, tail), 0));
+    std::memcpy(cow.data() + head, buf.data(), n);
+    VBLK_CO_TRY(co_await file_->write(*host, cow.span()));
+  }
+
+  // Link the new clusters into the L2 table; free what they replace.
+  co_await lock_.lock();
+  locked = true;
+  for (uint64_t i = 0; i < count; ++i) {
+    uint64_t guest = (first + i) * cs_;
+    auto t = co_await l2_for_write(guest);
+    if (!t) co_return t.take_error();
+    uint64_t l2i = (guest >> h_.cluster_bits) & (l2_entries_ - 1);
+    uint64_t old = l2_entry(*t, l2i);
+    // With subclusters the whole new cluster is allocated data.
+    set_l2_entry(*t, l2i, (*host + i * cs_) | kOflagCopied, l2_entry_size_ == 16 ? 0xffffffffull : 0);
+    if (old & (kOflagCompressed | kL2OffsetMask)) VBLK_CO_TRY(co_await free_entry(old));
+  }
+  *done = n;
+  co_return Status{};
+}
+
+Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t) {
+  if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  uint64_t done = 0;
+  while (done < buf.size()) {
+    uint64_t n = 0;
+    VBLK_CO_TRY(co_await write_cluster_run(offset + done, buf.subspan(done), &n));
+    done += n;
+  }
+  co_return Status{};
+}
+
+Task<Status> Qcow2Node::zero_or_discard(uint64_t offset, uint64_t bytes, bool discard, bool may_unmap) {
+  // Whole clusters change by L2 entry; partial ones are written as zeroes
+  // (zeroes) or left alone (discard is advisory).
+  uint64_t end = offset + bytes;
+  uint64_t a = (offset + cs_ - 1) / cs_ * cs_;
+  uint64_t e = std::min(end, end / cs_ * cs_);
+  if (end == length()) e = (end + cs_ - 1) / cs_ * cs_;  // the last, partial cluster counts whole
+  if (!discard) {
+    if (a > offset) {
+      AlignedBuffer z(std::min(a, end) - offset);
+      z.zero();
+      VBLK_CO_TRY(co_await do_write(offset, z.span(), 0));
+    }
+    if (e < end && e >= a) {
+      AlignedBuffer z(end - e);
+      z.zero();
+      VBLK_CO_TRY(co_await do_write(e, z.span(), 0));
+    }
+  }
+  if (e <= a) co_return Status{};
+  auto g = co_await lock_.scoped();
+  for (uint64_t guest = a; guest < e; guest += cs_) {
+    // Wait for allocating writes into this cluster (not while holding the lock).
+    for (;;) {
+      CoEvent* busy = nullptr;
+      for (auto& al : allocs_)
+        if (al.first <= guest / cs_ && guest / cs_ <= al.last) busy = al.done;
+      if (!busy) break;
+      lock_.unlock();
+      co_await busy->wait();
+      co_await lock_.lock();
+    }
+    const uint64_t l1i = guest >> (h_.cluster_bits + l2_bits_);
+    if (l1i >= l1_.size()) break;
+    if (discard && !(l1_[l1i] & kL1OffsetMask)) continue;  // nothing to discard
+    auto t = co_await l2_for_write(guest);
+    if (!t) co_return t.take_error();
+    uint64_t l2i = (guest >> h_.cluster_bits) & (l2_entries_ - 1);
+    uint64_t old = l2_entry(*t, l2i);
+    uint64_t nw;
+    bool free_old = true;
+    if (discard) {
+      // Reads must not start showing the backing file: keep zero there.
+      nw = (h_.version >= 3 && (backing_ || (old & (kL2OffsetMask | kOflagCompressed | kOflagZero)))) ? kOflagZero : 0;
+      if (h_.version < 3 && backing_) continue;  // v2 cannot express it: leave the data
+    } else if (!may_unmap && (old & kOflagCopied) && !(old & kOflagCompressed) && (old & kL2OffsetMask)) {
+      nw = (old & kL2OffsetMask) | kOflagCopied | kOflagZero;  // keep the allocation
+      free_old = false;
+    } else {
+      nw = kOflagZero;
+    }
+    uint64_t bitmap = 0;
+    if (l2_entry_size_ == 16) {
+      // Extended L2 keeps "zero" in the subcluster bitmap, not in bit 0.
+      bitmap = (nw & kOflagZero) ? 0xffffffff00000000ull : 0;
+      nw &= ~kOflagZero;
+      if (nw == old && bitmap == l2_bitmap(*t, l2i)) continue;
+    } else if (old == nw) {
+      continue;
+    }
+    set_l2_entry(*t, l2i, nw, bitmap);
+    if (free_old && (old & (kOflagCompressed | kL2OffsetMask))) VBLK_CO_TRY(co_await free_entry(old));
+  }
+  co_return Status{};
+}
+
+Task<Status> Qcow2Node::do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) {
+  if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  if (h_.version < 3) co_return Error(ENOTSUP);  // no zero flag: let the caller write zeroes
+  co_return co_await zero_or_discard(offset, bytes, false, flags & kReqMayUnmap);
+}
+
+Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {
+  if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  co_return co_await zero_or_discard(offset, bytes, true, true);
+}
+
+Task<Status> Qcow2Node::do_flush() {
+  {
+    auto g = co_await lock_.scoped();
+    VBLK_CO_TRY(co_await l2_cache_->write_dirty());  // writes refcounts first
+    VBLK_CO_TRY(co_await rb_cache_->write_dirty());
+  }
+  co_return co_await file_->flush();
+}
+
+Task<Result<BlockStatus>> Qcow2Node::do_block_status(uint64_t offset, uint64_t bytes) {
+  co_await lock_.lock();
+  auto r = co_await lookup(offset, bytes);
+  lock_.unlock();
+  if (!r) co_return r.take_error();
+  BlockStatus s;
+  s.bytes = std::min(r->bytes, bytes);
+  switch (r->type) {
+    case ClusterType::Normal:
+      s.flags = kStatusData | kStatusOffsetValid;
+      s.map = r->host;
+      s.file = file_;
+      break;
+    case ClusterType::Compressed:
+      s.flags = kStatusData;
+      break;
+    case ClusterType::ZeroAlloc:
+      s.flags = kStatusZero | kStatusOffsetValid;
+      s.map = r->host;
+      s.file = file_;
+      break;
+    case ClusterType::ZeroPlain:
+      s.flags = kStatusZero;
+      break;
+    case ClusterType::Unallocated:
+      s.flags = 0;
+      break;
+  }
+  co_return s;
+}
+
+}  // namespace vblk::qcow2

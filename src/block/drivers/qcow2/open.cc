@@ -1,0 +1,197 @@
+// Opening a qcow2 image: header checks, tables, caches, backing file.
+#include <fmt/format.h>
+#include <libgen.h>
+
+#include <cstdio>
+
+#include "block/drivers/qcow2/qcow2.h"
+#include "vblk/buffer.h"
+
+namespace vblk::qcow2 {
+
+Qcow2Node::Qcow2Node(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "qcow2"), file_(file.get()), lock_(loop) {
+  file_->set_growable(true);
+  limits_.request_alignment = file_->limits().request_alignment;
+  limits_.buffer_alignment = file_->limits().buffer_alignment;
+  caps_.zeroes = true;
+  caps_.discard = true;
+  caps_.serialise_zeroes = true;
+  caps_.supports_backing = true;
+  add_child("file", std::move(file));
+}
+
+Qcow2Node::~Qcow2Node() = default;
+
+Task<Status> Qcow2Node::write_header() {
+  auto buf = serialize_header(h_);
+  if (!buf) co_return buf.take_error();
+  AlignedBuffer b(buf->size());
+  std::memcpy(b.data(), buf->data(), buf->size());
+  VBLK_CO_TRY(co_await file_->write(0, b.span()));
+  co_return co_await file_->flush();
+}
+
+Task<Status> Qcow2Node::mark_corrupt(const std::string& why) {
+  if (corrupt()) co_return Status{};
+  std::fprintf(stderr, "qcow2: Marking image as corrupt: %s; further corruption events will be suppressed\n",
+               why.c_str());
+  h_.incompatible_features |= kIncompatCorrupt;
+  if (read_only() || h_.version < 3) co_return Status{};
+  uint8_t b[8];
+  put64(b, h_.incompatible_features);
+  VBLK_CO_TRY(co_await file_->write(72, {b, 8}));
+  co_return co_await file_->flush();
+}
+
+namespace {
+
+Status validate_table(uint64_t offset, uint64_t entries, uint64_t entry_len, uint64_t max_bytes, uint64_t cs,
+                      const char* name) {
+  if (entries > max_bytes / entry_len) return Error(EFBIG, fmt::format("{} too large", name));
+  if (static_cast<uint64_t>(INT64_MAX) - entries * entry_len < offset || offset % cs)
+    return Error(EINVAL, fmt::format("{} offset invalid", name));
+  return {};
+}
+
+std::string dir_of(const std::string& path) {
+  std::string copy = path;
+  return ::dirname(copy.data());
+}
+
+}  // namespace
+
+Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
+  // The header and its extensions live in the first cluster (at most 2 MiB).
+  uint64_t flen = file_->length();
+  AlignedBuffer head(std::max<uint64_t>(512, std::min<uint64_t>(flen, 2 << 20)));
+  head.zero();
+  if (flen) VBLK_CO_TRY(co_await file_->read(0, head.span().subspan(0, std::min<uint64_t>(head.size(), flen))));
+  auto h = parse_header(head.span(), flen);
+  if (!h) co_return h.take_error();
+  h_ = std::move(*h);
+  cs_ = h_.cluster_size();
+  if ((h_.incompatible_features & kIncompatCorrupt) && !ro)
+    co_return Error(EACCES, "qcow2: Image is corrupt; cannot be opened read/write");
+  if ((h_.incompatible_features & kIncompatDirty) && !ro)
+    co_return Error(ENOTSUP, "Image has the dirty bit set (lazy refcounts); repair it with 'vblk check -r all' first");
+
+  l2_entry_size_ = h_.extended_l2() ? 16 : 8;
+  l2_entries_ = cs_ / l2_entry_size_;
+  l2_bits_ = static_cast<uint32_t>(__builtin_ctzll(l2_entries_));
+  refcount_bits_ = 1u << h_.refcount_order;
+  refcount_max_ = refcount_bits_ == 64 ? UINT64_MAX : (1ull << refcount_bits_) - 1;
+  rb_entries_ = cs_ * 8 / refcount_bits_;
+
+  if (h_.refcount_table_clusters == 0) co_return Error(EINVAL, "Image does not contain a reference count table");
+  VBLK_CO_TRY(validate_table(h_.refcount_table_offset, uint64_t(h_.refcount_table_clusters) * cs_ / 8, 8,
+                             kMaxRefcountTableBytes, cs_, "Reference count table"));
+  if (h_.nb_snapshots > kMaxSnapshots) co_return Error(EFBIG, "Too many snapshots");
+  if (h_.nb_snapshots)
+    VBLK_CO_TRY(validate_table(h_.snapshots_offset, h_.nb_snapshots, 1, INT64_MAX, cs_, "Snapshot table"));
+  VBLK_CO_TRY(validate_table(h_.l1_table_offset, h_.l1_size, 8, kMaxL1Bytes, cs_, "Active L1 table"));
+  // The L1 table must cover the virtual size.
+  uint64_t per_l1 = cs_ * l2_entries_;
+  if (h_.size > static_cast<uint64_t>(INT64_MAX) - per_l1) co_return Error(EFBIG, "Image is too big");
+  uint64_t need_l1 = (h_.size + per_l1 - 1) / per_l1;
+  if (h_.l1_size < need_l1) co_return Error(EINVAL, "L1 table is too small");
+
+  // Tables. Reads past the end of the file return zeroes (file is growable),
+  // and entries are validated where they are used.
+  l1_.assign(h_.l1_size, 0);
+  if (h_.l1_size) {
+    AlignedBuffer b(align_up(uint64_t(h_.l1_size) * 8, 512));
+    VBLK_CO_TRY(co_await file_->read(h_.l1_table_offset, b.span()));
+    for (uint64_t i = 0; i < h_.l1_size; ++i) l1_[i] = be64(b.data() + i * 8);
+  }
+  uint64_t rt_entries = uint64_t(h_.refcount_table_clusters) * cs_ / 8;
+  {
+    AlignedBuffer b(rt_entries * 8);
+    VBLK_CO_TRY(co_await file_->read(h_.refcount_table_offset, b.span()));
+    rt_.resize(rt_entries);
+    for (uint64_t i = 0; i < rt_entries; ++i) rt_[i] = be64(b.data() + i * 8);
+  }
+
+  // Caches, sized like QEMU's defaults: enough L2 to map the whole disk up to
+  // 32 MiB, a quarter of that for refcounts; options override (open()).
+  uint64_t l2_bytes = std::min<uint64_t>(32ull << 20, std::max<uint64_t>(need_l1 * cs_, 2 * cs_));
+  uint64_t rb_bytes = std::max<uint64_t>(4 * cs_, l2_bytes / 4);
+  l2_cache_ = std::make_unique<MetaCache>(*file_, cs_, l2_bytes / cs_);
+  rb_cache_ = std::make_unique<MetaCache>(*file_, cs_, rb_bytes / cs_);
+  l2_cache_->set_dependency(rb_cache_.get());
+
+  set_length(h_.size);
+  set_read_only(ro);
+
+  co_return Status{};
+}
+
+Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
+  auto ro = take_bool(opts, "read-only");
+  VBLK_TRY(ro);
+  bool read_only = ro->value_or(ctx.read_only);
+  OpenContext cctx = ctx;
+  cctx.read_only = read_only;
+  auto l2size = take_size(opts, "l2-cache-size");
+  VBLK_TRY(l2size);
+  auto rbsize = take_size(opts, "refcount-cache-size");
+  VBLK_TRY(rbsize);
+  auto csize = take_size(opts, "cache-size");
+  VBLK_TRY(csize);
+  for (const char* k : {"lazy-refcounts", "pass-discard-request", "pass-discard-snapshot", "pass-discard-other"}) {
+    auto v = take_bool(opts, k);
+    VBLK_TRY(v);
+  }
+  (void)take_string(opts, "overlap-check");
+  (void)take_size(opts, "cache-clean-interval");
+  bool no_backing = false;
+  if (opts.contains("backing") && opts["backing"].is_null()) {
+    opts.erase("backing");
+    no_backing = true;
+  }
+  auto file = open_child(cctx, opts, "file", true);
+  VBLK_TRY(file);
+  auto node = std::make_shared<Qcow2Node>(ctx.loop, *file);
+  auto st = ctx.loop.run(node->load(cctx, read_only));
+  VBLK_TRY(st);
+  // Backing file: relative to this image's directory; format from the
+  // header, or probed.
+  if (!node->h_.backing_file.empty() && !no_backing) {
+    std::string path = node->h_.backing_file;
+    if (path.rfind("json:", 0) != 0 && path[0] != '/') path = dir_of((*file)->filename()) + "/" + path;
+    ImageOpenOptions bo;
+    bo.format = node->h_.backing_format;
+    bo.read_only = true;
+    bo.direct = ctx.cache_direct;
+    OpenContext bctx = ctx;
+    bctx.graph = nullptr;
+    auto b = open_image(bctx, path, bo);
+    if (!b) return Error(b.error().code, "Could not open backing file: " + b.error().what());
+    node->backing_ = b->get();
+    node->add_child("backing", *b);
+  }
+  if (*l2size) node->l2_cache_->set_capacity(**l2size / node->cs_);
+  if (*rbsize) node->rb_cache_->set_capacity(**rbsize / node->cs_);
+  if (*csize && !*l2size) {
+    node->l2_cache_->set_capacity(**csize * 4 / 5 / node->cs_);
+    node->rb_cache_->set_capacity(std::max<uint64_t>(4, **csize / 5 / node->cs_));
+  }
+  return std::shared_ptr<Node>(node);
+}
+
+Task<Status> Qcow2Node::close() {
+  if (read_only()) co_return Status{};
+  co_return co_await flush();
+}
+
+}  // namespace vblk::qcow2
+
+namespace vblk::drivers {
+
+Result<std::shared_ptr<Node>> open_qcow2(OpenContext& ctx, Json& opts) { return qcow2::Qcow2Node::open(ctx, opts); }
+
+int probe_qcow2(std::span<const uint8_t> head) {
+  if (head.size() >= 8 && qcow2::be32(head.data()) == qcow2::kMagic && qcow2::be32(head.data() + 4) >= 2) return 100;
+  return 0;
+}
+
+}  // namespace vblk::drivers

@@ -1,0 +1,153 @@
+// The qcow2 format driver (QEMU's docs/interop/qcow2.txt).
+//
+// Split by concern, as QEMU splits it:
+//   format.{h,cc}    header and entry encodings
+//   cache.{h,cc}     bounded LRU metadata cache with write-back ordering
+//   refcount.cc      refcount table and blocks, cluster allocation and freeing
+//   cluster.cc       L1/L2 lookup and update, L2 allocation
+//   io.cc            read, write (allocation + copy-on-write), zeroes,
+//                    discard, block status, flush
+//   open.cc          open, header update, options
+//   create.cc        image creation
+//
+// Metadata (L1, L2 and refcount caches, the allocation state) is guarded by
+// `lock_`, a coroutine mutex held across metadata I/O but never across guest
+// data I/O. Allocating writes register the guest clusters they are filling in
+// `allocs_`; another write touching those clusters waits for it, so
+// overlapping copy-on-write is ordered.
+//
+// Crash safety, in order: a new cluster's refcount reaches the disk before any
+// L2 entry that points to it (L2 cache depends on refcount cache); a new L2
+// table is written and flushed before the L1 entry that points to it; a new
+// refcount block is written and flushed before the refcount table entry;
+// table moves are flushed before the header points to them. A crash can leak
+// clusters, never corrupt.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "block/drivers/qcow2/cache.h"
+#include "block/drivers/qcow2/format.h"
+#include "block/open.h"
+#include "vblk/node.h"
+#include "vblk/sync.h"
+
+namespace vblk::qcow2 {
+
+enum class ClusterType { Unallocated, ZeroPlain, ZeroAlloc, Normal, Compressed };
+
+// Where a guest range lives: a run of bytes from the looked-up offset.
+struct Mapping {
+  ClusterType type = ClusterType::Unallocated;
+  uint64_t host = 0;   // Normal: host offset of the first byte; Compressed: the L2 entry
+  uint64_t bytes = 0;  // length of the run with this type (and contiguous host)
+  bool copied = false; // Normal: refcount is exactly one, writable in place
+};
+
+class Qcow2Node final : public Node {
+ public:
+  Qcow2Node(Loop& loop, std::shared_ptr<Node> file);
+  ~Qcow2Node() override;
+
+  static Result<std::shared_ptr<Node>> open(OpenContext& ctx, Json& opts);
+  // Creates a qcow2 image on `file` (an open, empty, writable protocol node).
+  struct CreateOptions {
+    uint64_t size = 0;
+    uint32_t cluster_size = 65536;
+    uint32_t refcount_bits = 16;
+    bool lazy_refcounts = false;
+    bool extended_l2 = false;
+    uint8_t compression_type = kCompressionZlib;
+    std::string backing_file, backing_format;
+    std::string preallocation = "off";
+    uint32_t version = 3;
+  };
+  static Task<Status> create(Loop& loop, std::shared_ptr<Node> file, const CreateOptions& o);
+
+  const Header& header() const { return h_; }
+  bool corrupt() const { return h_.incompatible_features & kIncompatCorrupt; }
+  Node* backing() const { return backing_; }
+  std::string backing_filename() const { return h_.backing_file; }
+
+  // For tests and check: the refcount of a host cluster.
+  Task<Result<uint64_t>> refcount_of(uint64_t cluster_index);
+  Task<Status> close();
+  // Changes the virtual size (growing the L1 table if needed).
+  Task<Status> resize(uint64_t size);
+  // Checks an image's size for create: L1 must fit.
+  static Status check_create_size(uint64_t size, uint32_t cluster_size, bool extended_l2);
+
+ protected:
+  Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override;
+  Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) override;
+  Task<Status> do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) override;
+  Task<Status> do_discard(uint64_t offset, uint64_t bytes) override;
+  Task<Status> do_flush() override;
+  Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
+
+ private:
+  friend struct Qcow2Opener;
+  // ---- open.cc
+  Task<Status> load(OpenContext& ctx, bool read_only);
+  Task<Status> write_header();
+  Task<Status> mark_corrupt(const std::string& why);
+
+  // ---- cluster.cc (lock held)
+  Task<Result<Mapping>> lookup(uint64_t offset, uint64_t max_bytes);
+  // The L2 table for guest offset, allocated (and made writable) if needed.
+  Task<Result<MetaCache::Ref>> l2_for_write(uint64_t offset);
+  uint64_t l2_entry(MetaCache::Ref& t, uint64_t index) const;
+  uint64_t l2_bitmap(MetaCache::Ref& t, uint64_t index) const;
+  void set_l2_entry(MetaCache::Ref& t, uint64_t index, uint64_t entry, uint64_t bitmap);
+  Task<Status> write_l1_entry(uint64_t index);
+  // Frees what an L2 entry referenced (a cluster, or compressed sectors).
+  Task<Status> free_entry(uint64_t entry);
+
+  // ---- refcount.cc (lock held)
+  Task<Result<uint64_t>> get_refcount(uint64_t cluster_index);
+  Task<Status> update_refcount(uint64_t offset, uint64_t length, int64_t delta);
+  // Allocates n contiguous clusters; returns the host offset.
+  Task<Result<uint64_t>> alloc_clusters(uint64_t n);
+  // Allocates `bytes` (< one cluster) for compressed data, packing them.
+  Task<Result<uint64_t>> alloc_bytes(uint64_t bytes);
+  Task<Result<uint64_t>> find_free(uint64_t n);
+  Task<Result<bool>> ensure_refblocks(uint64_t first_cluster, uint64_t n);
+  Task<Status> grow_refcount_table(uint64_t min_entries);
+  uint64_t refcount_get(const uint8_t* block, uint64_t index) const;
+  void refcount_set(uint8_t* block, uint64_t index, uint64_t value) const;
+
+  // ---- io.cc
+  Task<Status> read_mapping(uint64_t offset, const Mapping& m, std::span<uint8_t> out);
+  Task<Status> read_compressed(uint64_t entry, uint64_t in_cluster, std::span<uint8_t> out);
+  Task<Status> write_cluster_run(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done);
+  Task<Status> zero_or_discard(uint64_t offset, uint64_t bytes, bool discard, bool may_unmap);
+
+  Header h_;
+  Node* file_;
+  Node* backing_ = nullptr;
+  uint64_t cs_ = 0;              // cluster size
+  uint32_t l2_bits_ = 0;         // log2(entries per L2 table)
+  uint64_t l2_entries_ = 0;
+  uint32_t l2_entry_size_ = 8;   // 16 with extended L2
+  uint64_t rb_entries_ = 0;      // refcount entries per block
+  uint32_t refcount_bits_ = 16;
+  uint64_t refcount_max_ = 0;
+  std::vector<uint64_t> l1_;
+  std::vector<uint64_t> rt_;
+  std::unique_ptr<MetaCache> l2_cache_;
+  std::unique_ptr<MetaCache> rb_cache_;
+  CoMutex lock_;
+  uint64_t free_cluster_index_ = 0;
+  uint64_t free_byte_offset_ = 0;  // packing point for compressed writes
+  bool header_dirty_ = false;
+
+  // Guest cluster ranges being filled by allocating writes.
+  struct Alloc {
+    uint64_t first, last;  // guest cluster indices, inclusive
+    CoEvent* done;
+  };
+  std::vector<Alloc> allocs_;
+};
+
+}  // namespace vblk::qcow2
