@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <span>
 #include <string>
 #include <vector>
@@ -121,6 +122,10 @@ class Node {
   Task<Status> flush();
   // Status of [offset, offset+bytes) at this node: one run, starting at offset.
   Task<Result<BlockStatus>> block_status(uint64_t offset, uint64_t bytes);
+  // Status through the backing chain (QEMU's bdrv_block_status_above with no
+  // base): the first layer that allocates the range answers; depth counts
+  // the layers visited.
+  Task<Result<BlockStatus>> block_status_above(uint64_t offset, uint64_t bytes);
   // Copies bytes from this node to dst without a bounce through memory, when
   // both sides allow it (copy_file_range). ENOTSUP if not possible: callers
   // fall back to read+write.
@@ -137,6 +142,14 @@ class Node {
     (void)offset;
     return nullptr;
   }
+
+  // What `info` shows beyond the generic fields (qemu-img's ImageInfo).
+  virtual uint64_t cluster_size() const { return 0; }
+  // The backing file name as stored in the image, and its format ("" if none).
+  virtual std::string backing_file_name() const { return {}; }
+  virtual std::string backing_file_format() const { return {}; }
+  // {"type": driver, "data": {...}} in QAPI ImageInfoSpecific form, or null.
+  virtual nlohmann::ordered_json format_specific() const { return nullptr; }
 
   // Allocated size on disk (qemu-img's "disk size"), -ENOTSUP if unknown.
   virtual Result<uint64_t> allocated_size() const;

@@ -320,6 +320,37 @@ Task<Result<BlockStatus>> Node::block_status(uint64_t offset, uint64_t bytes) {
   co_return s;
 }
 
+Task<Result<BlockStatus>> Node::block_status_above(uint64_t offset, uint64_t bytes) {
+  auto top = co_await block_status(offset, bytes);
+  if (!top) co_return top;
+  BlockStatus s = *top;
+  s.depth = 1;
+  if (s.bytes == 0 || (s.flags & kStatusAllocated)) co_return s;
+  uint64_t eof = (s.flags & kStatusEof) ? offset + s.bytes : 0;
+  bytes = s.bytes;
+  for (Node* p = child("backing"); p; p = p->child("backing")) {
+    auto r = co_await p->block_status(offset, bytes);
+    if (!r) co_return r;
+    uint32_t depth = s.depth + 1;
+    s = *r;
+    s.depth = static_cast<int>(depth);
+    if (s.bytes == 0) {
+      // Past the end of a shorter backing file: zeroes, as if allocated here.
+      s.bytes = bytes;
+      s.file = p;
+      s.flags = kStatusZero | kStatusAllocated;
+      break;
+    }
+    if (s.flags & kStatusAllocated) {
+      s.flags &= ~kStatusEof;
+      break;
+    }
+    bytes = s.bytes;
+  }
+  if (offset + s.bytes == eof) s.flags |= kStatusEof;
+  co_return s;
+}
+
 // ---- copy range
 
 Task<Status> Node::copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes, uint32_t flags) {

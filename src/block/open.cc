@@ -97,6 +97,14 @@ Result<std::shared_ptr<Node>> open_child(OpenContext& ctx, Json& parent_opts, co
   return open_node(ctx, std::move(spec));
 }
 
+std::string path_combine(const std::string& base, const std::string& name) {
+  if (name.empty() || name[0] == '/' || name.find("://") != std::string::npos || name.rfind("json:", 0) == 0)
+    return name;
+  size_t slash = base.rfind('/');
+  if (slash == std::string::npos) return name;
+  return base.substr(0, slash + 1) + name;
+}
+
 Task<Result<std::string>> probe_format(Node& file) {
   AlignedBuffer head(std::min<uint64_t>(2048, std::max<uint64_t>(file.length(), 512)), 4096);
   head.zero();

@@ -59,6 +59,10 @@ struct ImageOpenOptions {
 Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& filename, const ImageOpenOptions& o,
                                          bool* probed_raw = nullptr);
 
+// QEMU's path_combine: a relative `name` is taken relative to the directory
+// part of `base` ("dir/img" + "b" -> "dir/b"; "img" + "b" -> "b").
+std::string path_combine(const std::string& base, const std::string& name);
+
 // Probes the format of an already open protocol node.
 Task<Result<std::string>> probe_format(Node& file);
 

@@ -68,12 +68,12 @@ Task<int> run_compare(Ctx c) {
   AlignedBuffer b1(kIoBuf), b2(kIoBuf);
   uint64_t off = 0;
   while (off < total) {
-    auto st1 = co_await c.a.block_status(off, s1 - off);
+    auto st1 = co_await c.a.block_status_above(off, s1 - off);
     if (!st1) {
       error_report("Sector allocation test failed for " + c.name_a);
       co_return 3;
     }
-    auto st2 = co_await c.b.block_status(off, s2 - off);
+    auto st2 = co_await c.b.block_status_above(off, s2 - off);
     if (!st2) {
       error_report("Sector allocation test failed for " + c.name_b);
       co_return 3;
@@ -124,7 +124,7 @@ Task<int> run_compare(Ctx c) {
     Node& over = s1 > s2 ? c.a : c.b;
     const std::string& name = s1 > s2 ? c.name_a : c.name_b;
     while (off < base) {
-      auto st = co_await over.block_status(off, base - off);
+      auto st = co_await over.block_status_above(off, base - off);
       if (!st) {
         error_report("Sector allocation test failed for " + name);
         co_return 3;

@@ -8,15 +8,46 @@
 namespace vblk::cli {
 
 namespace {
+
+// ImageInfo in QAPI schema order; qdict_order() gives QEMU's print order.
 nlohmann::ordered_json info_json(Node& top) {
   nlohmann::ordered_json j;
-  // qemu-img prints its QDict in hash order; for these keys that order is:
-  j["virtual-size"] = top.length();
   j["filename"] = top.filename();
   j["format"] = top.driver();
-  if (auto sz = top.allocated_size()) j["actual-size"] = *sz;
   j["dirty-flag"] = false;
-  return j;
+  if (auto sz = top.allocated_size()) j["actual-size"] = *sz;
+  j["virtual-size"] = top.length();
+  if (top.cluster_size()) j["cluster-size"] = top.cluster_size();
+  std::string bf = top.backing_file_name();
+  if (!bf.empty()) {
+    j["backing-filename"] = bf;
+    j["full-backing-filename"] = path_combine(top.filename(), bf);
+    if (!top.backing_file_format().empty()) j["backing-filename-format"] = top.backing_file_format();
+  }
+  auto spec = top.format_specific();
+  if (!spec.is_null()) j["format-specific"] = spec;
+  return qdict_order(j);
+}
+
+std::string human_key(std::string k) {
+  for (auto& c : k)
+    if (c == '-') c = ' ';
+  return k;
+}
+
+void dump_specific(const nlohmann::ordered_json& data, int indent) {
+  for (auto it = data.begin(); it != data.end(); ++it) {
+    std::string pad(static_cast<size_t>(indent) * 4, ' ');
+    const auto& v = it.value();
+    if (v.is_object() || v.is_array()) {
+      std::printf("%s%s:\n", pad.c_str(), human_key(it.key()).c_str());
+      dump_specific(v, indent + 1);
+    } else if (v.is_string()) {
+      std::printf("%s%s: %s\n", pad.c_str(), human_key(it.key()).c_str(), v.get<std::string>().c_str());
+    } else {
+      std::printf("%s%s: %s\n", pad.c_str(), human_key(it.key()).c_str(), v.dump().c_str());
+    }
+  }
 }
 
 void info_human(Node& top) {
@@ -26,7 +57,24 @@ void info_human(Node& top) {
               static_cast<unsigned long long>(top.length()));
   auto sz = top.allocated_size();
   std::printf("disk size: %s\n", sz ? size_to_str(*sz).c_str() : "unavailable");
+  if (top.cluster_size()) std::printf("cluster_size: %llu\n", static_cast<unsigned long long>(top.cluster_size()));
+  std::string bf = top.backing_file_name();
+  if (!bf.empty()) {
+    std::string full = path_combine(top.filename(), bf);
+    if (full != bf) {
+      std::printf("backing file: %s (actual path: %s)\n", bf.c_str(), full.c_str());
+    } else {
+      std::printf("backing file: %s\n", bf.c_str());
+    }
+    if (!top.backing_file_format().empty()) std::printf("backing file format: %s\n", top.backing_file_format().c_str());
+  }
+  auto spec = top.format_specific();
+  if (!spec.is_null()) {
+    std::printf("Format specific information:\n");
+    dump_specific(qdict_order(spec)["data"], 1);
+  }
 }
+
 }  // namespace
 
 int cmd_info(int argc, char** argv) {
@@ -74,16 +122,25 @@ int cmd_info(int argc, char** argv) {
   Loop loop;
   auto top = open_cli_image(loop, a);
   if (!top) return 1;
+  // The chain: this image, then each backing file (skipping format-less
+  // protocol children).
+  std::vector<Node*> images{top.get()};
+  if (chain)
+    while (Node* b = images.back()->child("backing")) images.push_back(b);
   if (json) {
-    auto j = info_json(*top);
+    nlohmann::ordered_json out;
     if (chain) {
-      nlohmann::ordered_json arr = nlohmann::ordered_json::array();
-      arr.push_back(j);
-      j = arr;
+      out = nlohmann::ordered_json::array();
+      for (Node* n : images) out.push_back(info_json(*n));
+    } else {
+      out = info_json(*top);
     }
-    std::printf("%s\n", qemu_json_pretty(j).c_str());
+    std::printf("%s\n", qemu_json_pretty(out).c_str());
   } else {
-    info_human(*top);
+    for (size_t i = 0; i < images.size(); ++i) {
+      if (i) std::printf("\n");
+      info_human(*images[i]);
+    }
   }
   return 0;
 }

@@ -19,20 +19,37 @@ struct MapEntry {
   std::string filename;  // set when has_offset
 };
 
+// qemu-img's get_block_status: walk down the backing chain until a layer
+// knows (data or zero); depth counts the layers passed.
 Task<Result<MapEntry>> get_entry(Node& top, uint64_t offset, uint64_t bytes) {
-  auto r = co_await top.block_status(offset, bytes);
-  if (!r) co_return r.take_error();
+  Node* n = &top;
+  int depth = 0;
+  BlockStatus st;
+  for (;;) {
+    auto r = co_await n->block_status(offset, bytes);
+    if (!r) co_return r.take_error();
+    st = *r;
+    bytes = st.bytes;
+    if (st.flags & (kStatusZero | kStatusData)) break;
+    Node* next = n->child("backing");
+    if (!next) {
+      st.flags = 0;
+      break;
+    }
+    n = next;
+    ++depth;
+  }
   MapEntry e;
   e.start = offset;
-  e.length = r->bytes;
-  e.data = r->flags & kStatusData;
-  e.zero = r->flags & kStatusZero;
-  e.present = r->flags & kStatusAllocated;
-  e.depth = r->depth;
-  e.has_offset = r->flags & kStatusOffsetValid;
+  e.length = bytes;
+  e.data = st.flags & kStatusData;
+  e.zero = st.flags & kStatusZero;
+  e.present = st.flags & kStatusAllocated;
+  e.depth = depth;
+  e.has_offset = st.flags & kStatusOffsetValid;
   if (e.has_offset) {
-    e.offset = r->map;
-    e.filename = r->file ? r->file->filename() : std::string();
+    e.offset = st.map;
+    e.filename = st.file ? st.file->filename() : std::string();
   }
   co_return e;
 }

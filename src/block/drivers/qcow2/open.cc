@@ -1,6 +1,5 @@
 // Opening a qcow2 image: header checks, tables, caches, backing file.
 #include <fmt/format.h>
-#include <libgen.h>
 
 #include <cstdio>
 
@@ -51,11 +50,6 @@ Status validate_table(uint64_t offset, uint64_t entries, uint64_t entry_len, uin
   if (static_cast<uint64_t>(INT64_MAX) - entries * entry_len < offset || offset % cs)
     return Error(EINVAL, fmt::format("{} offset invalid", name));
   return {};
-}
-
-std::string dir_of(const std::string& path) {
-  std::string copy = path;
-  return ::dirname(copy.data());
 }
 
 }  // namespace
@@ -157,7 +151,7 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   // header, or probed.
   if (!node->h_.backing_file.empty() && !no_backing) {
     std::string path = node->h_.backing_file;
-    if (path.rfind("json:", 0) != 0 && path[0] != '/') path = dir_of((*file)->filename()) + "/" + path;
+    path = path_combine((*file)->filename(), path);
     ImageOpenOptions bo;
     bo.format = node->h_.backing_format;
     bo.read_only = true;
@@ -195,3 +189,25 @@ int probe_qcow2(std::span<const uint8_t> head) {
 }
 
 }  // namespace vblk::drivers
+
+namespace vblk::qcow2 {
+
+nlohmann::ordered_json Qcow2Node::format_specific() const {
+  // Insertion order is the QAPI schema's (ImageInfoSpecificQCow2); the CLI
+  // reorders keys the way QEMU's QDict prints them.
+  nlohmann::ordered_json d;
+  d["compat"] = h_.version >= 3 ? "1.1" : "0.10";
+  if (h_.version >= 3) {
+    d["lazy-refcounts"] = bool(h_.compatible_features & kCompatLazyRefcounts);
+    d["corrupt"] = corrupt();
+  }
+  d["refcount-bits"] = refcount_bits_;
+  d["compression-type"] = h_.compression_type == kCompressionZstd ? "zstd" : "zlib";
+  if (h_.version >= 3) d["extended-l2"] = h_.extended_l2();
+  nlohmann::ordered_json j;
+  j["type"] = "qcow2";
+  j["data"] = d;
+  return j;
+}
+
+}  // namespace vblk::qcow2

@@ -70,6 +70,11 @@ class Qcow2Node final : public Node {
   Node* backing() const { return backing_; }
   std::string backing_filename() const { return h_.backing_file; }
 
+  uint64_t cluster_size() const override { return cs_; }
+  std::string backing_file_name() const override { return h_.backing_file; }
+  std::string backing_file_format() const override { return h_.backing_format; }
+  nlohmann::ordered_json format_specific() const override;
+
   // For tests and check: the refcount of a host cluster.
   Task<Result<uint64_t>> refcount_of(uint64_t cluster_index);
   Task<Status> close();
