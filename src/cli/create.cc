@@ -4,9 +4,11 @@
 
 #include <cstdio>
 #include <map>
+#include <span>
 #include <vector>
 
 #include "block/drivers/drivers.h"
+#include "block/drivers/qcow2/qcow2.h"
 #include "block/options.h"
 #include "cli/common.h"
 
@@ -14,8 +16,38 @@ namespace vblk::cli {
 
 namespace {
 
-// The creation options of raw on `file`, in qemu-img's print order.
-const char* const kRawOptions[] = {"size", "nocow", "preallocation", "extent_size_hint"};
+enum class OptKind { Size, Bool, String, Number };
+struct OptSpec {
+  const char* name;
+  OptKind kind;
+  const char* def;  // printed (and used) when not given; nullptr: printed only if given
+};
+
+// Creation options in qemu-img's print order: the format's, then the
+// protocol's (`file`) that the format does not have.
+const OptSpec kRawOptions[] = {
+    {"size", OptKind::Size, nullptr},
+    {"nocow", OptKind::Bool, nullptr},
+    {"preallocation", OptKind::String, nullptr},
+    {"extent_size_hint", OptKind::Size, nullptr},
+};
+const OptSpec kQcow2Options[] = {
+    {"encrypt", OptKind::Bool, nullptr},
+    {"cluster_size", OptKind::Size, "65536"},
+    {"extended_l2", OptKind::Bool, "off"},
+    {"preallocation", OptKind::String, nullptr},
+    {"compression_type", OptKind::String, "zlib"},
+    {"size", OptKind::Size, nullptr},
+    {"compat", OptKind::String, nullptr},
+    {"backing_file", OptKind::String, nullptr},
+    {"backing_fmt", OptKind::String, nullptr},
+    {"data_file", OptKind::String, nullptr},
+    {"data_file_raw", OptKind::Bool, nullptr},
+    {"lazy_refcounts", OptKind::Bool, "off"},
+    {"refcount_bits", OptKind::Number, "16"},
+    {"nocow", OptKind::Bool, nullptr},
+    {"extent_size_hint", OptKind::Size, nullptr},
+};
 
 bool valid_option_list(const std::string& s) {
   if (s.empty() || s[0] == ',') return false;
@@ -40,6 +72,74 @@ void print_raw_help(bool with_file) {
         "The protocol level may support further options.\n"
         "Specify the target filename to include those options.\n");
   }
+}
+
+// Validates qcow2 creation options (QEMU's wording) and creates the image.
+template <class Fail>
+int create_qcow2(const std::string& filename, uint64_t size, std::map<std::string, std::string>& opts,
+                 std::map<std::string, uint64_t>& sizes, Fail fail) {
+  qcow2::Qcow2Node::CreateOptions o;
+  o.size = align_up(size, 512);
+  std::string compat = opts.count("compat") ? opts["compat"] : "1.1";
+  if (compat == "0.10" || compat == "v2") {
+    o.version = 2;
+  } else if (compat == "1.1" || compat == "v3") {
+    o.version = 3;
+  } else {
+    return fail("Parameter 'version' does not accept value '" + compat + "'");
+  }
+  if (opts.count("encrypt") && opts["encrypt"] == "on") return fail("Encrypted images are not supported by vblk");
+  if (opts.count("data_file")) return fail("External data files are not supported by vblk");
+  o.cluster_size = static_cast<uint32_t>(sizes["cluster_size"]);
+  o.extended_l2 = opts.count("extended_l2") && opts["extended_l2"] == "on";
+  if (o.extended_l2 && o.version < 3)
+    return fail("Extended L2 entries are only supported with compatibility level 1.1 and above (use version=v3 or greater)");
+  uint64_t cs = sizes["cluster_size"];
+  if (cs < 512 || cs > (2u << 20) || (cs & (cs - 1)))
+    return fail("Cluster size must be a power of two between 512 and 2048k");
+  if (o.extended_l2 && cs < 16384)
+    return fail("Extended L2 entries are only supported with cluster sizes of at least 16384 bytes");
+  std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
+  if (prealloc != "off" && prealloc != "metadata" && prealloc != "falloc" && prealloc != "full")
+    return fail("Parameter 'preallocation' does not accept value '" + prealloc + "'");
+  if (opts.count("backing_file") && prealloc != "off")
+    return fail("Backing file and preallocation can only be used at the same time if extended_l2 is on");
+  if (opts.count("backing_fmt") && !opts.count("backing_file"))
+    return fail("Backing format cannot be used without backing file");
+  o.lazy_refcounts = opts.count("lazy_refcounts") && opts["lazy_refcounts"] == "on";
+  if (o.version < 3 && o.lazy_refcounts)
+    return fail("Lazy refcounts only supported with compatibility level 1.1 and above (use version=v3 or greater)");
+  auto bits = parse_ulong(opts.count("refcount_bits") ? opts["refcount_bits"] : "16", 64);
+  if (!bits || *bits == 0 || (*bits & (*bits - 1)))
+    return fail("Refcount width must be a power of two and may not exceed 64 bits");
+  if (o.version < 3 && *bits != 16)
+    return fail("Different refcount widths than 16 bits require compatibility level 1.1 or above (use version=v3 or greater)");
+  o.refcount_bits = static_cast<uint32_t>(*bits);
+  std::string ct = opts.count("compression_type") ? opts["compression_type"] : "zlib";
+  if (ct == "zstd") {
+    o.compression_type = qcow2::kCompressionZstd;
+  } else if (ct != "zlib") {
+    return fail("Parameter 'compression-type' does not accept value '" + ct + "'");
+  }
+  if (o.compression_type != qcow2::kCompressionZlib && o.version < 3)
+    return fail("Non-zlib compression type is only supported with compatibility level 1.1 and above (use version=v3 or greater)");
+  if (opts.count("backing_file")) {
+    o.backing_file = opts["backing_file"];
+    o.backing_format = opts.count("backing_fmt") ? opts["backing_fmt"] : "";
+  }
+  o.preallocation = prealloc;
+  if (auto st = qcow2::Qcow2Node::check_create_size(o.size, o.cluster_size, o.extended_l2); !st)
+    return fail(st.error().what());
+  auto st = drivers::create_file(filename, 0, "off");
+  if (!st) return fail(st.error().what());
+  Loop loop;
+  OpenContext ctx{loop};
+  ctx.read_only = false;
+  auto file = open_node(ctx, Json{{"driver", "file"}, {"filename", filename}});
+  if (!file) return fail(file.error().what());
+  auto cr = loop.run(qcow2::Qcow2Node::create(loop, *file, o));
+  if (!cr) return fail("Could not create image: " + cr.error().what());
+  return 0;
 }
 
 }  // namespace
@@ -97,9 +197,19 @@ int cmd_create(int argc, char** argv) {
     error_report(filename + ": " + msg);
     return 1;
   };
-  if (fmt != "raw" && fmt != "file") return fail("Unknown file format '" + fmt + "'");
-  if (!backing.empty()) return fail("Backing file not supported for file format '" + fmt + "'");
-  if (!backing_fmt.empty()) return fail("Backing file format not supported for file format '" + fmt + "'");
+  std::span<const OptSpec> specs;
+  if (fmt == "raw" || fmt == "file") {
+    specs = kRawOptions;
+  } else if (fmt == "qcow2") {
+    specs = kQcow2Options;
+  } else {
+    return fail("Unknown file format '" + fmt + "'");
+  }
+  auto spec_of = [&](const std::string& k) -> const OptSpec* {
+    for (const auto& o : specs)
+      if (k == o.name) return &o;
+    return nullptr;
+  };
 
   // Parse -o the QemuOpts way: "key" alone means "key=on", ",," is a comma.
   std::map<std::string, std::string> opts;
@@ -109,10 +219,13 @@ int cmd_create(int argc, char** argv) {
       size_t eq = it.find('=');
       std::string k = eq == std::string::npos ? it : it.substr(0, eq);
       std::string v = eq == std::string::npos ? "on" : it.substr(eq + 1);
-      bool known = false;
-      for (const char* name : kRawOptions) known |= k == name;
-      if (!known) {
+      const OptSpec* sp = spec_of(k);
+      if (!sp) {
         fail("Invalid parameter '" + k + "'");
+        return false;
+      }
+      if (sp->kind == OptKind::Bool && v != "on" && v != "off") {
+        fail("Parameter '" + k + "' expects 'on' or 'off'");
         return false;
       }
       opts[k] = v;
@@ -132,8 +245,14 @@ int cmd_create(int argc, char** argv) {
       item += options[i];
     }
   }
-  if (opts.count("nocow") && opts["nocow"] != "on" && opts["nocow"] != "off")
-    return fail("Parameter 'nocow' expects 'on' or 'off'");
+  if (!backing.empty()) {
+    if (!spec_of("backing_file")) return fail("Backing file not supported for file format '" + fmt + "'");
+    opts["backing_file"] = backing;
+  }
+  if (!backing_fmt.empty()) {
+    if (!spec_of("backing_fmt")) return fail("Backing file format not supported for file format '" + fmt + "'");
+    opts["backing_fmt"] = backing_fmt;
+  }
   if (opts.count("size")) {
     if (size) return fail("The image size must be specified only once");
     auto s = parse_size(opts["size"]);
@@ -147,27 +266,65 @@ int cmd_create(int argc, char** argv) {
     }
     size = static_cast<int64_t>(*s);
   }
-  if (!size) return fail("Image creation needs a size parameter");
-  std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
-  uint64_t hint = 0;
-  if (opts.count("extent_size_hint")) {
-    auto h = parse_size(opts["extent_size_hint"]);
-    if (!h) return fail("Parameter 'extent_size_hint' expects a non-negative number below 2^64");
-    hint = *h;
-    if (hint > UINT32_MAX) return fail("Extent size hint is too large");
+  // Size-typed options are printed (and used) as numbers.
+  std::map<std::string, uint64_t> sizes;
+  for (const auto& sp : specs) {
+    if (sp.kind != OptKind::Size || sp.name == std::string("size")) continue;
+    std::string v = opts.count(sp.name) ? opts[sp.name] : (sp.def ? sp.def : "");
+    if (v.empty()) continue;
+    auto n = parse_size(v);
+    if (!n) return fail(std::string("Parameter '") + sp.name + "' expects a non-negative number below 2^64");
+    sizes[sp.name] = *n;
   }
+  if (opts.count("extent_size_hint") && sizes["extent_size_hint"] > UINT32_MAX)
+    return fail("Extent size hint is too large");
+
+  // A backing file gives the size when none was given; it must exist.
+  if (!size && opts.count("backing_file")) {
+    if (!opts.count("backing_fmt")) return fail("Backing file specified without backing format");
+    Loop probe_loop;
+    ImageArgs ba;
+    ba.filename = path_combine(filename, opts["backing_file"]);
+    ba.format = opts["backing_fmt"];
+    OpenContext ctx{probe_loop};
+    ImageOpenOptions io;
+    io.format = ba.format;
+    auto b = open_image(ctx, ba.filename, io);
+    if (!b) {
+      error_report(filename + ": " + b.error().what());
+      std::fprintf(stderr, "Could not open backing image.\n");
+      return 1;
+    }
+    size = static_cast<int64_t>((*b)->length());
+  }
+  if (!size) return fail("Image creation needs a size parameter");
 
   if (!quiet) {
-    std::string line = "Formatting '" + filename + "', fmt=" + fmt + " size=" + std::to_string(*size);
-    if (opts.count("nocow")) line += " nocow=" + opts["nocow"];
-    if (opts.count("preallocation")) line += " preallocation=" + prealloc;
-    if (opts.count("extent_size_hint")) line += " extent_size_hint=" + std::to_string(hint);
+    std::string line = "Formatting '" + filename + "', fmt=" + fmt;
+    for (const auto& sp : specs) {
+      std::string v;
+      if (sp.name == std::string("size")) {
+        v = std::to_string(*size);
+      } else if (opts.count(sp.name)) {
+        v = sp.kind == OptKind::Size ? std::to_string(sizes[sp.name]) : opts[sp.name];
+      } else if (sp.def) {
+        v = sp.def;
+      } else {
+        continue;
+      }
+      line += std::string(" ") + sp.name + "=" + v;
+    }
     std::printf("%s\n", line.c_str());
     std::fflush(stdout);
   }
-  auto st = drivers::create_file(filename, static_cast<uint64_t>(*size), prealloc);
-  if (!st) return fail(st.error().what());
-  return 0;
+
+  std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
+  if (fmt == "raw" || fmt == "file") {
+    auto st = drivers::create_file(filename, static_cast<uint64_t>(*size), prealloc);
+    if (!st) return fail(st.error().what());
+    return 0;
+  }
+  return create_qcow2(filename, static_cast<uint64_t>(*size), opts, sizes, fail);
 }
 
 }  // namespace vblk::cli
