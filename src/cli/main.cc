@@ -35,7 +35,7 @@ void help() {
   for (const auto& c : kCommands) std::printf("  %s\n", c.synopsis);
   std::printf(
       "\n"
-      "Supported formats: raw file null-co\n");
+      "Supported formats: file host_device null-co qcow2 raw\n");
 }
 
 }  // namespace

@@ -11,9 +11,28 @@ bool MetaCache::has_dirty() const {
   return false;
 }
 
+Task<Status> MetaCache::flush_dependency() {
+  MetaCache* dep = depends_;
+  depends_ = nullptr;
+  depends_on_flush_ = false;
+  co_return co_await dep->flush();
+}
+
+Task<Status> MetaCache::set_dependency(MetaCache* dep) {
+  if (dep->depends_) VBLK_CO_TRY(co_await dep->flush_dependency());
+  if (depends_ && depends_ != dep) VBLK_CO_TRY(co_await flush_dependency());
+  depends_ = dep;
+  co_return Status{};
+}
+
 Task<Status> MetaCache::write_entry(Entry& e) {
   if (!e.dirty) co_return Status{};
-  if (dep_ && dep_->has_dirty()) VBLK_CO_TRY(co_await dep_->flush());
+  if (depends_) {
+    VBLK_CO_TRY(co_await flush_dependency());
+  } else if (depends_on_flush_) {
+    VBLK_CO_TRY(co_await file_.flush());
+    depends_on_flush_ = false;
+  }
   VBLK_CO_TRY(co_await file_.write(e.offset, e.data.span()));
   e.dirty = false;
   co_return Status{};
@@ -25,6 +44,7 @@ Task<Status> MetaCache::write_dirty() {
 }
 
 Task<Status> MetaCache::flush() {
+  if (depends_) VBLK_CO_TRY(co_await flush_dependency());
   VBLK_CO_TRY(co_await write_dirty());
   co_return co_await file_.flush();
 }

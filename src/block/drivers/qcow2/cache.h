@@ -2,10 +2,14 @@
 // refcount blocks), one cluster per entry, written back lazily.
 //
 // Crash-safety rule (QEMU's, coarse and proven): a cache may depend on
-// another. Before any dirty entry of a cache is written, its dependency is
-// flushed (entries written, then the file flushed). The L2 cache depends on
-// the refcount cache, so a new L2 entry never reaches the disk before the
-// refcount that makes its cluster allocated.
+// another, set at the moment the ordering matters. Before any dirty entry of
+// a cache is written, its dependency is flushed (entries written, then the
+// file flushed). Allocation makes the L2 cache depend on the refcount cache
+// (a new L2 entry never reaches the disk before the refcount that makes its
+// cluster allocated); freeing makes the refcount cache depend on the L2 cache
+// (a refcount never drops on disk while an L2 entry there still points to the
+// cluster). "Depends on flush" orders data before metadata: the file is
+// flushed before the next entry is written.
 //
 // Concurrency: used only under the qcow2 node's metadata lock, so at most one
 // coroutine is inside at a time; entries handed out are pinned (Ref) and are
@@ -62,7 +66,11 @@ class MetaCache {
 
   MetaCache(Node& file, uint64_t table_size, size_t capacity);
 
-  void set_dependency(MetaCache* dep) { dep_ = dep; }
+  // This cache's next write waits for `dep` to be flushed first. Flushes
+  // whatever would otherwise form a cycle (QEMU's qcow2_cache_set_dependency).
+  Task<Status> set_dependency(MetaCache* dep);
+  // The next write of this cache is preceded by a file flush.
+  void depends_on_flush() { depends_on_flush_ = true; }
   void set_capacity(size_t entries) { capacity_ = entries ? entries : 1; }
   size_t capacity() const { return capacity_; }
   uint64_t table_size() const { return table_size_; }
@@ -88,7 +96,9 @@ class MetaCache {
   Node& file_;
   uint64_t table_size_;
   size_t capacity_;
-  MetaCache* dep_ = nullptr;
+  Task<Status> flush_dependency();
+  MetaCache* depends_ = nullptr;
+  bool depends_on_flush_ = false;
   uint64_t clock_ = 0;
   std::list<Entry> entries_;  // stable addresses for Ref
   std::unordered_map<uint64_t, Entry*> index_;

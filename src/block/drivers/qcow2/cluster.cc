@@ -167,9 +167,9 @@ Task<Result<MetaCache::Ref>> Qcow2Node::l2_for_write(uint64_t offset) {
       if (e & kOflagCopied) set_l2_entry(fresh, i, e & ~kOflagCopied, l2_bitmap(fresh, i));
     }
   }
-  // The table and the refcounts it relies on reach the disk before the L1
-  // entry that makes it reachable (flushing the L2 cache flushes refcounts
-  // first).
+  // The table and the refcounts it relies on (its own cluster's among them)
+  // reach the disk before the L1 entry that makes it reachable.
+  VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
   VBLK_CO_TRY(co_await l2_cache_->flush());
   l1_[l1i] = *where | kOflagCopied;
   VBLK_CO_TRY(co_await write_l1_entry(l1i));

@@ -169,9 +169,12 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
     VBLK_CO_TRY(co_await file_->write(*host, cow.span()));
   }
 
-  // Link the new clusters into the L2 table; free what they replace.
+  // Link the new clusters into the L2 table; free what they replace. The
+  // data and the refcounts reach the disk before these entries do.
   co_await lock_.lock();
   locked = true;
+  l2_cache_->depends_on_flush();
+  VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
   for (uint64_t i = 0; i < count; ++i) {
     uint64_t guest = (first + i) * cs_;
     auto t = co_await l2_for_write(guest);
@@ -275,12 +278,14 @@ Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {
 }
 
 Task<Status> Qcow2Node::do_flush() {
-  {
-    auto g = co_await lock_.scoped();
-    VBLK_CO_TRY(co_await l2_cache_->write_dirty());  // writes refcounts first
-    VBLK_CO_TRY(co_await rb_cache_->write_dirty());
-  }
-  co_return co_await file_->flush();
+  auto g = co_await lock_.scoped();
+  VBLK_CO_TRY(co_await l2_cache_->write_dirty());  // dependencies go first
+  VBLK_CO_TRY(co_await rb_cache_->write_dirty());
+  VBLK_CO_TRY(co_await file_->flush());
+  // Everything freed so far is free on disk too: it may be reused now.
+  for (uint64_t ci : quarantine_) free_cluster_index_ = std::min(free_cluster_index_, ci);
+  quarantine_.clear();
+  co_return Status{};
 }
 
 Task<Result<BlockStatus>> Qcow2Node::do_block_status(uint64_t offset, uint64_t bytes) {

@@ -111,7 +111,6 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
   uint64_t rb_bytes = std::max<uint64_t>(4 * cs_, l2_bytes / 4);
   l2_cache_ = std::make_unique<MetaCache>(*file_, cs_, l2_bytes / cs_);
   rb_cache_ = std::make_unique<MetaCache>(*file_, cs_, rb_bytes / cs_);
-  l2_cache_->set_dependency(rb_cache_.get());
 
   set_length(h_.size);
   set_read_only(ro);

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <memory>
+#include <unordered_set>
 #include <vector>
 
 #include "block/drivers/qcow2/cache.h"
@@ -146,6 +147,8 @@ class Qcow2Node final : public Node {
   uint64_t free_cluster_index_ = 0;
   uint64_t free_byte_offset_ = 0;  // packing point for compressed writes
   bool header_dirty_ = false;
+  // Clusters freed since the last flush: not handed out again until then.
+  std::unordered_set<uint64_t> quarantine_;
 
   // Guest cluster ranges being filled by allocating writes.
   struct Alloc {

@@ -59,7 +59,7 @@ Task<Result<uint64_t>> Qcow2Node::find_free(uint64_t n) {
   for (uint64_t ci = start;; ++ci) {
     auto rc = co_await get_refcount(ci);
     if (!rc) co_return rc.take_error();
-    if (*rc == 0) {
+    if (*rc == 0 && !quarantine_.count(ci)) {
       if (run == 0) start = ci;
       if (++run == n) co_return start;
     } else {
@@ -164,6 +164,7 @@ Task<Status> Qcow2Node::grow_refcount_table(uint64_t min_entries) {
 
 Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_t delta) {
   if (length == 0) co_return Status{};
+  if (delta < 0) VBLK_CO_TRY(co_await rb_cache_->set_dependency(l2_cache_.get()));
   uint64_t first = offset / cs_, last = (offset + length - 1) / cs_;
   for (uint64_t ci = first; ci <= last; ++ci) {
     uint64_t rti = ci / rb_entries_;
@@ -188,7 +189,9 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
     refcount_set(t->data(), ci % rb_entries_, nv);
     t->mark_dirty();
     if (nv == 0) {
-      if (ci < free_cluster_index_) free_cluster_index_ = ci;
+      // Not reusable before the next flush: until then an L2 entry on disk
+      // may still point here, and new data must not appear through it.
+      quarantine_.insert(ci);
       // A freed table must never be written back over reused space.
       l2_cache_->discard(ci * cs_);
       rb_cache_->discard(ci * cs_);
