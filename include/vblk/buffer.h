@@ -25,6 +25,11 @@ class AlignedBuffer {
     if (posix_memalign(&p, align < sizeof(void*) ? sizeof(void*) : align, size) != 0) throw std::bad_alloc();
     data_ = static_cast<uint8_t*>(p);
   }
+  // A large buffer on transparent huge pages where the kernel allows: few
+  // physical segments per request, so the device queue does not have to
+  // split big requests (measured: 1 MiB O_DIRECT writes on virtio-blk).
+  static AlignedBuffer huge(size_t size);
+
   AlignedBuffer(AlignedBuffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
   AlignedBuffer& operator=(AlignedBuffer&& o) noexcept {

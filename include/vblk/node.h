@@ -46,6 +46,7 @@ enum StatusFlags : uint32_t {
   kStatusRaw = 0x08,          // driver passes through: ask `file` at `map`
   kStatusAllocated = 0x10,    // allocated at this layer (not from a backing file)
   kStatusEof = 0x20,          // the range reaches the end of the node
+  kStatusRecurse = 0x40,      // driver asks: look into `file` at `map` for zeroes
 };
 
 class Node;
@@ -75,6 +76,27 @@ struct NodeCaps {
   bool copy_range = false;      // do_copy_range_to is implemented
   bool serialise_zeroes = false;  // zeroes/discard change metadata: no overlap allowed
   bool supports_backing = false;  // unallocated ranges fall through to "backing"
+};
+
+// Consistency checks (qemu-img check): QEMU's BdrvCheckMode bits and its
+// BdrvCheckResult with BlockFragInfo folded in.
+enum CheckMode : uint32_t {
+  kCheckReport = 0,          // only report
+  kCheckFixLeaks = 1u << 0,  // -r leaks: drop refcounts nothing references
+  kCheckFixErrors = 1u << 1, // -r all (with kCheckFixLeaks): fix everything fixable
+};
+
+struct CheckResult {
+  int64_t corruptions = 0;
+  int64_t leaks = 0;
+  int64_t check_errors = 0;  // the check itself could not complete some step
+  int64_t corruptions_fixed = 0;
+  int64_t leaks_fixed = 0;
+  int64_t image_end_offset = 0;
+  int64_t total_clusters = 0;
+  int64_t allocated_clusters = 0;
+  int64_t fragmented_clusters = 0;
+  int64_t compressed_clusters = 0;
 };
 
 struct Child {
@@ -150,9 +172,16 @@ class Node {
   virtual std::string backing_file_format() const { return {}; }
   // {"type": driver, "data": {...}} in QAPI ImageInfoSpecific form, or null.
   virtual nlohmann::ordered_json format_specific() const { return nullptr; }
+  // The image was not closed cleanly (qcow2's dirty bit: lazy refcounts).
+  virtual bool dirty_flag() const { return false; }
 
   // Allocated size on disk (qemu-img's "disk size"), -ENOTSUP if unknown.
   virtual Result<uint64_t> allocated_size() const;
+
+  // Checks (and with `fix`, a CheckMode mask, repairs) the format's metadata.
+  // ENOTSUP: the format has no checks (qemu-img's exit code 63). Messages
+  // about what was found go to stderr, worded as QEMU words them.
+  virtual Task<Result<CheckResult>> check(uint32_t fix);
 
  protected:
   // Drivers implement these. Input is clean: aligned to request_alignment,

@@ -36,8 +36,10 @@ Result<uint64_t> Node::allocated_size() const {
 }
 
 Status Node::check_range(uint64_t offset, uint64_t bytes, bool write) const {
+  // QEMU's BDRV_MAX_LENGTH: nothing is addressed at or beyond it.
+  constexpr uint64_t kMaxLength = 0x7fffffffc0000000ull;
   if (write && read_only_) return Error(EPERM, "Block node is read-only");
-  if (offset + bytes < offset) return Error(EIO);
+  if (offset + bytes < offset || offset + bytes > kMaxLength) return Error(EIO);
   if (!growable_ && offset + bytes > length_) return Error(EIO);
   return {};
 }
@@ -308,6 +310,21 @@ Task<Result<BlockStatus>> Node::block_status(uint64_t offset, uint64_t bytes) {
     if (offset + in.bytes == length_) in.flags |= kStatusEof;
     co_return in;
   }
+  if ((s.flags & kStatusRecurse) && s.file && s.file != this && (s.flags & kStatusData) &&
+      !(s.flags & kStatusZero) && (s.flags & kStatusOffsetValid)) {
+    // The format maps data here, but the file may hold a hole: then it reads
+    // as zeroes (QEMU's BDRV_BLOCK_RECURSE). Errors only lose the extra hint.
+    auto inner = co_await s.file->block_status(s.map, s.bytes);
+    if (inner) {
+      if ((inner->flags & kStatusEof) && (!inner->bytes || (inner->flags & kStatusZero))) {
+        s.flags |= kStatusZero;
+      } else {
+        s.bytes = inner->bytes;
+        s.flags |= inner->flags & kStatusZero;
+      }
+    }
+  }
+  s.flags &= ~kStatusRecurse;
   if (s.flags & (kStatusData | kStatusZero)) {
     s.flags |= kStatusAllocated;
   } else if (caps_.supports_backing) {
@@ -387,6 +404,8 @@ Task<Result<BlockStatus>> Node::do_block_status(uint64_t offset, uint64_t bytes)
 }
 
 Task<Status> Node::do_copy_range_to(uint64_t, Node&, uint64_t, uint64_t, uint32_t) { co_return Error(ENOTSUP); }
+Task<Result<CheckResult>> Node::check(uint32_t) { co_return Error(ENOTSUP, "This image format does not support checks"); }
+
 Task<Status> Node::do_truncate(uint64_t, bool) { co_return Error(ENOTSUP, "Image format driver does not support resize"); }
 
 }  // namespace vblk

@@ -94,6 +94,9 @@ Result<std::shared_ptr<Node>> open_child(OpenContext& ctx, Json& parent_opts, co
     return Error(ENOENT, "Cannot find device='" + ref + "' nor node-name='" + ref + "'");
   }
   if (!spec.is_object()) return Error(EINVAL, "Invalid parameter type for '" + role + "', expected: object");
+  // A child with a file name and no driver is a file (QEMU's protocol
+  // probing: --image-opts driver=qcow2,file.filename=x).
+  if (!spec.contains("driver") && spec.contains("filename")) spec["driver"] = "file";
   return open_node(ctx, std::move(spec));
 }
 
@@ -140,6 +143,7 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
   if (!o.aio.empty()) file["aio"] = o.aio;
   OpenContext fctx = ctx;
   fctx.read_only = o.read_only;
+  fctx.no_io = fctx.no_io || o.no_io;
   std::string format = o.format;
   if (format == "file" || format == "host_device") {
     file["driver"] = format;
@@ -165,6 +169,7 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
   Json fmt = Json::object();
   fmt["driver"] = format;
   fmt["file"] = (*fnode)->node_name();
+  if (o.no_backing && format == "qcow2") fmt["backing"] = nullptr;
   OpenContext gctx = fctx;
   gctx.graph = &local;
   auto top = open_node(gctx, fmt);

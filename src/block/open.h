@@ -9,6 +9,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "block/options.h"
 #include "vblk/node.h"
@@ -24,6 +25,16 @@ struct OpenContext {
   // Generic cache options, inherited by children unless they set their own.
   bool cache_direct = false;
   bool cache_no_flush = false;
+  // Opening for `check` (QEMU's BDRV_O_CHECK): formats accept images they
+  // would otherwise refuse to open read-write (corrupt or dirty), so that
+  // they can be repaired. Not inherited by backing files.
+  bool check = false;
+  // Real paths of the images already open in this backing chain: opening one
+  // of them again would loop forever.
+  std::shared_ptr<std::vector<std::string>> chain;
+  // Opened only to describe it (qemu-img info; QEMU's BDRV_O_NO_IO): checks
+  // that only matter for guest I/O are skipped.
+  bool no_io = false;
 };
 
 using DriverOpenFn = Result<std::shared_ptr<Node>> (*)(OpenContext& ctx, Json& opts);
@@ -55,6 +66,8 @@ struct ImageOpenOptions {
   bool no_flush = false;  // cache=unsafe
   bool writethrough = false;
   std::string aio;        // "" default, "threads", "io_uring", "native"
+  bool no_backing = false;  // do not open backing files (qemu-img info does not)
+  bool no_io = false;       // see OpenContext::no_io
 };
 Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& filename, const ImageOpenOptions& o,
                                          bool* probed_raw = nullptr);

@@ -41,16 +41,18 @@ uint64_t next_offset(Bench& b) {
   return o;
 }
 
-Task<void> worker(Bench& b, uint64_t limit, WaitGroup& wg) {
+// Each in-flight request has its own slice of the buffer, as in qemu-img.
+Task<void> worker(Bench& b, uint64_t limit, WaitGroup& wg, uint64_t slot) {
+  std::span<uint8_t> mine = b.buf.span().subspan(slot * b.bufsize, b.bufsize);
   while (!b.failed && b.issued < limit) {
     ++b.issued;
     uint64_t o = next_offset(b);
     // (Never co_await inside ?: — GCC 12 miscompiles the temporaries.)
     Status st;
     if (b.write) {
-      st = co_await b.node.write(o, b.buf.span().subspan(0, b.bufsize));
+      st = co_await b.node.write(o, mine);
     } else {
-      st = co_await b.node.read(o, b.buf.span().subspan(0, b.bufsize));
+      st = co_await b.node.read(o, mine);
     }
     if (!st && !b.failed) {
       b.failed = true;
@@ -66,7 +68,7 @@ Task<void> run_until(Bench& b, uint64_t limit) {
   WaitGroup wg(b.loop);
   uint64_t n = std::min<uint64_t>(b.depth, limit - b.issued);
   wg.add(n);
-  for (uint64_t i = 0; i < n; ++i) spawn_detached(worker(b, limit, wg));
+  for (uint64_t i = 0; i < n; ++i) spawn_detached(worker(b, limit, wg, i));
   co_await wg.wait();
 }
 
@@ -224,7 +226,7 @@ int cmd_bench(int argc, char** argv) {
   }
   Bench b{loop, *node, count, depth, static_cast<uint64_t>(bufsize), step ? static_cast<uint64_t>(step) : static_cast<uint64_t>(bufsize),
           static_cast<uint64_t>(offset), node->length(), write, flush_interval, drain,
-          AlignedBuffer(std::max<uint64_t>(static_cast<uint64_t>(bufsize), 1))};
+          AlignedBuffer::huge(std::max<uint64_t>(static_cast<uint64_t>(bufsize) * depth, 1))};
   std::memset(b.buf.data(), static_cast<int>(pattern), b.buf.size());
   std::printf("Sending %lu %s requests, %" PRId64 " bytes each, %lu in parallel (starting at offset %" PRId64 ", step size %" PRIu64 ")\n",
               count, write ? "write" : "read", bufsize, depth, offset, b.step);

@@ -200,6 +200,7 @@ std::string qemu_json_pretty(const nlohmann::ordered_json& j) {
 std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
   OpenContext ctx{loop};
   ctx.read_only = a.read_only;
+  ctx.check = a.check;
   Result<std::shared_ptr<Node>> node = Error(EINVAL);
   bool probed_raw = false;
   if (a.image_opts) {
@@ -223,6 +224,8 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
     io.no_flush = a.cache.no_flush;
     io.writethrough = a.cache.writethrough;
     io.aio = a.aio;
+    io.no_backing = a.no_backing;
+    io.no_io = a.no_io;
     node = open_image(ctx, a.filename, io, &probed_raw);
   }
   if (!node) {

@@ -57,6 +57,9 @@ struct ImageArgs {
   bool read_only = true;
   CacheMode cache;
   std::string aio;         // -i
+  bool check = false;      // opening for `check`: corrupt/dirty images may be repaired
+  bool no_backing = false; // leave backing files closed (info)
+  bool no_io = false;      // opened only to be described (info)
 };
 
 // Opens an image as qemu-img does and reports "Could not open 'X': ..." on
@@ -68,5 +71,7 @@ int cmd_info(int argc, char** argv);
 int cmd_map(int argc, char** argv);
 int cmd_compare(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
+int cmd_check(int argc, char** argv);
+int cmd_resize(int argc, char** argv);
 
 }  // namespace vblk::cli

@@ -14,7 +14,7 @@ nlohmann::ordered_json info_json(Node& top) {
   nlohmann::ordered_json j;
   j["filename"] = top.filename();
   j["format"] = top.driver();
-  j["dirty-flag"] = false;
+  j["dirty-flag"] = top.dirty_flag();
   if (auto sz = top.allocated_size()) j["actual-size"] = *sz;
   j["virtual-size"] = top.length();
   if (top.cluster_size()) j["cluster-size"] = top.cluster_size();
@@ -58,6 +58,7 @@ void info_human(Node& top) {
   auto sz = top.allocated_size();
   std::printf("disk size: %s\n", sz ? size_to_str(*sz).c_str() : "unavailable");
   if (top.cluster_size()) std::printf("cluster_size: %llu\n", static_cast<unsigned long long>(top.cluster_size()));
+  if (top.dirty_flag()) std::printf("cleanly shut down: no\n");
   std::string bf = top.backing_file_name();
   if (!bf.empty()) {
     std::string full = path_combine(top.filename(), bf);
@@ -119,14 +120,37 @@ int cmd_info(int argc, char** argv) {
     error_report("--image-opts and --format are mutually exclusive");
     return 1;
   }
+  // As qemu-img: backing files are not opened; --backing-chain opens each
+  // image on its own, following the names, and refuses a loop.
   Loop loop;
+  a.no_backing = true;
+  a.no_io = true;
   auto top = open_cli_image(loop, a);
   if (!top) return 1;
-  // The chain: this image, then each backing file (skipping format-less
-  // protocol children).
+  std::vector<std::shared_ptr<Node>> owned{top};
   std::vector<Node*> images{top.get()};
-  if (chain)
-    while (Node* b = images.back()->child("backing")) images.push_back(b);
+  if (chain) {
+    std::vector<std::string> seen{top->filename()};
+    while (!images.back()->backing_file_name().empty()) {
+      Node* cur = images.back();
+      ImageArgs b;
+      b.filename = path_combine(cur->filename(), cur->backing_file_name());
+      b.format = cur->backing_file_format();
+      b.no_backing = true;
+      b.no_io = true;
+      for (const auto& s : seen) {
+        if (s == b.filename) {
+          error_report("Backing file '" + cur->backing_file_name() + "' creates an infinite loop.");
+          return 1;
+        }
+      }
+      seen.push_back(b.filename);
+      auto next = open_cli_image(loop, b);
+      if (!next) return 1;
+      owned.push_back(next);
+      images.push_back(next.get());
+    }
+  }
   if (json) {
     nlohmann::ordered_json out;
     if (chain) {

@@ -181,9 +181,10 @@ int cmd_map(int argc, char** argv) {
     }
     curr = *next;
   }
-  if (ret == 0 && !dump(curr, nullptr, json)) return 1;
+  if (ret) return ret;  // qemu-img leaves the listing unterminated too
+  if (!dump(curr, nullptr, json)) return 1;
   if (json) std::puts("]");
-  return ret;
+  return 0;
 }
 
 }  // namespace vblk::cli

@@ -42,16 +42,18 @@ import shutil
 import struct
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import (KiB, MiB, GiB, QEMU_IMG, InteropTestCase, both,  # noqa: E402
+from common import (KiB, MiB, GiB, QEMU_IMG, VBLK, InteropTestCase, both,  # noqa: E402
                     file_state, make_image, make_tempdir, norm_qemu_err,
-                    norm_vblk_err, qemu, run, vblk)
+                    norm_vblk_err, qemu, run, shm_dir, vblk)
 
+VBLK_IS_QEMU = os.path.realpath(VBLK) == os.path.realpath(QEMU_IMG)
 QEMU_IO = os.environ.get("QEMU_IO") or os.path.join(os.path.dirname(QEMU_IMG), "qemu-io")
 if not os.access(QEMU_IO, os.X_OK):
     QEMU_IO = shutil.which("qemu-io")
@@ -61,6 +63,31 @@ if not QEMU_IO:
 
 IDENTICAL = "Images are identical.\n"
 NO_ERRORS = "No errors were found on the image.\n"
+# Work on tmpfs: qemu-io/qemu-img fsync on close, which is slow on a busy disk.
+TMP_BASE = shm_dir()
+
+
+class Qcow2TestCase(InteropTestCase):
+    def setUp(self):
+        super().setUp()
+        self.tmp = make_tempdir(self, base=TMP_BASE)
+
+
+_POOL = ThreadPoolExecutor(max_workers=2)
+
+
+def both_par(*args, cwd=None, timeout=60):
+    """Like common.both(), but runs vblk and qemu-img concurrently (only for
+    read-only commands)."""
+    fv = _POOL.submit(vblk, *args, cwd=cwd, timeout=timeout)
+    fq = _POOL.submit(qemu, *args, cwd=cwd, timeout=timeout)
+    return fv.result(), fq.result()
+
+
+def parallel_map(fn, items):
+    """Build fixtures two at a time (the work is in subprocesses)."""
+    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as ex:
+        return list(ex.map(fn, items))
 
 
 def semi_compressible(n, seed):
@@ -303,31 +330,34 @@ VARIANTS_A = {
 }
 
 
-class QemuMadeImagesTest(InteropTestCase):
+class QemuMadeImagesTest(Qcow2TestCase):
     """info/map/compare on images written by qemu-img and qemu-io."""
 
     @classmethod
     def setUpClass(cls):
-        cls.dir = tempfile.mkdtemp(prefix="vblk-interop-qcow2-a-")
+        cls.dir = tempfile.mkdtemp(prefix="vblk-interop-qcow2-a-", dir=TMP_BASE)
         cls.addClassCleanup(shutil.rmtree, cls.dir, True)
-        cls.images = {}
-        for key, builder in QEMU_IMAGES.items():
-            d = os.path.join(cls.dir, key)
-            os.makedirs(d)
-            img, backing = builder(d)
-            qemu_ok("convert", "-O", "raw", img, "ref.raw", cwd=d)
-            vsize = os.path.getsize(os.path.join(d, "ref.raw"))
-            flips = []
-            for off in FLIP_OFFSETS.get(key, []):
-                name = "flip_%d.raw" % off
-                qemu_ok("convert", "-O", "raw", img, name, cwd=d)
-                with open(os.path.join(d, name), "r+b") as f:
-                    f.seek(off)
-                    b = f.read(1)
-                    f.seek(off)
-                    f.write(bytes([b[0] ^ 0x5A]))
-                flips.append((off, name))
-            cls.images[key] = (d, img, backing, vsize, flips)
+        cls.images = dict(parallel_map(cls._build, QEMU_IMAGES.items()))
+
+    @classmethod
+    def _build(cls, item):
+        key, builder = item
+        d = os.path.join(cls.dir, key)
+        os.makedirs(d)
+        img, backing = builder(d)
+        qemu_ok("convert", "-O", "raw", img, "ref.raw", cwd=d)
+        vsize = os.path.getsize(os.path.join(d, "ref.raw"))
+        flips = []
+        for off in FLIP_OFFSETS.get(key, []):
+            name = "flip_%d.raw" % off
+            qemu_ok("convert", "-O", "raw", img, name, cwd=d)
+            with open(os.path.join(d, name), "r+b") as f:
+                f.seek(off)
+                b = f.read(1)
+                f.seek(off)
+                f.write(bytes([b[0] ^ 0x5A]))
+            flips.append((off, name))
+        return key, (d, img, backing, vsize, flips)
 
     def _state(self, d, img, backing):
         return {p: file_state(os.path.join(d, p)) for p in [img] + backing}
@@ -335,7 +365,7 @@ class QemuMadeImagesTest(InteropTestCase):
     def _check(self, key, argv, expect_ok=True):
         d, img, backing, vsize, flips = self.images[key]
         before = self._state(d, img, backing)
-        v, q = both(*argv, cwd=d)
+        v, q = both_par(*argv, cwd=d)
         self.assertUnchanged(before, self._state(d, img, backing), "(image modified)")
         if expect_ok:
             self.assertEqual(q.rc, 0, "oracle failed: %r" % q)
@@ -356,7 +386,9 @@ class QemuMadeImagesTest(InteropTestCase):
                 with self.subTest(image=key, offset=off):
                     v, q = self._check(key, ["compare", img, name], expect_ok=False)
                     self.assertEqual(q.rc, 1, q)
-                    self.assertEqual(v.stdout, "Content mismatch at offset %d!\n" % off)
+                    # qemu-img reports the start of the differing sector
+                    self.assertEqual(v.stdout,
+                                     "Content mismatch at offset %d!\n" % (off & ~511))
 
     def test_compare_against_qemu_converted_qcow2(self):
         # qcow2 vs qcow2 (both sides through the driver)
@@ -402,8 +434,23 @@ def _make_a_test(key, variant):
     return test
 
 
+# Variants run only on some images (to keep the runtime down).
+_SOME = {"cs512", "cs4k", "cs2M", "compat010", "extl2_64k", "zstd", "chain_qcow2_3deep",
+         "chain_raw", "chain_raw_ext_v2", "chain_subdir", "size_10000"}
+VARIANT_IMAGES = {
+    "compare_probe": _SOME,
+    "compare_reversed": _SOME,
+    "map_json_fqcow2": {"cs512", "extl2_16k", "chain_raw"},
+    "info_chain_human": {"cs4k", "compat010", "extl2_64k", "chain_qcow2_3deep",
+                         "chain_raw", "chain_raw_ext_v2", "chain_subdir"},
+    "info_chain_json": {"cs4k", "compat010", "extl2_64k", "chain_qcow2_3deep",
+                        "chain_raw", "chain_raw_ext_v2", "chain_subdir"},
+}
+
 for _key in QEMU_IMAGES:
     for _variant in VARIANTS_A:
+        if _variant in VARIANT_IMAGES and _key not in VARIANT_IMAGES[_variant]:
+            continue
         setattr(QemuMadeImagesTest, "test_%s__%s" % (_variant, _key),
                 _make_a_test(_key, _variant))
 
@@ -432,21 +479,17 @@ CREATE_COMBOS = [
     ("default", [], "1M"),
     ("cs512", ["-o", "cluster_size=512"], "1M"),
     ("cs4k", ["-o", "cluster_size=4k"], "3M"),
-    ("cs64k", ["-o", "cluster_size=64k"], "3M"),
     ("cs2M", ["-o", "cluster_size=2M"], "64M"),
     ("rb1", ["-o", "refcount_bits=1"], "1M"),
     ("rb8", ["-o", "refcount_bits=8"], "1M"),
-    ("rb16", ["-o", "refcount_bits=16"], "1M"),
     ("rb64", ["-o", "refcount_bits=64"], "1M"),
     ("compat010", ["-o", "compat=0.10"], "1M"),
     ("compat_v2", ["-o", "compat=v2"], "1M"),
     ("compat11", ["-o", "compat=1.1"], "1M"),
-    ("compat_v3", ["-o", "compat=v3"], "1M"),
     ("lazy", ["-o", "lazy_refcounts=on"], "1M"),
     ("extl2_16k", ["-o", "extended_l2=on,cluster_size=16k"], "4M"),
     ("extl2_64k", ["-o", "extended_l2=on"], "4M"),
     ("extl2_2M", ["-o", "extended_l2=on,cluster_size=2M"], "8M"),
-    ("zlib", ["-o", "compression_type=zlib"], "1M"),
     ("zstd", ["-o", "compression_type=zstd"], "1M"),
     ("combo_small", ["-o", "cluster_size=4k,refcount_bits=1,lazy_refcounts=on,"
                      "compression_type=zstd,compat=1.1"], "2M"),
@@ -482,7 +525,7 @@ def _strip_info_json(text):
     return j
 
 
-class VblkCreateTest(InteropTestCase):
+class VblkCreateTest(Qcow2TestCase):
     """vblk create -f qcow2 compared with qemu-img create -f qcow2."""
 
     def _create(self, name, args, size):
@@ -511,19 +554,20 @@ class VblkCreateTest(InteropTestCase):
         self.assertEqual(c.rc, 0, c)
         self.assertTrue(c.stdout.startswith(NO_ERRORS), c.stdout)
         # qemu-img info / map of both images
-        for argv, norm in ((["info", "c.qcow2"], _strip_info),
-                           (["info", "--output=json", "c.qcow2"], _strip_info_json),
-                           (["info", "--backing-chain", "c.qcow2"], _strip_info),
-                           (["map", "--output=json", "c.qcow2"], json.loads)):
+        checks = [(["info", "c.qcow2"], _strip_info)]
+        if "-b" in args:
+            checks += [(["info", "--output=json", "c.qcow2"], _strip_info_json),
+                       (["info", "--backing-chain", "c.qcow2"], _strip_info),
+                       (["map", "--output=json", "c.qcow2"], json.loads)]
+        for argv, norm in checks:
             rv, rq = qemu(*argv, cwd=dv), qemu(*argv, cwd=dq)
             self.assertEqual(rq.rc, 0, rq)
             self.assertEqual(rv.rc, 0, rv)
             a, b = rv.stdout.replace(dv, "<DIR>"), rq.stdout.replace(dq, "<DIR>")
             self.assertEqual(norm(a), norm(b), "qemu-img %s differs" % " ".join(argv))
         # vblk's own view of its image equals qemu-img's
-        for argv in (["info", "c.qcow2"], ["info", "--output=json", "c.qcow2"],
-                     ["map", "c.qcow2"], ["map", "--output=json", "c.qcow2"]):
-            rv, rq = both(*argv, cwd=dv)
+        for argv in (["info", "c.qcow2"], ["info", "--output=json", "c.qcow2"]):
+            rv, rq = both_par(*argv, cwd=dv)
             self.assertEqual(rq.rc, 0, rq)
             self.assertSameResult(rv, rq, "(%s on vblk-made image)" % " ".join(argv))
 
@@ -605,22 +649,45 @@ WRITE_SCENARIOS = [
      "qcow2", WRITE_RUNS_GENERIC + [(20, 32, 100, 65536, 2 * MiB + 30, 0x79)]),
     ("backing_qcow2_2M", ["-b", "base.qcow2", "-F", "qcow2", "-o", "cluster_size=2M"],
      "5M", "qcow2", WRITE_RUNS_GENERIC),
+    ("backing_qcow2_extl2", ["-b", "base.qcow2", "-F", "qcow2",
+                             "-o", "extended_l2=on,cluster_size=64k"], "6M", "qcow2",
+     WRITE_RUNS_GENERIC + [(20, 32, 100, 65536, 2 * MiB + 30, 0x7c),
+                           (8, 32, 2048, 4096, 5 * MiB + 1024, 0x7d)]),
+    # vblk writing into images qemu-io filled (compressed, zero, discarded,
+    # partially written clusters and subclusters; see generic_ops)
+    ("into_qemu_cs64k", "QEMU:cs64k", None, None, WRITE_RUNS_GENERIC),
+    ("into_qemu_cs4k_rb1", "QEMU:rb1", None, None, WRITE_RUNS_GENERIC),
+    ("into_qemu_compat010", "QEMU:compat010", None, None, WRITE_RUNS_GENERIC),
+    ("into_qemu_extl2_16k", "QEMU:extl2_16k", None, None,
+     WRITE_RUNS_GENERIC + [(64, 32, 300, 512, 20 * 16384, 0x7a)]),
+    ("into_qemu_lazy", "QEMU:compat11_lazy", None, None, WRITE_RUNS_GENERIC),
+    ("into_qemu_chain", "QEMU:chain_qcow2_3deep", None, None,
+     WRITE_RUNS_GENERIC + [(16, 32, 3000, 65536, 1000, 0x7b)]),
 ]
 
 
-class VblkWriteTest(InteropTestCase):
+class VblkWriteTest(Qcow2TestCase):
     """vblk create + vblk bench -w, verified by qemu-img."""
 
     def _scenario(self, name, args, size, backing, runs):
         d = self.subdir(name)
         if backing is not None:
             _setup_backing(d)
-        r = vblk("create", "-q", "-f", "qcow2", *(args + ["c.qcow2"] +
-                                                   ([size] if size else [])), cwd=d)
-        self.assertEqual(r.rc, 0, r)
-        vsize = json.loads(qemu_ok("info", "--output=json", "c.qcow2",
-                                   cwd=d).stdout)["virtual-size"]
-        expect = bytearray(vsize)
+        if isinstance(args, str):
+            # an image made by qemu-img/qemu-io (QEMU_IMAGES)
+            img, _ = QEMU_IMAGES[args.split(":", 1)[1]](d)
+            os.rename(os.path.join(d, img), os.path.join(d, "c.qcow2"))
+            qemu_ok("convert", "-O", "raw", "c.qcow2", "initial.raw", cwd=d)
+            with open(os.path.join(d, "initial.raw"), "rb") as f:
+                expect = bytearray(f.read())
+            vsize = len(expect)
+        else:
+            r = vblk("create", "-q", "-f", "qcow2",
+                     *(args + ["c.qcow2"] + ([size] if size else [])), cwd=d)
+            self.assertEqual(r.rc, 0, r)
+            vsize = json.loads(qemu_ok("info", "--output=json", "c.qcow2",
+                                       cwd=d).stdout)["virtual-size"]
+            expect = bytearray(vsize)
         if backing == "raw":
             n = min(vsize, len(BASE_RAW))
             expect[:n] = BASE_RAW[:n]
@@ -660,7 +727,8 @@ class VblkWriteTest(InteropTestCase):
 
 def _make_write_test(name, args, size, backing, runs):
     def test(self):
-        self._scenario(name, list(args), size, backing, runs)
+        self._scenario(name, args if isinstance(args, str) else list(args), size,
+                       backing, runs)
     return test
 
 
@@ -759,16 +827,7 @@ INFO_ACCEPTS = {"autoclear_data_file_raw"}
 # vblk's message is known to differ in wording from qemu-img's for these
 # cases; the test then asserts only failure + a single error line.  Remove
 # an entry once vblk prints qemu-img's text.
-KNOWN_WORDING_DIFFERENCES = {
-    # vblk: "L1 table is too small" (size check order)
-    "size_too_big",
-    # vblk: "Too many snapshots"
-    "nb_snapshots_huge",
-    # vblk: "Unknown compression type '9'"
-    "compression_type_9",
-    # vblk: "Encrypted qcow2 images are not supported by vblk"
-    "crypt_method_9",
-}
+KNOWN_WORDING_DIFFERENCES = set()
 
 
 def _good_image(d):
@@ -797,30 +856,32 @@ def _build_hostile(d, good, name, spec):
     return name + ".qcow2"
 
 
-class HostileImagesTest(InteropTestCase):
+class HostileImagesTest(Qcow2TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.dir = tempfile.mkdtemp(prefix="vblk-interop-qcow2-c-")
+        cls.dir = tempfile.mkdtemp(prefix="vblk-interop-qcow2-c-", dir=TMP_BASE)
         cls.addClassCleanup(shutil.rmtree, cls.dir, True)
         cls.good = _good_image(cls.dir)
 
     def _run_both(self, argv, fname):
         path = os.path.join(self.dir, fname)
         before = file_state(path)
-        v = vblk(*argv, cwd=self.dir, timeout=20)
-        q = qemu(*argv, cwd=self.dir, timeout=20)
+        v, q = both_par(*argv, cwd=self.dir, timeout=20)
         self.assertGreaterEqual(v.rc, 0, "vblk killed by signal %d: %r" % (-v.rc, v))
         self.assertUnchanged(before, file_state(path), "(hostile image modified)")
         return v, q
 
     def _check_case(self, name, spec, qmsg):
         fname = _build_hostile(self.dir, self.good, name, spec)
-        cmds = [["info", "-f", "qcow2"], ["info", "--output=json", "-f", "qcow2"],
-                ["map", "-f", "qcow2"], ["map", "--output=json", "-f", "qcow2"],
-                ["compare", "-f", "qcow2", "-F", "qcow2", fname]]
-        if name not in FORCE_FORMAT_ONLY:
-            cmds += [["info"], ["map", "--output=json"]]
+        cmds = [["info", "-f", "qcow2"]]
+        if name in FORCE_FORMAT_ONLY:
+            cmds += [["map", "--output=json", "-f", "qcow2"]]
+        else:
+            cmds += [["info", "--output=json"], ["map", "--output=json"]]
+        if qmsg is None or name in INFO_ACCEPTS:
+            cmds += [["map", "-f", "qcow2"],
+                     ["compare", "-f", "qcow2", "-F", "qcow2", fname]]
         for cmd in cmds:
             argv = cmd + [fname]
             with self.subTest(argv=argv):
@@ -879,13 +940,27 @@ class HostileImagesTest(InteropTestCase):
                 "loop_b.qcow2", cwd=self.dir)
         qemu_ok("rebase", "-u", "-f", "qcow2", "-b", "loop_b.qcow2", "-F", "qcow2",
                 "loop_a.qcow2", cwd=self.dir)
-        for cmd in (["info"], ["info", "--backing-chain"], ["map"],
-                    ["map", "--output=json"],
+        # No subtests: the first hang/crash ends the test (keeps the runtime
+        # bounded).  `info` does not open the backing file; --backing-chain
+        # detects the loop.
+        for cmd in (["info", "--backing-chain"], ["info"]):
+            v, q = self._run_both(cmd + ["loop_a.qcow2"], "loop_a.qcow2")
+            self.assertSameResult(v, q, "(%s)" % cmd)
+        if VBLK_IS_QEMU:
+            return  # qemu-img itself crashes on the rest
+        # qemu-img 7.2 recurses until it overflows the stack (SIGSEGV after
+        # a minute) on these, so it is no oracle: vblk must just fail
+        # cleanly with one error line.
+        for cmd in (["map", "--output=json"],
                     ["compare", "-f", "qcow2", "-F", "qcow2", "good.qcow2"]):
-            with self.subTest(cmd=cmd):
-                v, q = self._run_both(cmd + ["loop_a.qcow2"], "loop_a.qcow2")
-                self.assertGreaterEqual(v.rc, 0)
-                self.assertSameResult(v, q)
+            path = os.path.join(self.dir, "loop_a.qcow2")
+            before = file_state(path)
+            v = vblk(*(cmd + ["loop_a.qcow2"]), cwd=self.dir, timeout=20)
+            self.assertUnchanged(before, file_state(path))
+            self.assertGreaterEqual(v.rc, 0, "vblk killed by signal %d: %r" % (-v.rc, v))
+            self.assertNotEqual(v.rc, 0, v)
+            self.assertEqual(v.stdout, "", v)
+            self.assertEqual(len(v.stderr.splitlines()), 1, v)
 
 
 def _make_hostile_test(name, spec, qmsg):

@@ -47,7 +47,7 @@ class RawNode final : public Node {
   Task<Status> do_truncate(uint64_t length, bool exact) override {
     if (offset_ != 0 || has_size_) co_return Error(ENOTSUP, "Cannot resize a raw image with offset or size options");
     VBLK_CO_TRY(co_await file_->truncate(length, exact));
-    set_length(length);
+    set_length(file_->length());
     co_return Status{};
   }
 

@@ -36,7 +36,7 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
   }
   uint64_t l2_off = l1_[l1i] & kL1OffsetMask;
   if (l2_off % cs_) {
-    co_await mark_corrupt(fmt::format("L2 table offset {:#x} unaligned (L1 index: {:#x})", l2_off, l1i));
+    co_await mark_corrupt(fmt::format("L2 table offset {} unaligned (L1 index: {})", hex(l2_off), hex(l1i)));
     co_return Error(EIO);
   }
   auto t = co_await l2_cache_->get(l2_off);
@@ -53,20 +53,20 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
     }
     uint64_t host = e & kL2OffsetMask;
     if (host % cs_) {
-      out = Error(EIO, fmt::format("Cluster allocation offset {:#x} unaligned (L2 offset: {:#x}, L2 index: {:#x})",
-                                   host, l2_off, idx));
+      out = Error(EIO, fmt::format("Cluster allocation offset {} unaligned (L2 offset: {}, L2 index: {})",
+                                   hex(host), hex(l2_off), hex(idx)));
       return;
     }
     if (l2_entry_size_ == 16) {
       uint64_t bm = l2_bitmap(*t, idx);
       bool alloc = bm & (1ull << sub), zero = bm & (1ull << (sub + 32));
       if (alloc && zero) {
-        out = Error(EIO, fmt::format("Subcluster {} of L2 index {:#x} is both allocated and zero", sub, idx));
+        out = Error(EIO, fmt::format("Subcluster {} of L2 index {} is both allocated and zero", sub, hex(idx)));
         return;
       }
-      if (zero) out = Classified{ClusterType::ZeroPlain, 0};
+      if (zero) out = host ? Classified{ClusterType::ZeroAlloc, host} : Classified{ClusterType::ZeroPlain, 0};
       else if (alloc) out = host ? Classified{ClusterType::Normal, host} : Classified{ClusterType::Unallocated, 0};
-      else out = Classified{ClusterType::Unallocated, 0};
+      else out = host ? Classified{ClusterType::UnallocatedAlloc, host} : Classified{ClusterType::Unallocated, 0};
       return;
     }
     if (e & kOflagZero) out = Classified{host ? ClusterType::ZeroAlloc : ClusterType::ZeroPlain, host};
@@ -83,7 +83,8 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
   }
   m.type = first->type;
   m.copied = m.type == ClusterType::Normal && (l2_entry(*t, l2i) & kOflagCopied);
-  const bool has_host = m.type == ClusterType::Normal || m.type == ClusterType::ZeroAlloc;
+  const bool has_host =
+      m.type == ClusterType::Normal || m.type == ClusterType::ZeroAlloc || m.type == ClusterType::UnallocatedAlloc;
   if (has_host) m.host = first->host + (in_cluster / unit) * unit + (offset % unit);
   if (m.type == ClusterType::Compressed) {
     m.host = first->host;

@@ -14,12 +14,25 @@ Status Qcow2Node::check_create_size(uint64_t size, uint32_t cluster_size, bool e
   return {};
 }
 
+Task<Status> Qcow2Node::do_truncate(uint64_t length, bool) { co_return co_await resize(length); }
+
 Task<Status> Qcow2Node::resize(uint64_t size) {
+  if (size % 512) co_return Error(EINVAL, "The new size must be a multiple of 512");
+  if (size < h_.size) {
+    // Shrink: the clusters past the new end are freed (the L1 table keeps
+    // its size; the file is not truncated, so nothing else can move).
+    uint64_t from = align_up(size, cs_);
+    if (from < h_.size) VBLK_CO_TRY(co_await zero_or_discard(from, h_.size - from, true, true, true));
+    auto g = co_await lock_.scoped();
+    h_.size = size;
+    VBLK_CO_TRY(co_await write_header());
+    set_length(size);
+    co_return co_await rb_cache_->flush();
+  }
   auto g = co_await lock_.scoped();
   uint64_t per_l1 = cs_ * l2_entries_;
   uint64_t need = (size + per_l1 - 1) / per_l1;
   if (need * 8 > kMaxL1Bytes) co_return Error(EFBIG, "The image size is too large for file format 'qcow2'");
-  if (size < h_.size) co_return Error(ENOTSUP, "qcow2 doesn't support shrinking images yet");
   if (need > h_.l1_size) {
     // A new, bigger L1 table: written and flushed before the header points
     // to it; the old one is freed afterwards.

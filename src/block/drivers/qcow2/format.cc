@@ -23,6 +23,8 @@ Error invalid(const std::string& msg) { return Error(EINVAL, msg); }
 
 }  // namespace
 
+std::string hex(uint64_t v) { return v ? fmt::format("{:#x}", v) : std::string("0"); }
+
 std::string incompatible_feature_names(uint64_t bits) {
   std::string out;
   for (const auto& f : kFeatures) {
@@ -112,9 +114,11 @@ Result<Header> parse_header(std::span<const uint8_t> head, uint64_t file_size) {
   }
 
   if (h.compression_type != kCompressionZlib && h.compression_type != kCompressionZstd)
-    return invalid(fmt::format("Unknown compression type '{}'", h.compression_type));
+    return Error(ENOTSUP, fmt::format("qcow2: unknown compression type: {}", h.compression_type));
+  if (h.compression_type == kCompressionZlib && (h.incompatible_features & kIncompatCompression))
+    return invalid("qcow2: Compression type incompatible feature bit must not be set");
   if (h.compression_type != kCompressionZlib && !(h.incompatible_features & kIncompatCompression))
-    return invalid("Compression type incompatible feature bit must be set if compression type is not zlib");
+    return invalid("qcow2: Compression type incompatible feature bit must be set");
   if (h.incompatible_features & ~kIncompatKnown)
     return Error(ENOTSUP, "Unsupported qcow2 feature(s): " + incompatible_feature_names(h.incompatible_features & ~kIncompatKnown));
   if (h.incompatible_features & kIncompatDataFile)
@@ -122,6 +126,7 @@ Result<Header> parse_header(std::span<const uint8_t> head, uint64_t file_size) {
   if (h.extended_l2() && cs / kSubclusters < 512)
     return invalid(fmt::format("Unsupported subcluster size: {}", cs / kSubclusters));
   if (h.refcount_order > 6) return invalid("Reference count entry width too large; may not exceed 64 bits");
+  if (h.crypt_method > 2) return invalid(fmt::format("Unsupported encryption method {}", h.crypt_method));
   if (h.crypt_method) return Error(ENOTSUP, "Encrypted qcow2 images are not supported by vblk");
   if (h.backing_file_offset) {
     if (h.backing_file_size > 1023 || h.backing_file_size > cs - h.backing_file_offset)

@@ -79,6 +79,9 @@ inline void put64(uint8_t* p, uint64_t v) {
   put32(p + 4, static_cast<uint32_t>(v));
 }
 
+// printf's "%#" PRIx64: "0x1f", but plain "0" for zero (QEMU's messages).
+std::string hex(uint64_t v);
+
 struct HeaderExtension {
   uint32_t type;
   std::vector<uint8_t> data;

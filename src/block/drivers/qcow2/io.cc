@@ -59,6 +59,7 @@ Task<Status> Qcow2Node::read_mapping(uint64_t offset, const Mapping& m, std::spa
       std::memset(out.data(), 0, out.size());
       co_return Status{};
     case ClusterType::Unallocated:
+    case ClusterType::UnallocatedAlloc:
       break;
   }
   // Unallocated: the backing file shows through; beyond its end, zeroes.
@@ -200,7 +201,7 @@ Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, 
   co_return Status{};
 }
 
-Task<Status> Qcow2Node::zero_or_discard(uint64_t offset, uint64_t bytes, bool discard, bool may_unmap) {
+Task<Status> Qcow2Node::zero_or_discard(uint64_t offset, uint64_t bytes, bool discard, bool may_unmap, bool full) {
   // Whole clusters change by L2 entry; partial ones are written as zeroes
   // (zeroes) or left alone (discard is advisory).
   uint64_t end = offset + bytes;
@@ -241,7 +242,9 @@ Task<Status> Qcow2Node::zero_or_discard(uint64_t offset, uint64_t bytes, bool di
     uint64_t old = l2_entry(*t, l2i);
     uint64_t nw;
     bool free_old = true;
-    if (discard) {
+    if (discard && full) {
+      nw = 0;
+    } else if (discard) {
       // Reads must not start showing the backing file: keep zero there.
       nw = (h_.version >= 3 && (backing_ || (old & (kL2OffsetMask | kOflagCompressed | kOflagZero)))) ? kOflagZero : 0;
       if (h_.version < 3 && backing_) continue;  // v2 cannot express it: leave the data
@@ -288,8 +291,31 @@ Task<Status> Qcow2Node::do_flush() {
   co_return Status{};
 }
 
+// QEMU's heuristic: an image whose file allocates clearly fewer clusters than
+// the refcounts claim was made with preallocation=metadata; its data clusters
+// may be holes, so block status looks into the file for them.
+Task<Result<bool>> Qcow2Node::detect_metadata_preallocation() {
+  uint64_t file_length = file_->length();
+  auto real = file_->allocated_size();
+  if (!real) co_return real.take_error();
+  uint64_t real_clusters = *real / cs_;
+  uint64_t threshold = std::max(real_clusters * 10 / 9, real_clusters + 2);
+  uint64_t end = (file_length + cs_ - 1) / cs_, count = 0;
+  for (uint64_t i = 0; i < end && count < threshold; ++i) {
+    auto rc = co_await get_refcount(i);
+    if (!rc) co_return rc.take_error();
+    count += *rc != 0;
+  }
+  co_return count >= threshold;
+}
+
 Task<Result<BlockStatus>> Qcow2Node::do_block_status(uint64_t offset, uint64_t bytes) {
   co_await lock_.lock();
+  if (!prealloc_checked_) {
+    auto d = co_await detect_metadata_preallocation();
+    metadata_prealloc_ = d && *d;
+    prealloc_checked_ = true;
+  }
   auto r = co_await lookup(offset, bytes);
   lock_.unlock();
   if (!r) co_return r.take_error();
@@ -297,7 +323,7 @@ Task<Result<BlockStatus>> Qcow2Node::do_block_status(uint64_t offset, uint64_t b
   s.bytes = std::min(r->bytes, bytes);
   switch (r->type) {
     case ClusterType::Normal:
-      s.flags = kStatusData | kStatusOffsetValid;
+      s.flags = kStatusData | kStatusOffsetValid | (metadata_prealloc_ ? kStatusRecurse : 0u);
       s.map = r->host;
       s.file = file_;
       break;
@@ -314,6 +340,11 @@ Task<Result<BlockStatus>> Qcow2Node::do_block_status(uint64_t offset, uint64_t b
       break;
     case ClusterType::Unallocated:
       s.flags = 0;
+      break;
+    case ClusterType::UnallocatedAlloc:
+      s.flags = kStatusOffsetValid;
+      s.map = r->host;
+      s.file = file_;
       break;
   }
   co_return s;

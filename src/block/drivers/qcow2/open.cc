@@ -1,7 +1,9 @@
 // Opening a qcow2 image: header checks, tables, caches, backing file.
 #include <fmt/format.h>
 
+#include <climits>
 #include <cstdio>
+#include <cstdlib>
 
 #include "block/drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
@@ -31,11 +33,19 @@ Task<Status> Qcow2Node::write_header() {
 }
 
 Task<Status> Qcow2Node::mark_corrupt(const std::string& why) {
-  if (corrupt()) co_return Status{};
+  // As QEMU: a writable image is marked corrupt (fatal); a read-only one is
+  // only reported. Either way, once.
+  if (signaled_corruption_) co_return Status{};
+  signaled_corruption_ = true;
+  if (read_only()) {
+    std::fprintf(stderr, "qcow2: Image is corrupt: %s; further non-fatal corruption events will be suppressed\n",
+                 why.c_str());
+    co_return Status{};
+  }
   std::fprintf(stderr, "qcow2: Marking image as corrupt: %s; further corruption events will be suppressed\n",
                why.c_str());
   h_.incompatible_features |= kIncompatCorrupt;
-  if (read_only() || h_.version < 3) co_return Status{};
+  if (h_.version < 3) co_return Status{};
   uint8_t b[8];
   put64(b, h_.incompatible_features);
   VBLK_CO_TRY(co_await file_->write(72, {b, 8}));
@@ -43,6 +53,11 @@ Task<Status> Qcow2Node::mark_corrupt(const std::string& why) {
 }
 
 namespace {
+
+std::string real_path(const std::string& p) {
+  char buf[PATH_MAX];
+  return ::realpath(p.c_str(), buf) ? std::string(buf) : p;
+}
 
 Status validate_table(uint64_t offset, uint64_t entries, uint64_t entry_len, uint64_t max_bytes, uint64_t cs,
                       const char* name) {
@@ -64,10 +79,14 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
   if (!h) co_return h.take_error();
   h_ = std::move(*h);
   cs_ = h_.cluster_size();
-  if ((h_.incompatible_features & kIncompatCorrupt) && !ro)
+  if ((h_.incompatible_features & kIncompatCorrupt) && !ro && !ctx.check)
     co_return Error(EACCES, "qcow2: Image is corrupt; cannot be opened read/write");
-  if ((h_.incompatible_features & kIncompatDirty) && !ro)
+  if ((h_.incompatible_features & kIncompatDirty) && !ro && !ctx.check)
     co_return Error(ENOTSUP, "Image has the dirty bit set (lazy refcounts); repair it with 'vblk check -r all' first");
+
+  // vblk has no external data files; QEMU refuses this combination for I/O.
+  if ((h_.autoclear_features & kAutoclearDataFileRaw) && !ctx.no_io)
+    co_return Error(EINVAL, "data-file-raw requires a data file");
 
   l2_entry_size_ = h_.extended_l2() ? 16 : 8;
   l2_entries_ = cs_ / l2_entry_size_;
@@ -76,16 +95,20 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
   refcount_max_ = refcount_bits_ == 64 ? UINT64_MAX : (1ull << refcount_bits_) - 1;
   rb_entries_ = cs_ * 8 / refcount_bits_;
 
-  if (h_.refcount_table_clusters == 0) co_return Error(EINVAL, "Image does not contain a reference count table");
+  if (h_.refcount_table_clusters == 0 && !ctx.check)
+    co_return Error(EINVAL, "Image does not contain a reference count table");
   VBLK_CO_TRY(validate_table(h_.refcount_table_offset, uint64_t(h_.refcount_table_clusters) * cs_ / 8, 8,
                              kMaxRefcountTableBytes, cs_, "Reference count table"));
-  if (h_.nb_snapshots > kMaxSnapshots) co_return Error(EFBIG, "Too many snapshots");
-  if (h_.nb_snapshots)
+  // The snapshot table is not read in check mode: check reports on it.
+  if (h_.nb_snapshots > kMaxSnapshots && !ctx.check) co_return Error(EFBIG, "Snapshot table too large");
+  if (h_.nb_snapshots && !ctx.check)
     VBLK_CO_TRY(validate_table(h_.snapshots_offset, h_.nb_snapshots, 1, INT64_MAX, cs_, "Snapshot table"));
   VBLK_CO_TRY(validate_table(h_.l1_table_offset, h_.l1_size, 8, kMaxL1Bytes, cs_, "Active L1 table"));
   // The L1 table must cover the virtual size.
   uint64_t per_l1 = cs_ * l2_entries_;
-  if (h_.size > static_cast<uint64_t>(INT64_MAX) - per_l1) co_return Error(EFBIG, "Image is too big");
+  // QEMU's limit: the L1 index of the last cluster must fit in an int.
+  if (h_.size / per_l1 > static_cast<uint64_t>(INT32_MAX) || h_.size > static_cast<uint64_t>(INT64_MAX) - per_l1)
+    co_return Error(EFBIG, "Image is too big");
   uint64_t need_l1 = (h_.size + per_l1 - 1) / per_l1;
   if (h_.l1_size < need_l1) co_return Error(EINVAL, "L1 table is too small");
 
@@ -94,13 +117,15 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
   l1_.assign(h_.l1_size, 0);
   if (h_.l1_size) {
     AlignedBuffer b(align_up(uint64_t(h_.l1_size) * 8, 512));
-    VBLK_CO_TRY(co_await file_->read(h_.l1_table_offset, b.span()));
+    auto st = co_await file_->read(h_.l1_table_offset, b.span());
+    if (!st) co_return st.error().prefixed("Could not read L1 table");
     for (uint64_t i = 0; i < h_.l1_size; ++i) l1_[i] = be64(b.data() + i * 8);
   }
   uint64_t rt_entries = uint64_t(h_.refcount_table_clusters) * cs_ / 8;
   {
     AlignedBuffer b(rt_entries * 8);
-    VBLK_CO_TRY(co_await file_->read(h_.refcount_table_offset, b.span()));
+    auto st = co_await file_->read(h_.refcount_table_offset, b.span());
+    if (!st) co_return st.error().prefixed("Could not initialize refcount handling");
     rt_.resize(rt_entries);
     for (uint64_t i = 0; i < rt_entries; ++i) rt_[i] = be64(b.data() + i * 8);
   }
@@ -112,7 +137,7 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
   l2_cache_ = std::make_unique<MetaCache>(*file_, cs_, l2_bytes / cs_);
   rb_cache_ = std::make_unique<MetaCache>(*file_, cs_, rb_bytes / cs_);
 
-  set_length(h_.size);
+  set_length(h_.size / 512 * 512);  // QEMU counts whole sectors
   set_read_only(ro);
 
   co_return Status{};
@@ -151,12 +176,21 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   if (!node->h_.backing_file.empty() && !no_backing) {
     std::string path = node->h_.backing_file;
     path = path_combine((*file)->filename(), path);
+    // A chain that comes back to one of its own images never ends.
+    auto chain = ctx.chain ? ctx.chain : std::make_shared<std::vector<std::string>>();
+    if (chain->empty()) chain->push_back(real_path((*file)->filename()));
+    std::string real = real_path(path);
+    for (const auto& seen : *chain)
+      if (seen == real) return Error(ELOOP, "Backing file '" + node->h_.backing_file + "' creates an infinite loop.");
+    chain->push_back(real);
     ImageOpenOptions bo;
     bo.format = node->h_.backing_format;
     bo.read_only = true;
     bo.direct = ctx.cache_direct;
     OpenContext bctx = ctx;
     bctx.graph = nullptr;
+    bctx.check = false;
+    bctx.chain = chain;
     auto b = open_image(bctx, path, bo);
     if (!b) return Error(b.error().code, "Could not open backing file: " + b.error().what());
     node->backing_ = b->get();

@@ -9,6 +9,7 @@
 //                    discard, block status, flush
 //   open.cc          open, header update, options
 //   create.cc        image creation
+//   check.cc         consistency check and repair (qemu-img check)
 //
 // Metadata (L1, L2 and refcount caches, the allocation state) is guarded by
 // `lock_`, a coroutine mutex held across metadata I/O but never across guest
@@ -36,7 +37,9 @@
 
 namespace vblk::qcow2 {
 
-enum class ClusterType { Unallocated, ZeroPlain, ZeroAlloc, Normal, Compressed };
+// UnallocatedAlloc: a subcluster (extended L2) not allocated, in a cluster
+// that has a host cluster.
+enum class ClusterType { Unallocated, UnallocatedAlloc, ZeroPlain, ZeroAlloc, Normal, Compressed };
 
 // Where a guest range lives: a run of bytes from the looked-up offset.
 struct Mapping {
@@ -75,6 +78,7 @@ class Qcow2Node final : public Node {
   std::string backing_file_name() const override { return h_.backing_file; }
   std::string backing_file_format() const override { return h_.backing_format; }
   nlohmann::ordered_json format_specific() const override;
+  bool dirty_flag() const override { return h_.incompatible_features & kIncompatDirty; }
 
   // For tests and check: the refcount of a host cluster.
   Task<Result<uint64_t>> refcount_of(uint64_t cluster_index);
@@ -91,6 +95,7 @@ class Qcow2Node final : public Node {
   Task<Status> do_discard(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_flush() override;
   Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
+  Task<Status> do_truncate(uint64_t length, bool exact) override;
 
  private:
   friend struct Qcow2Opener;
@@ -124,10 +129,13 @@ class Qcow2Node final : public Node {
   void refcount_set(uint8_t* block, uint64_t index, uint64_t value) const;
 
   // ---- io.cc
+  Task<Result<bool>> detect_metadata_preallocation();
   Task<Status> read_mapping(uint64_t offset, const Mapping& m, std::span<uint8_t> out);
   Task<Status> read_compressed(uint64_t entry, uint64_t in_cluster, std::span<uint8_t> out);
   Task<Status> write_cluster_run(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done);
-  Task<Status> zero_or_discard(uint64_t offset, uint64_t bytes, bool discard, bool may_unmap);
+  // full: discarded clusters become unallocated even over a backing file
+  // (used when shrinking: the range leaves the disk).
+  Task<Status> zero_or_discard(uint64_t offset, uint64_t bytes, bool discard, bool may_unmap, bool full = false);
 
   Header h_;
   Node* file_;
@@ -147,6 +155,9 @@ class Qcow2Node final : public Node {
   uint64_t free_cluster_index_ = 0;
   uint64_t free_byte_offset_ = 0;  // packing point for compressed writes
   bool header_dirty_ = false;
+  bool signaled_corruption_ = false;
+  bool prealloc_checked_ = false;
+  bool metadata_prealloc_ = false;
   // Clusters freed since the last flush: not handed out again until then.
   std::unordered_set<uint64_t> quarantine_;
 
@@ -156,6 +167,14 @@ class Qcow2Node final : public Node {
     CoEvent* done;
   };
   std::vector<Alloc> allocs_;
+
+  // ---- check.cc: qemu-img check and repair (QEMU's qcow2_co_check)
+ public:
+  Task<Result<CheckResult>> check(uint32_t fix) override;
+ private:
+  friend struct Qcow2Checker;
+  bool check_signaled_ = false;  // a corruption was reported (QEMU reports once)
+  bool check_dead_ = false;      // a fatal corruption stopped a repair: the node is unusable
 };
 
 }  // namespace vblk::qcow2

@@ -40,7 +40,7 @@ Task<Result<uint64_t>> Qcow2Node::get_refcount(uint64_t ci) {
   uint64_t rb = rt_[rti] & ~511ull;
   if (!rb) co_return uint64_t{0};
   if (rb % cs_) {
-    co_await mark_corrupt(fmt::format("Refblock offset {:#x} unaligned (reftable index: {:#x})", rb, rti));
+    co_await mark_corrupt(fmt::format("Refblock offset {} unaligned (reftable index: {})", hex(rb), hex(rti)));
     co_return Error(EIO);
   }
   auto t = co_await rb_cache_->get(rb);
@@ -170,7 +170,7 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
     uint64_t rti = ci / rb_entries_;
     if (rti >= rt_.size() || !(rt_[rti] & ~511ull)) {
       if (delta < 0) {
-        co_await mark_corrupt(fmt::format("Decreasing the refcount of cluster {:#x} that has no refcount block", ci));
+        co_await mark_corrupt(fmt::format("Decreasing the refcount of cluster {} that has no refcount block", hex(ci)));
         co_return Error(EIO);
       }
       auto more = co_await ensure_refblocks(ci, 1);
@@ -181,7 +181,7 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
     uint64_t old = refcount_get(t->data(), ci % rb_entries_);
     if ((delta < 0 && old < static_cast<uint64_t>(-delta)) ||
         (delta > 0 && refcount_max_ - old < static_cast<uint64_t>(delta))) {
-      co_await mark_corrupt(fmt::format("Refcount of cluster {:#x} would {} (is {})", ci,
+      co_await mark_corrupt(fmt::format("Refcount of cluster {} would {} (is {})", hex(ci),
                                         delta < 0 ? "underflow" : "overflow", old));
       co_return Error(delta < 0 ? EIO : ERANGE);
     }

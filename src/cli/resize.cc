@@ -1,0 +1,106 @@
+// vblk resize: change an image's virtual size (qemu-img resize).
+#include <getopt.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "block/options.h"
+#include "cli/common.h"
+
+namespace vblk::cli {
+
+int cmd_resize(int argc, char** argv) {
+  // The size is taken off the end first so that "-1G" is not an option.
+  if (argc < 3) error_exit("Not enough arguments");
+  std::string size = argv[--argc];
+  enum { OPT_OBJECT = 256, OPT_IMAGE_OPTS, OPT_PREALLOCATION, OPT_SHRINK };
+  static const option longopts[] = {
+      {"help", no_argument, nullptr, 'h'},
+      {"object", required_argument, nullptr, OPT_OBJECT},
+      {"image-opts", no_argument, nullptr, OPT_IMAGE_OPTS},
+      {"preallocation", required_argument, nullptr, OPT_PREALLOCATION},
+      {"shrink", no_argument, nullptr, OPT_SHRINK},
+      {nullptr, 0, nullptr, 0},
+  };
+  optind = 0;
+  ImageArgs a;
+  a.read_only = false;
+  bool quiet = false, shrink = false;
+  std::string prealloc = "off";
+  int c;
+  while ((c = getopt_long(argc, argv, ":f:hq", longopts, nullptr)) != -1) {
+    switch (c) {
+      case ':': missing_argument(argv, optind);
+      case '?': unrecognized_option(argv, optind);
+      case 'h': std::printf("usage: %s resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size\n", g_prog.c_str()); return 0;
+      case 'f': a.format = optarg; break;
+      case 'q': quiet = true; break;
+      case OPT_OBJECT: break;
+      case OPT_IMAGE_OPTS: a.image_opts = true; break;
+      case OPT_PREALLOCATION:
+        if (std::strcmp(optarg, "off") && std::strcmp(optarg, "metadata") && std::strcmp(optarg, "falloc") &&
+            std::strcmp(optarg, "full")) {
+          error_report(std::string("Invalid preallocation mode '") + optarg + "'");
+          return 1;
+        }
+        prealloc = optarg;
+        break;
+      case OPT_SHRINK: shrink = true; break;
+    }
+  }
+  if (optind != argc - 1) error_exit("Expecting image file name and size");
+  a.filename = argv[optind];
+  int relative = 0;
+  if (!size.empty() && size[0] == '+') {
+    relative = 1;
+    size.erase(0, 1);
+  } else if (!size.empty() && size[0] == '-') {
+    relative = -1;
+    size.erase(0, 1);
+  }
+  auto n = parse_size(size);
+  if (!n) {
+    if (n.error().code == ERANGE) {
+      error_report("Value '" + size + "' is out of range for parameter 'size'");
+    } else {
+      error_report("Parameter 'size' expects a non-negative number below 2^64");
+      std::fprintf(stderr, "Optional suffix k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta-\n");
+      std::fprintf(stderr, "and exabytes, respectively.\n");
+    }
+    return 1;
+  }
+  Loop loop;
+  auto node = open_cli_image(loop, a);
+  if (!node) return 1;
+  int64_t current = static_cast<int64_t>(node->length());
+  int64_t total = relative ? current + static_cast<int64_t>(*n) * relative : static_cast<int64_t>(*n);
+  if (total <= 0) {
+    error_report("New image size must be positive");
+    return 1;
+  }
+  if (total <= current && prealloc != "off") {
+    error_report("Preallocation can only be used for growing images");
+    return 1;
+  }
+  if (total < current && !shrink) {
+    error_report("Use the --shrink option to perform a shrink operation.");
+    std::fprintf(stderr, "%s: warning: Shrinking an image will delete all data beyond the shrunken image's end. "
+                 "Before performing such an operation, make sure there is no important data there.\n",
+                 g_prog.c_str());
+    return 1;
+  }
+  if (prealloc != "off") {
+    error_report("Preallocation mode '" + prealloc + "' is not supported by vblk resize yet");
+    return 1;
+  }
+  auto st = loop.run(node->truncate(static_cast<uint64_t>(total)));
+  if (st) st = loop.run(node->flush());
+  if (!st) {
+    error_report(st.error().what());
+    return 1;
+  }
+  if (!quiet) std::printf("Image resized.\n");
+  return 0;
+}
+
+}  // namespace vblk::cli
