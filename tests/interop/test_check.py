@@ -256,7 +256,7 @@ class CheckTestCase(InteropTestCase):
         for out in ([], ["--output=json"]):
             self.check_both(d, *(out + [img]), msg=msg)
 
-    def repair_both(self, d, img, mode, msg="", same_layout=True):
+    def repair_both(self, d, img, mode, msg="", same_layout=True, extra=()):
         """check -r mode on two copies; same output; then qemu-img check of
         both repaired copies gives the same result.  same_layout=False: QEMU
         rewrites persistent bitmaps when it opens an image read-write, so
@@ -264,8 +264,8 @@ class CheckTestCase(InteropTestCase):
         vimg, qimg = "v-" + img, "q-" + img
         shutil.copyfile(os.path.join(d, img), os.path.join(d, vimg))
         shutil.copyfile(os.path.join(d, img), os.path.join(d, qimg))
-        v = vblk("check", "-r", mode, vimg, cwd=d)
-        q = qemu("check", "-r", mode, qimg, cwd=d)
+        v = vblk("check", "-r", mode, *extra, vimg, cwd=d)
+        q = qemu("check", "-r", mode, *extra, qimg, cwd=d)
         self.assertEqual((v.rc, v.stdout.replace(vimg, "IMG"), norm_vblk_err(v.stderr).replace(vimg, "IMG")),
                          (q.rc, q.stdout.replace(qimg, "IMG"), norm_qemu_err(q.stderr).replace(qimg, "IMG")),
                          "check -r %s %s\nvblk: %r\nqemu: %r" % (mode, msg, v, q))
@@ -694,6 +694,14 @@ class CommandLineTest(CheckTestCase):
         for args in cases:
             with self.subTest(args=args):
                 self.check_both(d, *args)
+        # Repairs with JSON output (the fixed counts come from the first
+        # pass, the rest from the second) and quietly.
+        shutil.copyfile(os.path.join(d, "img.qcow2"), os.path.join(d, "many.qcow2"))
+        dmg_many(Qcow2File(os.path.join(d, "many.qcow2")))
+        for mode in ("leaks", "all"):
+            for extra in (["--output=json"], ["-q"], ["-T", "none", "--output=human"]):
+                with self.subTest(mode=mode, extra=extra):
+                    self.repair_both(d, "many.qcow2", mode, extra=extra)
 
 
 if __name__ == "__main__":

@@ -117,11 +117,16 @@ struct Qcow2Checker {
    public:
     explicit Imrt(Qcow2Node& q) : q_(q) {}
     int64_t size() const { return size_; }
-    void grow(int64_t n) {
-      if (n <= size_) return;
+    // False if n is beyond anything a real image needs (the check allows
+    // at most INT_MAX clusters in the file, and references one cluster past
+    // its end): offsets from hostile metadata.
+    bool grow(int64_t n) {
+      if (n <= size_) return true;
+      if (n < 0 || n > static_cast<int64_t>(INT_MAX) + 2) return false;
       uint64_t bytes = round_up((static_cast<uint64_t>(n) * q_.refcount_bits_ + 7) / 8, q_.cs_);
       if (bytes > data_.size()) data_.resize(bytes, 0);
       size_ = n;
+      return true;
     }
     uint64_t get(int64_t i) const { return q_.refcount_get(data_.data(), static_cast<uint64_t>(i)); }
     void set(int64_t i, uint64_t v) { q_.refcount_set(data_.data(), static_cast<uint64_t>(i), v); }
@@ -263,9 +268,10 @@ struct Qcow2Checker {
 
   // ---- building the IMRT
 
-  // QEMU's qcow2_inc_refcounts_imrt.
-  void inc(CheckResult& res, Imrt& t, int64_t offset, int64_t size) {
-    if (size <= 0) return;
+  // QEMU's qcow2_inc_refcounts_imrt. Fails (a check error) only when the
+  // IMRT cannot grow that far.
+  Status inc(CheckResult& res, Imrt& t, int64_t offset, int64_t size) {
+    if (size <= 0) return {};
     // The last cluster may be partly beyond the end of the file; a whole
     // cluster beyond it is an error.
     if (offset + size - file_len() >= static_cast<int64_t>(cs)) {
@@ -273,13 +279,16 @@ struct Qcow2Checker {
           "offset 0x%" PRIx64 " size 0x%" PRIx64 "\n",
           static_cast<uint64_t>(offset), static_cast<uint64_t>(size));
       res.corruptions++;
-      return;
+      return {};
     }
     uint64_t start = static_cast<uint64_t>(offset) & ~(cs - 1);
     uint64_t last = static_cast<uint64_t>(offset + size - 1) & ~(cs - 1);
     for (uint64_t c = start; c <= last; c += cs) {
       int64_t k = static_cast<int64_t>(c >> bits);
-      if (k >= t.size()) t.grow(k + 1);
+      if (k >= t.size() && !t.grow(k + 1)) {
+        res.check_errors++;
+        return Error(ENOMEM);
+      }
       uint64_t rc = t.get(k);
       if (rc == q.refcount_max_) {
         say("ERROR: overflow cluster offset=0x%" PRIx64 "\n", c);
@@ -290,6 +299,7 @@ struct Qcow2Checker {
       }
       t.set(k, rc + 1);
     }
+    return {};
   }
 
   // Makes L2 entry i a plain zero cluster on disk (the entry pointed to a
@@ -367,7 +377,7 @@ struct Qcow2Checker {
           uint64_t coffset = e & coffset_mask;
           uint64_t sectors = ((e >> csize_shift) & csize_mask) + 1;
           int64_t csize = static_cast<int64_t>(sectors * 512 - (coffset & 511));
-          inc(res, t, static_cast<int64_t>(coffset), csize);
+          VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(coffset), csize));
           if (flags & kCheckFragInfo) {
             // Compressed clusters count as fragmented: neighbours share sectors.
             res.allocated_clusters++;
@@ -405,7 +415,7 @@ struct Qcow2Checker {
             if (next_contiguous && offset != next_contiguous) res.fragmented_clusters++;
             next_contiguous = offset + cs;
           }
-          inc(res, t, static_cast<int64_t>(offset), static_cast<int64_t>(cs));
+          VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(offset), static_cast<int64_t>(cs)));
           break;
         }
         case L2Type::ZeroPlain:
@@ -426,7 +436,7 @@ struct Qcow2Checker {
                         bool active) {
     if (!l1_size) co_return Status{};
     const uint64_t bytes = uint64_t{l1_size} * 8;
-    inc(res, t, static_cast<int64_t>(l1_offset), static_cast<int64_t>(bytes));
+    VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(l1_offset), static_cast<int64_t>(bytes)));
     AlignedBuffer l1(bytes);
     auto st = co_await file.read(l1_offset, l1.span());
     if (!st) {
@@ -442,7 +452,7 @@ struct Qcow2Checker {
         res.corruptions++;
       }
       const uint64_t l2_offset = e & kL1OffsetMask;
-      inc(res, t, static_cast<int64_t>(l2_offset), static_cast<int64_t>(cs));
+      VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(l2_offset), static_cast<int64_t>(cs)));
       if (l2_offset & (cs - 1)) {
         say("ERROR l2_offset=%" PRIx64 ": Table is not cluster aligned; L1 entry corrupted\n", l2_offset);
         res.corruptions++;
@@ -463,7 +473,7 @@ struct Qcow2Checker {
     const uint64_t dir_size = be64(x + 8);
     const uint64_t dir_offset = be64(x + 16);
     if (nb_bitmaps == 0) co_return Status{};
-    inc(res, t, static_cast<int64_t>(dir_offset), static_cast<int64_t>(dir_size));
+    VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(dir_offset), static_cast<int64_t>(dir_size)));
 
     struct Table {
       uint64_t offset;
@@ -520,7 +530,7 @@ struct Qcow2Checker {
       return true;
     };
     for (const Table& tb : tables) {
-      inc(res, t, static_cast<int64_t>(tb.offset), static_cast<int64_t>(uint64_t{tb.size} * 8));
+      VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(tb.offset), static_cast<int64_t>(uint64_t{tb.size} * 8)));
       AlignedBuffer table(uint64_t{tb.size} * 8);
       auto st = co_await file.read(tb.offset, table.span());
       bool valid = st.ok();
@@ -531,7 +541,7 @@ struct Qcow2Checker {
       }
       for (uint32_t i = 0; i < tb.size; ++i) {
         uint64_t off = be64(table.data() + i * 8) & kBmeTableEntryOffsetMask;
-        if (off) inc(res, t, static_cast<int64_t>(off), static_cast<int64_t>(cs));
+        if (off) VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(off), static_cast<int64_t>(cs)));
       }
     }
     co_return Status{};
@@ -574,7 +584,10 @@ struct Qcow2Checker {
           }
         }
         if (!err) {
-          t.grow(static_cast<int64_t>((file.length() + cs - 1) / cs));
+          if (!t.grow(static_cast<int64_t>((file.length() + cs - 1) / cs))) {
+            res.check_errors++;
+            co_return Error(ENOMEM);
+          }
           if (cluster >= t.size()) err = EINVAL;
         }
         if (err) {
@@ -584,11 +597,11 @@ struct Qcow2Checker {
         }
         res.corruptions--;
         res.corruptions_fixed++;
-        inc(res, t, static_cast<int64_t>(offset), static_cast<int64_t>(cs));
+        VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(offset), static_cast<int64_t>(cs)));
         continue;
       }
       if (offset) {
-        inc(res, t, static_cast<int64_t>(offset), static_cast<int64_t>(cs));
+        VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(offset), static_cast<int64_t>(cs)));
         if (t.get(cluster) != 1) {
           say("ERROR refcount block %" PRId64 " refcount=%" PRIu64 "\n", static_cast<int64_t>(i), t.get(cluster));
           res.corruptions++;
@@ -601,7 +614,7 @@ struct Qcow2Checker {
 
   // QEMU's calculate_refcounts.
   Task<Status> calculate(CheckResult& res, uint32_t fix, bool& rebuild, Imrt& t) {
-    inc(res, t, 0, static_cast<int64_t>(cs));  // the header
+    VBLK_CO_TRY(inc(res, t, 0, static_cast<int64_t>(cs)));  // the header
     VBLK_CO_TRY(co_await check_l1(res, t, q.h_.l1_table_offset, q.h_.l1_size, kCheckFragInfo, fix, true));
     for (const Snapshot& sn : snapshots) {
       if (sn.l1_offset & (cs - 1)) {
@@ -619,8 +632,8 @@ struct Qcow2Checker {
       }
       VBLK_CO_TRY(co_await check_l1(res, t, sn.l1_offset, sn.l1_size, 0, fix, false));
     }
-    inc(res, t, static_cast<int64_t>(snapshots_offset), static_cast<int64_t>(snapshots_size));
-    inc(res, t, static_cast<int64_t>(q.h_.refcount_table_offset), static_cast<int64_t>(q.rt_.size() * 8));
+    VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(snapshots_offset), static_cast<int64_t>(snapshots_size)));
+    VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(q.h_.refcount_table_offset), static_cast<int64_t>(q.rt_.size() * 8)));
     VBLK_CO_TRY(co_await check_bitmaps(res, t));
     co_return co_await check_refblocks(res, fix, rebuild, t);
   }
@@ -684,8 +697,9 @@ struct Qcow2Checker {
   // ---- rebuilding the refcount structure (QEMU's rebuild_refcount_structure)
 
   // First fit of `count` clusters free in the IMRT at or after
-  // *first_free (which ends up at the first gap seen); the IMRT grows when
-  // the image has no such run. Marks them used; returns the offset.
+  // first_free (which ends up at the first gap seen); the IMRT grows when
+  // the image has no such run. Marks them used; returns the offset, or
+  // -ENOMEM.
   int64_t alloc_imrt(int64_t count, Imrt& t, int64_t& first_free) {
     int64_t cluster = first_free, run = 0;
     bool first_gap = true;
@@ -700,7 +714,7 @@ struct Qcow2Checker {
         run = 0;
       }
     }
-    if (run < count) t.grow(cluster + count - run);
+    if (run < count && !t.grow(cluster + count - run)) return -ENOMEM;
     cluster -= run;
     for (int64_t i = 0; i < count; ++i) t.set(cluster + i, 1);
     return cluster * static_cast<int64_t>(cs);
@@ -723,6 +737,7 @@ struct Qcow2Checker {
       } else {
         if (first_free < rb_start) first_free = rb_start;
         rb_offset = alloc_imrt(1, t, first_free);
+        if (rb_offset < 0) co_return Error(ENOMEM, std::string("ERROR allocating refblock: ") + std::strerror(ENOMEM));
         const int64_t rb_cluster = rb_offset / static_cast<int64_t>(cs);
         if (rb_cluster >= end) end = rb_cluster + 1;  // its own refcount must be written too
         if (static_cast<int64_t>(reftable.size()) <= rbi) {
@@ -754,6 +769,10 @@ struct Qcow2Checker {
       int64_t first_free = 0;
       rt_clusters = (reftable.size() * 8 + cs - 1) / cs;
       rt_offset = alloc_imrt(static_cast<int64_t>(rt_clusters), t, first_free);
+      if (rt_offset < 0) {
+        res.check_errors++;
+        co_return Error(ENOMEM, std::string("ERROR allocating reftable: ") + std::strerror(ENOMEM));
+      }
       const int64_t start = rt_offset / static_cast<int64_t>(cs);
       grown = co_await write_refblocks(t, start, start + static_cast<int64_t>(rt_clusters), reftable);
       if (!grown) {
@@ -873,7 +892,7 @@ struct Qcow2Checker {
     res.total_clusters = static_cast<int64_t>((q.h_.size / 512 * 512 + cs - 1) / cs);
 
     Imrt t(q);
-    t.grow(nb_clusters);
+    (void)t.grow(nb_clusters);  // within INT_MAX: checked above
     bool rebuild = false;
     VBLK_CO_TRY(co_await calculate(res, fix, rebuild, t));
 
