@@ -325,7 +325,7 @@ def main():
         "host": platform.node(),
         "kernel": " ".join([platform.system(), platform.release(), platform.machine()]),
         "cpu": f"{os.cpu_count()} x {cpu_model()}",
-        "vblk": vblk,
+        "vblk": os.path.relpath(vblk, REPO_ROOT) if vblk.startswith(REPO_ROOT) else os.path.basename(vblk),
         "vblk_version": first_line([vblk, "--version"]),
         "vblk_sha256": sha256_of(vblk),
         "qemu_img": qemu,
