@@ -320,7 +320,7 @@ def main():
             ap.error(f"--only {args.only!r} matches no case")
     started = datetime.datetime.now().astimezone()
     meta = {
-        "command": shlex.join([sys.executable] + sys.argv),
+        "command": shlex.join(["python3"] + sys.argv),
         "date": started.isoformat(timespec="seconds"),
         "host": platform.node(),
         "kernel": " ".join([platform.system(), platform.release(), platform.machine()]),
@@ -343,7 +343,7 @@ def main():
     print(f"# date:     {meta['date']}")
     print(f"# host:     {meta['host']}; kernel: {meta['kernel']}")
     print(f"# cpu:      {meta['cpu']}")
-    print(f"# vblk:     {meta['vblk_version']}  ({vblk})")
+    print(f"# vblk:     {meta['vblk_version']}  ({meta['vblk']})")
     print(f"# qemu-img: {meta['qemu_img_version']}  ({qemu})")
     print(f"# load:     {meta['loadavg_start']} (1/5/15 min) at start")
     print(f"# image:    {image}, {human_size(args.size)} raw, random data, on {meta['image_fs']}")

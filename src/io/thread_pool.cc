@@ -29,7 +29,11 @@ void ThreadPool::submit(IoRequest* req) {
   {
     std::lock_guard lk(mu_);
     queue_.push_back(req);
-    if (idle_ == 0 && threads_.size() < max_threads_) threads_.emplace_back([this] { worker(); });
+    // More queued work than idle workers to take it: start a thread while the
+    // cap allows (a woken worker only lowers idle_ once it runs).
+    if (queue_.size() > idle_ && threads_.size() < max_threads_) threads_.emplace_back([this] { worker(); });
+    // Busy workers take the queue in turn when they finish; only idle ones need a wakeup.
+    if (idle_ == 0) return;
   }
   cv_.notify_one();
 }
@@ -97,9 +101,12 @@ void ThreadPool::worker() {
     lk.unlock();
     r->result = execute(r);
     lk.lock();
+    // Only the first completion of a batch wakes the loop: it acknowledges the
+    // eventfd before taking the list, so later pushes are collected with it.
+    bool first = completed_.empty();
     completed_.push_back(r);
     lk.unlock();
-    signal();
+    if (first) signal();
     lk.lock();
   }
 }
