@@ -177,6 +177,9 @@ class Node {
   virtual nlohmann::ordered_json format_specific() const { return nullptr; }
   // The image was not closed cleanly (qcow2's dirty bit: lazy refcounts).
   virtual bool dirty_flag() const { return false; }
+  // Whether `info` shows dirty-flag at all (QEMU shows it when the driver
+  // answers bdrv_get_info; NBD does not).
+  virtual bool reports_dirty_flag() const { return true; }
 
   // Allocated size on disk (qemu-img's "disk size"), -ENOTSUP if unknown.
   virtual Result<uint64_t> allocated_size() const;
@@ -185,6 +188,11 @@ class Node {
   // ENOTSUP: the format has no checks (qemu-img's exit code 63). Messages
   // about what was found go to stderr, worded as QEMU words them.
   virtual Task<Result<CheckResult>> check(uint32_t fix);
+
+  // Closes cleanly: what must reach the disk before the image counts as
+  // closed (qcow2: caches, then the dirty bit cleared). The default closes
+  // the children. Not calling it is a crash, as far as the image can tell.
+  virtual Task<Status> close();
 
  protected:
   // Drivers implement these. Input is clean: aligned to request_alignment,

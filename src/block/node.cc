@@ -404,6 +404,11 @@ Task<Result<BlockStatus>> Node::do_block_status(uint64_t offset, uint64_t bytes)
 }
 
 Task<Status> Node::do_copy_range_to(uint64_t, Node&, uint64_t, uint64_t, uint32_t) { co_return Error(ENOTSUP); }
+Task<Status> Node::close() {
+  for (auto& c : children_) VBLK_CO_TRY(co_await c.node->close());
+  co_return Status{};
+}
+
 Task<Result<CheckResult>> Node::check(uint32_t) { co_return Error(ENOTSUP, "This image format does not support checks"); }
 
 Task<Status> Node::do_truncate(uint64_t, bool) { co_return Error(ENOTSUP, "Image format driver does not support resize"); }

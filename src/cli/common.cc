@@ -241,7 +241,16 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
                  (*node)->filename().c_str());
   }
   (*node)->set_writethrough(a.cache.writethrough);
-  return *node;
+  // The image is closed cleanly (Node::close: caches written, qcow2's dirty
+  // bit cleared, NBD connections ended) when the command lets go of it. The
+  // loop outlives the node in every command (declared first).
+  std::shared_ptr<Node> inner = *node;
+  Node* raw = inner.get();
+  return std::shared_ptr<Node>(raw, [inner, &loop](Node*) mutable {
+    Status st = loop.run(inner->close());
+    if (!st) error_report("Failed to close '" + inner->filename() + "': " + st.error().what());
+    inner.reset();
+  });
 }
 
 }  // namespace vblk::cli

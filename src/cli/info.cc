@@ -14,7 +14,7 @@ nlohmann::ordered_json info_json(Node& top) {
   nlohmann::ordered_json j;
   j["filename"] = top.filename();
   j["format"] = top.driver();
-  j["dirty-flag"] = top.dirty_flag();
+  if (top.reports_dirty_flag()) j["dirty-flag"] = top.dirty_flag();
   if (auto sz = top.allocated_size()) j["actual-size"] = *sz;
   j["virtual-size"] = top.length();
   if (top.cluster_size()) j["cluster-size"] = top.cluster_size();

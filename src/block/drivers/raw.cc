@@ -19,6 +19,7 @@ class RawNode final : public Node {
     add_child("file", std::move(file));
   }
 
+  bool reports_dirty_flag() const override { return file_child()->reports_dirty_flag(); }
   Node* copy_target(uint64_t& offset) override {
     offset += offset_;
     return file_->copy_target(offset);
