@@ -40,7 +40,7 @@ Task<Result<uint64_t>> Qcow2Node::get_refcount(uint64_t ci) {
   uint64_t rb = rt_[rti] & ~511ull;
   if (!rb) co_return uint64_t{0};
   if (rb % cs_) {
-    co_await mark_corrupt(fmt::format("Refblock offset {} unaligned (reftable index: {})", hex(rb), hex(rti)));
+    (void)co_await mark_corrupt(fmt::format("Refblock offset {} unaligned (reftable index: {})", hex(rb), hex(rti)));
     co_return Error(EIO);
   }
   auto t = co_await rb_cache_->get(rb);
@@ -170,7 +170,7 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
     uint64_t rti = ci / rb_entries_;
     if (rti >= rt_.size() || !(rt_[rti] & ~511ull)) {
       if (delta < 0) {
-        co_await mark_corrupt(fmt::format("Decreasing the refcount of cluster {} that has no refcount block", hex(ci)));
+        (void)co_await mark_corrupt(fmt::format("Decreasing the refcount of cluster {} that has no refcount block", hex(ci)));
         co_return Error(EIO);
       }
       auto more = co_await ensure_refblocks(ci, 1);
@@ -181,7 +181,7 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
     uint64_t old = refcount_get(t->data(), ci % rb_entries_);
     if ((delta < 0 && old < static_cast<uint64_t>(-delta)) ||
         (delta > 0 && refcount_max_ - old < static_cast<uint64_t>(delta))) {
-      co_await mark_corrupt(fmt::format("Refcount of cluster {} would {} (is {})", hex(ci),
+      (void)co_await mark_corrupt(fmt::format("Refcount of cluster {} would {} (is {})", hex(ci),
                                         delta < 0 ? "underflow" : "overflow", old));
       co_return Error(delta < 0 ? EIO : ERANGE);
     }
@@ -204,7 +204,13 @@ Task<Result<uint64_t>> Qcow2Node::alloc_clusters(uint64_t n) {
   for (;;) {
     auto start = co_await find_free(n);
     if (!start) co_return start.take_error();
+    // A refcount block this run needs goes right after the run, as in QEMU
+    // (its allocator has moved past the run when it finds the block
+    // missing); then the run is searched again from where it was.
+    const uint64_t saved = free_cluster_index_;
+    free_cluster_index_ = *start + n;
     auto moved = co_await ensure_refblocks(*start, n);
+    free_cluster_index_ = saved;
     if (!moved) co_return moved.take_error();
     if (*moved) continue;
     VBLK_CO_TRY(co_await update_refcount(*start * cs_, n * cs_, +1));
