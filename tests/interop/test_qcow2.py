@@ -952,6 +952,28 @@ class HostileImagesTest(Qcow2TestCase):
                 self.assertNotEqual(q.rc, 0, q)
                 self.assertSameResult(v, q)
 
+    def test_allocation_over_metadata_refused(self):
+        # Found by fuzz/qcow2_fuzz.cc: a refcount table without refcount
+        # blocks makes every cluster look free, the header and the tables
+        # included. A write must not allocate over them (vblk used to loop
+        # placing refcount blocks there): both tools mark the image corrupt
+        # with the same message and fail the write.
+        b = bytearray(self.good)
+        rt = struct.unpack_from(">Q", b, H_RT_OFF)[0]
+        b[rt:rt + 65536] = bytes(65536)
+        for name in ("rt_empty_v.qcow2", "rt_empty_q.qcow2"):
+            with open(os.path.join(self.dir, name), "wb") as f:
+                f.write(b)
+        argv = ["bench", "-w", "-c", "1", "-s", "4k", "-o", "512k", "-f", "qcow2"]
+        v = vblk(*argv, "rt_empty_v.qcow2", cwd=self.dir, timeout=20)
+        q = qemu(*argv, "rt_empty_q.qcow2", cwd=self.dir, timeout=20)
+        self.assertNotEqual(q.rc, 0, q)
+        self.assertIn("Preventing invalid write on metadata", q.stderr)
+        self.assertSameResult(v, q)
+        for name in ("rt_empty_v.qcow2", "rt_empty_q.qcow2"):
+            j = json.loads(qemu("info", "--output=json", name, cwd=self.dir).stdout)
+            self.assertTrue(j["format-specific"]["data"]["corrupt"], name)
+
     def test_backing_file_missing(self):
         qemu_ok("create", "-q", "-f", "raw", "gone.raw", "1M", cwd=self.dir)
         qemu_ok("create", "-q", "-f", "qcow2", "-b", "gone.raw", "-F", "raw", "orphan.qcow2",

@@ -130,6 +130,13 @@ class Qcow2Node final : public Node {
   // Allocates `bytes` (< one cluster) for compressed data, packing them.
   Task<Result<uint64_t>> alloc_bytes(uint64_t bytes);
   Task<Result<uint64_t>> find_free(uint64_t n);
+  // QEMU's "cached" overlap check: which in-memory-known metadata (header,
+  // L1, refcount table, L2 tables, refcount blocks) [offset, +bytes)
+  // overlaps, or nullptr. Refcounts of a hostile image can call such
+  // clusters free; writing there would destroy the image.
+  const char* metadata_overlap(uint64_t offset, uint64_t bytes) const;
+  // Marks the image corrupt and fails if a new allocation overlaps.
+  Task<Status> check_new_clusters(uint64_t offset, uint64_t bytes);
   Task<Result<bool>> ensure_refblocks(uint64_t first_cluster, uint64_t n);
   Task<Status> grow_refcount_table(uint64_t min_entries);
   uint64_t refcount_get(const uint8_t* block, uint64_t index) const;
