@@ -18,7 +18,7 @@ namespace vblk::fuzz {
 class MemFile : public Node {
  public:
   // Writes that would grow the file past this fail with ENOSPC.
-  static constexpr uint64_t kMaxSize = 256ull << 20;
+  static constexpr uint64_t kMaxSize = 64ull << 20;
 
   MemFile(Loop& loop, const uint8_t* data, size_t size) : Node(loop, "mem"), data_(data, data + size) {
     caps_.zeroes = true;

@@ -31,5 +31,5 @@ if compgen -G "fuzz/regressions/*" >/dev/null; then
     exit 1
   }
 fi
-exec build-fuzz/fuzz/fuzz_qcow2 -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len=131072 \
+exec build-fuzz/fuzz/fuzz_qcow2 -max_total_time="$secs" -timeout=30 -rss_limit_mb=2048 -max_len=131072 \
   -print_final_stats=1 -artifact_prefix=build-fuzz/artifacts/ "$@" build-fuzz/corpus "$seeds"
