@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -50,6 +51,12 @@ enum StatusFlags : uint32_t {
 };
 
 class Node;
+
+// How a growing truncate prepares the new area (QEMU's PreallocMode).
+enum class Prealloc { Off, Metadata, Falloc, Full };
+// "off", "metadata", "falloc", "full"; nullopt for anything else.
+std::optional<Prealloc> parse_prealloc(const std::string& s);
+const char* prealloc_name(Prealloc p);
 
 struct BlockStatus {
   uint32_t flags = 0;
@@ -155,7 +162,7 @@ class Node {
   // both sides allow it (copy_file_range). ENOTSUP if not possible: callers
   // fall back to read+write.
   Task<Status> copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes, uint32_t flags = 0);
-  Task<Status> truncate(uint64_t length, bool exact = true);
+  Task<Status> truncate(uint64_t length, bool exact = true, Prealloc prealloc = Prealloc::Off);
   // Waits until no request is in flight on this node.
   Task<void> drain();
   uint64_t in_flight() const { return in_flight_; }
@@ -207,6 +214,9 @@ class Node {
   virtual Task<Status> do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes,
                                         uint32_t flags);
   virtual Task<Status> do_truncate(uint64_t length, bool exact);
+  // Growing with preallocation other than Off. The default refuses as
+  // QEMU does ("Unsupported preallocation mode: metadata").
+  virtual Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc);
 
   // For drivers: set during open.
   void add_child(std::string role, std::shared_ptr<Node> n) { children_.push_back({std::move(role), std::move(n)}); }

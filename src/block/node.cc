@@ -277,11 +277,37 @@ Task<Status> Node::flush() {
   co_return co_await do_flush();
 }
 
-Task<Status> Node::truncate(uint64_t length, bool exact) {
+Task<Status> Node::truncate(uint64_t length, bool exact, Prealloc prealloc) {
   if (read_only_) co_return Error(EPERM, "Block node is read-only");
   co_await drain();
-  VBLK_CO_TRY(co_await do_truncate(length, exact));
+  if (prealloc == Prealloc::Off) {
+    VBLK_CO_TRY(co_await do_truncate(length, exact));
+  } else {
+    VBLK_CO_TRY(co_await do_truncate_prealloc(length, exact, prealloc));
+  }
   co_return Status{};
+}
+
+Task<Status> Node::do_truncate_prealloc(uint64_t, bool, Prealloc prealloc) {
+  co_return Error(ENOTSUP, std::string("Unsupported preallocation mode: ") + prealloc_name(prealloc));
+}
+
+std::optional<Prealloc> parse_prealloc(const std::string& s) {
+  if (s == "off") return Prealloc::Off;
+  if (s == "metadata") return Prealloc::Metadata;
+  if (s == "falloc") return Prealloc::Falloc;
+  if (s == "full") return Prealloc::Full;
+  return std::nullopt;
+}
+
+const char* prealloc_name(Prealloc p) {
+  switch (p) {
+    case Prealloc::Off: return "off";
+    case Prealloc::Metadata: return "metadata";
+    case Prealloc::Falloc: return "falloc";
+    case Prealloc::Full: return "full";
+  }
+  return "off";
 }
 
 // ---- block status

@@ -12,7 +12,10 @@ VBLK_CRASH_ROUNDS sets the number of kills (default 100; the sanitizer
 build runs a few, where it would mostly measure ASan's speed).
 """
 import os
+import json
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import InteropTestCase, make_tempdir, QEMU_IMG, VBLK  # noqa: E402
 
 WRITER = os.environ.get("VBLK_CRASH_WRITER", "")
+QEMU_IO = os.environ.get("QEMU_IO") or os.path.join(os.path.dirname(QEMU_IMG), "qemu-io")
+VBLK_NAME = os.path.basename(VBLK)
 BLOCK = 4096
 
 
@@ -85,6 +90,11 @@ class CrashTest(InteropTestCase):
         chk = subprocess.run([QEMU_IMG, "check", img], capture_output=True, text=True)
         # 0: clean, 3: leaked clusters only. 2 means corruption.
         self.assertIn(chk.returncode, (0, 3), "seed %d (%s):\n%s%s" % (seed, fmt_opts, chk.stdout, chk.stderr))
+        return self.verify_data(img, log, seed, fmt_opts)
+
+    def verify_data(self, img, log, seed, fmt_opts):
+        """Every block holds its state as of the last completed flush or the
+        content of a later operation. Returns (ops, flushed seq)."""
         raw = os.path.join(self.dir, "crash.raw")
         subprocess.run([QEMU_IMG, "convert", "-O", "raw", img, raw], check=True)
         with open(raw, "rb") as f:
@@ -125,6 +135,165 @@ class CrashTest(InteropTestCase):
                 n, _ = self.one_round(rnd, seed, variants[i % len(variants)])
                 total_ops += n
         self.assertGreater(total_ops, rounds)  # the writer really wrote
+
+
+class LazyRefcountsTest(CrashTest):
+    """lazy_refcounts: the dirty bit, repair on a read-write open, and the
+    corrupt bit, with qemu-img and qemu-io as the oracles."""
+
+    test_sigkill_during_random_io = None  # CrashTest's soak, not again
+
+    def _json(self, *argv):
+        r = subprocess.run(list(argv), capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r)
+        return json.loads(r.stdout)
+
+    def _run(self, *argv):
+        return subprocess.run(list(argv), capture_output=True, text=True, cwd=self.dir)
+
+    def assertSameRun(self, v, q, what):
+        # (bench's run time is the one line that may differ)
+        def out(r, name):
+            return re.sub(r"Run completed in [0-9.]+ seconds", "Run completed", r.stdout.replace(name, "X"))
+        self.assertEqual(v.returncode, q.returncode, "%s: %r / %r" % (what, v, q))
+        self.assertEqual(out(v, "b.qcow2"), out(q, "a.qcow2"), what)
+        self.assertEqual(v.stderr.replace(VBLK_NAME + ":", "qemu-img:").replace("b.qcow2", "X"),
+                         q.stderr.replace("a.qcow2", "X"), what)
+
+    def _dirty(self, img):
+        return self._json(QEMU_IMG, "info", "--output=json", img).get("dirty-flag")
+
+    def test_sigkill_leaves_dirty_image_repaired_on_rw_open(self):
+        img = os.path.join(self.dir, "lazy.qcow2")
+        log = os.path.join(self.dir, "lazy.log")
+        rnd = random.Random(99)
+        for rnd_i in range(3):
+            seed = rnd.randrange(1 << 30)
+            with self.subTest(round=rnd_i, seed=seed):
+                subprocess.run([VBLK, "create", "-q", "-f", "qcow2", "-o",
+                                "lazy_refcounts=on,cluster_size=4096", img, "16M"], check=True)
+                if os.path.exists(log):
+                    os.unlink(log)
+                p = subprocess.Popen([WRITER, img, "qcow2", str(seed), log])
+                # Killed once it has flushed at least once (so it wrote).
+                deadline = time.time() + 20
+                while time.time() < deadline:
+                    if os.path.exists(log) and "\nF " in "\n" + open(log).read():
+                        break
+                    time.sleep(0.01)
+                time.sleep(rnd.uniform(0.0, 0.1))
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+                # Dirty, and both tools see it the same way.
+                vi = self._json(VBLK, "info", "--output=json", img)
+                qi = self._json(QEMU_IMG, "info", "--output=json", img)
+                self.assertTrue(qi.get("dirty-flag"), qi)
+                self.assertEqual(vi.get("dirty-flag"), qi.get("dirty-flag"))
+                shutil.copy(img, os.path.join(self.dir, "a.qcow2"))
+                shutil.copy(img, os.path.join(self.dir, "b.qcow2"))
+                self.assertSameRun(self._run(VBLK, "check", "b.qcow2"),
+                                   self._run(QEMU_IMG, "check", "a.qcow2"), "check of the dirty image")
+                # Read-only use needs no repair and changes nothing.
+                before = open(img, "rb").read()
+                self.assertSameRun(self._run(VBLK, "map", "--output=json", "b.qcow2"),
+                                   self._run(QEMU_IMG, "map", "--output=json", "a.qcow2"), "map")
+                self.assertEqual(open(os.path.join(self.dir, "b.qcow2"), "rb").read(), before)
+                # A read-write open repairs (same messages as QEMU's) and
+                # clears the bit.
+                self.assertSameRun(self._run(VBLK, "resize", "-f", "qcow2", "b.qcow2", "16M"),
+                                   self._run(QEMU_IMG, "resize", "-f", "qcow2", "a.qcow2", "16M"),
+                                   "read-write open of the dirty image")
+                for name in ("a.qcow2", "b.qcow2"):
+                    path = os.path.join(self.dir, name)
+                    self.assertFalse(self._dirty(path), name)
+                    chk = self._run(QEMU_IMG, "check", path)
+                    self.assertEqual(chk.returncode, 0, chk)
+                cmp_ = self._run(QEMU_IMG, "compare", "a.qcow2", "b.qcow2")
+                self.assertEqual(cmp_.returncode, 0, cmp_)
+                n, _ = self.verify_data(os.path.join(self.dir, "b.qcow2"), log, seed, "lazy")
+                self.assertGreater(n, 0)
+
+    def test_qemu_crash_with_refcount_errors_repaired_like_qemu(self):
+        # qemu-io's "abort" leaves L2 entries whose refcounts never reached
+        # the disk: errors, not just leaks. Opening read-write repairs them.
+        img = os.path.join(self.dir, "a.qcow2")
+        subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=on",
+                        img, "16M"], check=True)
+        subprocess.run([QEMU_IO, "-c", "write -P 0x11 0 1M", "-c", "write -P 0x22 4M 64k",
+                        "-c", "abort", img], capture_output=True)
+        shutil.copy(img, os.path.join(self.dir, "b.qcow2"))
+        q = self._run(QEMU_IMG, "check", "a.qcow2")
+        self.assertEqual(q.returncode, 2, q)  # corruptions, as the oracle says
+        self.assertSameRun(self._run(VBLK, "check", "b.qcow2"), q, "check")
+        q = self._run(QEMU_IMG, "resize", "-f", "qcow2", "a.qcow2", "16M")
+        self.assertIn("Rebuilding refcount structure", q.stderr)  # the oracle did repair
+        self.assertSameRun(self._run(VBLK, "resize", "-f", "qcow2", "b.qcow2", "16M"), q, "repairing open")
+        for name in ("a.qcow2", "b.qcow2"):
+            chk = self._run(QEMU_IMG, "check", name)
+            self.assertEqual(chk.returncode, 0, chk)
+            self.assertFalse(self._dirty(os.path.join(self.dir, name)))
+        r = self._run(QEMU_IO, "-r", "-c", "read -P 0x11 0 1M", "-c", "read -P 0x22 4M 64k", "b.qcow2")
+        self.assertNotIn("fail", r.stdout + r.stderr, r)
+
+    def test_clean_close_clears_dirty_bit(self):
+        img = os.path.join(self.dir, "c.qcow2")
+        subprocess.run([VBLK, "create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=on", img, "8M"],
+                       check=True)
+        r = self._run(VBLK, "bench", "-w", "-c", "200", "-s", "4k", "-S", "65536", "-f", "qcow2", img)
+        self.assertEqual(r.returncode, 0, r)
+        self.assertFalse(self._dirty(img))
+        chk = self._run(QEMU_IMG, "check", img)
+        self.assertEqual(chk.returncode, 0, chk)
+        info = self._json(QEMU_IMG, "info", "--output=json", img)
+        self.assertTrue(info["format-specific"]["data"]["lazy-refcounts"])
+
+    def test_runtime_corruption_sets_corrupt_bit_and_check_clears_it(self):
+        # An unaligned L2 table offset, found by a write: both mark the image
+        # corrupt, refuse the write, refuse read-write opens afterwards, and
+        # `check -r all` clears the bit.
+        img = os.path.join(self.dir, "a.qcow2")
+        subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", img, "1M"], check=True)
+        subprocess.run([QEMU_IO, "-c", "write -P 1 0 128k", img], check=True, capture_output=True)
+        with open(img, "r+b") as f:
+            f.seek(40)
+            l1 = int.from_bytes(f.read(8), "big")
+            f.seek(l1)
+            e = int.from_bytes(f.read(8), "big")
+            f.seek(l1)
+            f.write((e + 512).to_bytes(8, "big"))
+        shutil.copy(img, os.path.join(self.dir, "b.qcow2"))
+        bench = ["bench", "-w", "-c", "1", "-s", "4k", "-f", "qcow2"]
+        self.assertSameRun(self._run(VBLK, *bench, "b.qcow2"), self._run(QEMU_IMG, *bench, "a.qcow2"),
+                           "write hitting the corruption")
+        for name in ("a.qcow2", "b.qcow2"):
+            info = self._json(QEMU_IMG, "info", "--output=json", os.path.join(self.dir, name))
+            self.assertTrue(info["format-specific"]["data"]["corrupt"], name)
+        self.assertSameRun(self._run(VBLK, *bench, "b.qcow2"), self._run(QEMU_IMG, *bench, "a.qcow2"),
+                           "read-write open of a corrupt image")
+        # The unaligned L2 offset is beyond repair: the bit stays, in both.
+        self.assertSameRun(self._run(VBLK, "check", "-r", "all", "b.qcow2"),
+                           self._run(QEMU_IMG, "check", "-r", "all", "a.qcow2"), "check -r all")
+        for name in ("a.qcow2", "b.qcow2"):
+            info = self._json(QEMU_IMG, "info", "--output=json", os.path.join(self.dir, name))
+            self.assertTrue(info["format-specific"]["data"]["corrupt"], name)
+        # Where the repair leaves no corruption, `check -r all` clears the
+        # bit, and the image can be written again.
+        for name in ("a.qcow2", "b.qcow2"):
+            path = os.path.join(self.dir, name)
+            subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", path, "1M"], check=True)
+            subprocess.run([QEMU_IO, "-c", "write -P 1 0 128k", path], check=True, capture_output=True)
+            with open(path, "r+b") as f:
+                f.seek(72)
+                f.write((2).to_bytes(8, "big"))  # the corrupt bit alone
+        self.assertSameRun(self._run(VBLK, *bench, "b.qcow2"), self._run(QEMU_IMG, *bench, "a.qcow2"),
+                           "read-write open of an image marked corrupt")
+        self.assertSameRun(self._run(VBLK, "check", "-r", "all", "b.qcow2"),
+                           self._run(QEMU_IMG, "check", "-r", "all", "a.qcow2"), "check -r all")
+        for name in ("a.qcow2", "b.qcow2"):
+            info = self._json(QEMU_IMG, "info", "--output=json", os.path.join(self.dir, name))
+            self.assertFalse(info["format-specific"]["data"]["corrupt"], name)
+        self.assertSameRun(self._run(VBLK, *bench, "b.qcow2"), self._run(QEMU_IMG, *bench, "a.qcow2"),
+                           "write after the repair")
 
 
 if __name__ == "__main__":

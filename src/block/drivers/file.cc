@@ -178,6 +178,36 @@ class FileNode final : public Node {
     set_length(align_up(length, 512));
     co_return Status{};
   }
+  // Grows the file and allocates the new area (QEMU's raw_regular_truncate):
+  // falloc reserves it, full writes zeroes into it.
+  Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc p) override {
+    if (blockdev_ || (p != Prealloc::Falloc && p != Prealloc::Full))
+      co_return co_await Node::do_truncate_prealloc(length, exact, p);
+    auto sz = host_size();
+    if (!sz) co_return sz.take_error();
+    if (length <= *sz) co_return co_await do_truncate(length, exact);
+    const uint64_t old = *sz;
+    if (p == Prealloc::Falloc) {
+      int r = ::posix_fallocate(fd_, static_cast<off_t>(old), static_cast<off_t>(length - old));
+      if (r != 0) co_return Error(r, std::string("Could not preallocate new data: ") + std::strerror(r));
+    } else {
+      if (::ftruncate(fd_, static_cast<off_t>(length)) < 0)
+        co_return Error(errno, std::string("Could not resize file: ") + std::strerror(errno));
+      AlignedBuffer zero(1 << 20, 4096);
+      zero.zero();
+      for (uint64_t pos = old; pos < length;) {
+        size_t n = static_cast<size_t>(std::min<uint64_t>(zero.size(), length - pos));
+        ssize_t w = ::pwrite(fd_, zero.data(), n, static_cast<off_t>(pos));
+        if (w < 0) {
+          if (errno == EINTR) continue;
+          co_return Error(errno, std::string("Could not write zeros for preallocation: ") + std::strerror(errno));
+        }
+        pos += static_cast<uint64_t>(w);
+      }
+    }
+    set_length(align_up(length, 512));
+    co_return Status{};
+  }
 
  private:
   Result<uint64_t> host_size() const {

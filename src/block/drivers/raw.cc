@@ -51,6 +51,12 @@ class RawNode final : public Node {
     set_length(file_->length());
     co_return Status{};
   }
+  Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc p) override {
+    if (offset_ != 0 || has_size_) co_return Error(ENOTSUP, "Cannot resize a raw image with offset or size options");
+    VBLK_CO_TRY(co_await file_->truncate(length, exact, p));
+    set_length(file_->length());
+    co_return Status{};
+  }
 
  public:
   bool has_size_ = false;

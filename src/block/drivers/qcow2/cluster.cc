@@ -36,7 +36,7 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
   }
   uint64_t l2_off = l1_[l1i] & kL1OffsetMask;
   if (l2_off % cs_) {
-    co_await mark_corrupt(fmt::format("L2 table offset {} unaligned (L1 index: {})", hex(l2_off), hex(l1i)));
+    (void)co_await mark_corrupt(fmt::format("L2 table offset {} unaligned (L1 index: {})", hex(l2_off), hex(l1i)));
     co_return Error(EIO);
   }
   auto t = co_await l2_cache_->get(l2_off);
@@ -78,7 +78,7 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
   Result<Classified> first = Classified{};
   classify(l2i, sub, first);
   if (!first) {
-    co_await mark_corrupt(first.error().message);
+    (void)co_await mark_corrupt(first.error().message);
     co_return Error(EIO);
   }
   m.type = first->type;

@@ -224,7 +224,11 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   co_await lock_.lock();
   locked = true;
   l2_cache_->depends_on_flush();
-  VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
+  // Lazy refcounts: the image is marked dirty instead, and L2 entries may
+  // reach the disk before their clusters' refcounts (a crash leaves errors
+  // the next read-write open repairs).
+  if (lazy_refcounts_) VBLK_CO_TRY(co_await mark_dirty());
+  if (!dirty_flag()) VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
   for (uint64_t i = 0; i < count; ++i) {
     uint64_t guest = (first + i) * cs_;
     auto t = co_await l2_for_write(guest);

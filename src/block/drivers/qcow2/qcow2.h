@@ -82,9 +82,10 @@ class Qcow2Node final : public Node {
 
   // For tests and check: the refcount of a host cluster.
   Task<Result<uint64_t>> refcount_of(uint64_t cluster_index);
-  Task<Status> close();
-  // Changes the virtual size (growing the L1 table if needed).
-  Task<Status> resize(uint64_t size);
+  Task<Status> close() override;
+  // Changes the virtual size (growing the L1 table if needed), preparing
+  // the new area as `prealloc` asks (prealloc.cc).
+  Task<Status> resize(uint64_t size, Prealloc prealloc = Prealloc::Off);
   // Checks an image's size for create: L1 must fit.
   static Status check_create_size(uint64_t size, uint32_t cluster_size, bool extended_l2);
 
@@ -96,6 +97,7 @@ class Qcow2Node final : public Node {
   Task<Status> do_flush() override;
   Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_truncate(uint64_t length, bool exact) override;
+  Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc) override;
 
  private:
   friend struct Qcow2Opener;
@@ -103,6 +105,11 @@ class Qcow2Node final : public Node {
   Task<Status> load(OpenContext& ctx, bool read_only);
   Task<Status> write_header();
   Task<Status> mark_corrupt(const std::string& why);
+  // lazy_refcounts: the dirty bit goes to disk before the first L2 entry
+  // whose refcount may not; cleared on a clean close (QEMU's
+  // qcow2_mark_dirty/qcow2_mark_clean).
+  Task<Status> mark_dirty();
+  Task<Status> mark_clean();
 
   // ---- cluster.cc (lock held)
   Task<Result<Mapping>> lookup(uint64_t offset, uint64_t max_bytes);
@@ -124,10 +131,35 @@ class Qcow2Node final : public Node {
   // Allocates `bytes` (< one cluster) for compressed data, packing them.
   Task<Result<uint64_t>> alloc_bytes(uint64_t bytes);
   Task<Result<uint64_t>> find_free(uint64_t n);
+  // QEMU's "cached" overlap check: which in-memory-known metadata (header,
+  // L1, refcount table, L2 tables, refcount blocks) [offset, +bytes)
+  // overlaps, or nullptr. Refcounts of a hostile image can call such
+  // clusters free; writing there would destroy the image.
+  const char* metadata_overlap(uint64_t offset, uint64_t bytes) const;
+  // Marks the image corrupt and fails if a new allocation overlaps.
+  Task<Status> check_new_clusters(uint64_t offset, uint64_t bytes);
   Task<Result<bool>> ensure_refblocks(uint64_t first_cluster, uint64_t n);
   Task<Status> grow_refcount_table(uint64_t min_entries);
   uint64_t refcount_get(const uint8_t* block, uint64_t index) const;
   void refcount_set(uint8_t* block, uint64_t index, uint64_t value) const;
+
+  // ---- prealloc.cc (lock held)
+  // preallocation=metadata over guest [from, to): L2 tables and data
+  // clusters allocated, the file grown (sparse) to cover them.
+  Task<Status> prealloc_metadata(uint64_t from, uint64_t to);
+  // preallocation=falloc|full: refcount structures for the whole new area
+  // first, then the data clusters in one run, then their L2 entries.
+  Task<Status> prealloc_data(uint64_t from, uint64_t to, Prealloc mode);
+  // QEMU's qcow2_refcount_area: a new refcount table (and the refcount
+  // blocks missing) at start_cluster covering `additional` more clusters;
+  // returns the first cluster after them.
+  Task<Result<uint64_t>> refcount_area(uint64_t start_cluster, uint64_t additional);
+  // Links guest clusters [first, first+n) to host clusters from `host` on.
+  // Like QEMU's link_l2 for a preallocation, it first copies the guest
+  // bytes of the first cluster before `head_end` and writes zeroes after
+  // `tail_from` in the last one (0: none).
+  Task<Result<uint64_t>> link_run(uint64_t first, uint64_t n, uint64_t host, uint64_t head_end = 0,
+                                  uint64_t tail_from = 0);
 
   // ---- io.cc
   Task<Result<bool>> detect_metadata_preallocation();
@@ -156,6 +188,7 @@ class Qcow2Node final : public Node {
   uint64_t free_cluster_index_ = 0;
   uint64_t free_byte_offset_ = 0;  // packing point for compressed writes
   bool header_dirty_ = false;
+  bool lazy_refcounts_ = false;  // the lazy-refcounts option (default: the header's bit)
   bool signaled_corruption_ = false;
   bool prealloc_checked_ = false;
   bool metadata_prealloc_ = false;
