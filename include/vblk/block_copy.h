@@ -76,6 +76,12 @@ struct BlockCopyOptions {
   uint64_t speed = 0;  // bytes per second, 0 = unlimited
   // Extra flags for target writes of data (e.g. a compressed-write flag).
   uint32_t write_flags = 0;
+  // Zero detection in read data (qemu-img convert -S): aligned runs of this
+  // many zero bytes (at least the target's cluster) become write_zeroes, or
+  // nothing on a zeroed target, so the target stays sparse. 0 = off.
+  uint64_t detect_zeroes = 0;
+  // Write zero ranges as allocated data (qemu-img convert -S 0).
+  bool allocate_zeroes = false;
 };
 
 // The engine's own chunk limits (max_chunk = 0).
@@ -93,6 +99,8 @@ class BlockCopyCall {
   // The first error (valid once failed()), and whether a read caused it.
   const Status& status() const { return status_; }
   bool error_is_read() const { return error_is_read_; }
+  // Where the failed chunk starts.
+  uint64_t error_offset() const { return error_offset_; }
 
   // Asks the call to stop; it finishes once its running tasks are done.
   void cancel();
@@ -114,6 +122,7 @@ class BlockCopyCall {
   bool finished_ = false;
   bool cancelled_ = false;
   bool error_is_read_ = false;
+  uint64_t error_offset_ = 0;
   Status status_;
   std::function<void(BlockCopyCall&)> on_done_;
   CoSemaphore workers_;   // task slots of this call
@@ -166,6 +175,7 @@ class BlockCopyState {
   Task<void> run_task(BlockCopyCall& call, uint64_t offset, uint64_t bytes, int kind);
   Task<Status> copy_data(uint64_t offset, uint64_t bytes, bool& error_is_read);
   Task<Status> read_write(uint64_t offset, uint64_t bytes, bool& error_is_read);
+  Task<Status> write_detecting_zeroes(uint64_t offset, std::span<const uint8_t> buf);
   AlignedBuffer take_buffer(uint64_t bytes);
   void give_buffer(AlignedBuffer b);
   InFlight* find_in_flight(uint64_t offset, uint64_t end);

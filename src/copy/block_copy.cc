@@ -205,7 +205,7 @@ Task<BlockCopyState::Chunk> BlockCopyState::next_chunk(uint64_t pos, uint64_t en
     auto classify = [&](const Result<BlockStatus>& r) -> int {
       if (!r || r->bytes == 0) return kData;  // no answer: copy as data
       if (opts_.skip_unallocated && !(r->flags & kStatusAllocated)) return kSkip;
-      if (r->flags & kStatusZero) return kZero;
+      if ((r->flags & kStatusZero) && !opts_.allocate_zeroes) return kZero;
       return kData;
     };
     Result<BlockStatus> st = Error(EIO);
@@ -274,6 +274,7 @@ Task<void> BlockCopyState::run_task(BlockCopyCall& call, uint64_t offset, uint64
     if (call.status_.ok()) {
       call.status_ = st;
       call.error_is_read_ = error_is_read;
+      call.error_offset_ = offset;
     }
   }
   for (auto h : t.waiters) source_.loop().post(h);
@@ -327,13 +328,46 @@ Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& e
     if (!st.ok()) {
       error_is_read = true;
     } else {
-      st = co_await target_.write(offset + done, span, opts_.write_flags);
+      if (opts_.detect_zeroes) {
+        st = co_await write_detecting_zeroes(offset + done, span);
+      } else {
+        st = co_await target_.write(offset + done, span, opts_.write_flags);
+      }
       if (!st.ok()) error_is_read = false;
     }
     give_buffer(std::move(buf));
     memory_.release(n);
     if (!st.ok()) co_return st;
     done += n;
+  }
+  co_return Status{};
+}
+
+// Writes buf at offset as runs of data and of zeroes: a unit (aligned to its
+// own size) that reads all zero joins a zero run, written as write_zeroes or
+// not at all when the target is known to be zero.
+Task<Status> BlockCopyState::write_detecting_zeroes(uint64_t offset, std::span<const uint8_t> buf) {
+  const uint64_t unit = std::max<uint64_t>(opts_.detect_zeroes, target_.cluster_size());
+  size_t pos = 0;
+  while (pos < buf.size()) {
+    bool zero = false;
+    size_t run = 0;
+    while (pos + run < buf.size()) {
+      uint64_t at = offset + pos + run;
+      size_t n = static_cast<size_t>(std::min<uint64_t>(align_down(at, unit) + unit - at, buf.size() - pos - run));
+      bool z = buffer_is_zero(buf.subspan(pos + run, n));
+      // A zero piece shorter than a unit (chunk edges) stays data.
+      if (z && n < unit && at + n < target_.length()) z = false;
+      if (run == 0) zero = z;
+      if (z != zero) break;
+      run += n;
+    }
+    if (!zero) {
+      VBLK_CO_TRY(co_await target_.write(offset + pos, buf.subspan(pos, run), opts_.write_flags));
+    } else if (!opts_.target_is_zero) {
+      VBLK_CO_TRY(co_await target_.write_zeroes(offset + pos, run, zero_flags_));
+    }
+    pos += run;
   }
   co_return Status{};
 }

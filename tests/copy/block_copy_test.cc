@@ -510,3 +510,53 @@ TEST(BlockCopyTest, CopyOffloadRefusedFallsBackToReadWrite) {
   EXPECT_EQ(bcs.progress_done(), 4 * MiB);
   EXPECT_LE(bcs.memory_peak(), 16 * MiB);
 }
+
+// ---- zero detection (qemu-img convert -S) and full allocation (-S 0)
+
+TEST(BlockCopyTest, ZeroDetectionKeepsTheTargetSparse) {
+  for (bool zeroed : {false, true}) {
+    Fixture f(1 * MiB);
+    // Data status everywhere, but [128K,256K) and [260K,264K) read as zero.
+    std::fill(f.src.data().begin() + 128 * KiB, f.src.data().begin() + 256 * KiB, 0);
+    std::fill(f.src.data().begin() + 260 * KiB, f.src.data().begin() + 264 * KiB, 0);
+    if (zeroed) std::fill(f.dst.data().begin(), f.dst.data().end(), 0);
+    auto o = opts();
+    o.detect_zeroes = 4 * KiB;
+    o.target_is_zero = zeroed;
+    BlockCopyState bcs(f.src, f.dst, o);
+    bcs.bitmap().set_all();
+    ASSERT_TRUE(f.loop.run(bcs.copy(0, 1 * MiB)).ok());
+    EXPECT_EQ(f.dst.data(), f.src.data());
+    EXPECT_EQ(f.dst.count('w', 128 * KiB, 128 * KiB), 0);
+    EXPECT_EQ(f.dst.count('w', 260 * KiB, 4 * KiB), 0);
+    EXPECT_EQ(f.dst.count('z', 128 * KiB, 128 * KiB), zeroed ? 0 : 1);
+    EXPECT_EQ(f.dst.count('z', 260 * KiB, 4 * KiB), zeroed ? 0 : 1);
+    EXPECT_EQ(f.dst.count('w', 256 * KiB, 4 * KiB), 1);
+    EXPECT_EQ(bcs.progress_done(), 1 * MiB);
+  }
+}
+
+TEST(BlockCopyTest, AllocateZeroesWritesZeroRangesAsData) {
+  Fixture f(1 * MiB);
+  f.src.extents = {{0, 1 * MiB, kStatusZero}};
+  std::fill(f.src.data().begin(), f.src.data().end(), 0);
+  auto o = opts();
+  o.allocate_zeroes = true;
+  BlockCopyState bcs(f.src, f.dst, o);
+  bcs.bitmap().set_all();
+  ASSERT_TRUE(f.loop.run(bcs.copy(0, 1 * MiB)).ok());
+  EXPECT_EQ(f.dst.data(), f.src.data());
+  EXPECT_EQ(ops_of(f.dst, 'z').size(), 0u);
+  EXPECT_EQ(ops_of(f.dst, 'w').size(), 1u);
+}
+
+TEST(BlockCopyTest, ErrorOffsetNamesTheFailedChunk) {
+  Fixture f(4 * MiB);
+  f.dst.faults = {{'w', 3 * MiB + 10, 1, EIO, false}};
+  BlockCopyState bcs(f.src, f.dst, opts());
+  bcs.bitmap().set_all();
+  auto call = bcs.copy_async(0, 4 * MiB);
+  f.loop.run(call->wait());
+  ASSERT_TRUE(call->failed());
+  EXPECT_EQ(call->error_offset(), 3 * MiB);
+}
