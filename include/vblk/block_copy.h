@@ -179,6 +179,7 @@ class BlockCopyState {
   AlignedBuffer take_buffer(uint64_t bytes);
   void give_buffer(AlignedBuffer b);
   InFlight* find_in_flight(uint64_t offset, uint64_t end);
+  uint64_t call_end(const BlockCopyCall& call) const;
   uint64_t data_chunk_limit() const;
   uint64_t zero_chunk_limit() const;
 

@@ -111,6 +111,13 @@ std::shared_ptr<BlockCopyCall> BlockCopyState::copy_async(uint64_t offset, uint6
   return call;
 }
 
+// A call covers whole clusters: a chunk must never end inside a cluster,
+// since claiming it clears the whole cluster's bit.
+uint64_t BlockCopyState::call_end(const BlockCopyCall& call) const {
+  uint64_t end = call.offset_ + std::min(call.bytes_, UINT64_MAX - call.offset_);
+  return std::min(bitmap_.size(), align_up(std::min(end, bitmap_.size()), opts_.cluster_size));
+}
+
 BlockCopyState::InFlight* BlockCopyState::find_in_flight(uint64_t offset, uint64_t end) {
   for (InFlight* t : in_flight_)
     if (t->offset < end && offset < t->offset + t->bytes) return t;
@@ -120,7 +127,7 @@ BlockCopyState::InFlight* BlockCopyState::find_in_flight(uint64_t offset, uint64
 Task<void> BlockCopyState::run_call(std::shared_ptr<BlockCopyCall> call) {
   calls_.push_back(call.get());
   const uint64_t begin = align_down(call->offset_, opts_.cluster_size);
-  const uint64_t end = std::min(bitmap_.size(), call->offset_ + call->bytes_);
+  const uint64_t end = call_end(*call);
   for (;;) {
     bool found = co_await scan(*call);
     if (!call->status_.ok() || call->cancelled_) break;
@@ -146,7 +153,7 @@ Task<void> BlockCopyState::run_call(std::shared_ptr<BlockCopyCall> call) {
 Task<bool> BlockCopyState::scan(BlockCopyCall& call) {
   Loop& loop = source_.loop();
   uint64_t pos = align_down(call.offset_, opts_.cluster_size);
-  const uint64_t end = std::min(bitmap_.size(), call.offset_ + call.bytes_);
+  const uint64_t end = call_end(call);
   bool found = false;
   while (pos < end && call.status_.ok() && !call.cancelled_) {
     co_await call.workers_.acquire();
@@ -259,8 +266,16 @@ Task<void> BlockCopyState::run_task(BlockCopyCall& call, uint64_t offset, uint64
 
   bool error_is_read = false;
   Status st;
-  if (kind == kZero) {
+  if (kind == kZero && target_.caps().zeroes) {
     st = co_await target_.write_zeroes(offset, bytes, zero_flags_);
+  } else if (kind == kZero) {
+    // The target writes zero buffers itself (1 MiB at a time): that memory
+    // counts against the budget too.
+    const uint64_t n = std::min({bytes, kBlockCopyDataChunk, opts_.max_memory});
+    co_await memory_.acquire(n);
+    memory_peak_ = std::max(memory_peak_, memory_in_use());
+    st = co_await target_.write_zeroes(offset, bytes, zero_flags_);
+    memory_.release(n);
   } else {
     st = co_await copy_data(offset, bytes, error_is_read);
   }

@@ -560,3 +560,33 @@ TEST(BlockCopyTest, ErrorOffsetNamesTheFailedChunk) {
   ASSERT_TRUE(call->failed());
   EXPECT_EQ(call->error_offset(), 3 * MiB);
 }
+
+TEST(BlockCopyTest, UnalignedCallRangeCopiesWholeClusters) {
+  Fixture f(1 * MiB);
+  BlockCopyState bcs(f.src, f.dst, opts());
+  bcs.bitmap().set_all();
+  ASSERT_TRUE(f.loop.run(bcs.copy(10 * KiB, 90 * KiB)).ok());  // touches clusters 0 and 1
+  EXPECT_FALSE(bcs.bitmap().get(0));
+  EXPECT_FALSE(bcs.bitmap().get(64 * KiB));
+  EXPECT_TRUE(bcs.bitmap().get(128 * KiB));
+  EXPECT_TRUE(std::equal(f.src.data().begin(), f.src.data().begin() + 128 * KiB, f.dst.data().begin()));
+  EXPECT_EQ(f.dst.data()[128 * KiB], 0xAA);
+  EXPECT_EQ(bcs.progress_done(), 128 * KiB);
+}
+
+TEST(BlockCopyTest, ZeroBuffersOfATargetWithoutWriteZeroesCountAsMemory) {
+  Fixture f(4 * MiB);
+  f.src.extents = {{0, 4 * MiB, kStatusZero}};
+  std::fill(f.src.data().begin(), f.src.data().end(), 0);
+  f.dst.mutable_caps().zeroes = false;  // the node layer writes zero buffers
+  f.dst.latency_ns = 1'000'000;
+  auto o = opts();
+  o.max_chunk = 256 * KiB;
+  o.max_memory = 512 * KiB;
+  BlockCopyState bcs(f.src, f.dst, o);
+  bcs.bitmap().set_all();
+  ASSERT_TRUE(f.loop.run(bcs.copy(0, 4 * MiB)).ok());
+  EXPECT_EQ(f.dst.data(), f.src.data());
+  EXPECT_EQ(bcs.memory_peak(), 512 * KiB);
+  EXPECT_LE(f.conc.peak, 2);  // two 256 KiB zero tasks fit in the budget
+}
