@@ -127,6 +127,9 @@ class Node {
   bool read_only() const { return read_only_; }
   void set_read_only(bool ro) { read_only_ = ro; }
   const BlockLimits& limits() const { return limits_; }
+  // The exact size in bytes where it is not a whole number of sectors
+  // (length() rounds up to 512 as QEMU does); protocol nodes override it.
+  virtual uint64_t exact_length() const { return length_; }
   const NodeCaps& caps() const { return caps_; }
   // Writethrough: every write is followed by a flush (cache=writethrough).
   void set_writethrough(bool on) { writethrough_ = on; }

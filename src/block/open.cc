@@ -42,6 +42,12 @@ const DriverInfo* find_driver(const std::string& name) {
   return nullptr;
 }
 
+Status check_write_without_resize(const Node& file) {
+  if (!file.read_only() && file.exact_length() % file.limits().request_alignment)
+    return Error(EINVAL, "Cannot get 'write' permission without 'resize': Image size is not a multiple of request alignment");
+  return {};
+}
+
 Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
   if (!opts.is_object()) return Error(EINVAL, "Invalid parameter type, expected: object");
   auto driver = take_string(opts, "driver");
@@ -149,6 +155,7 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
     file["driver"] = format;
     auto n = open_node(fctx, file);
     VBLK_TRY(n);
+    VBLK_TRY(check_write_without_resize(**n));
     (*n)->set_no_flush(o.no_flush);
     (*n)->set_writethrough(o.writethrough);
     return n;

@@ -77,5 +77,6 @@ int cmd_compare(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
 int cmd_check(int argc, char** argv);
 int cmd_resize(int argc, char** argv);
+int cmd_nbd(int argc, char** argv);
 
 }  // namespace vblk::cli

@@ -28,6 +28,9 @@ const Command kCommands[] = {
      "[-m num_coroutines] [-W] filename output_filename"},
     {"create", vblk::cli::cmd_create, "create [-q] [-f fmt] [-o options] filename [size]"},
     {"info", vblk::cli::cmd_info, "info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename"},
+    {"nbd", vblk::cli::cmd_nbd,
+     "nbd [-f fmt] [-r] [-x name] [-D text] [-k path | -p port [-b addr]] [-t] [-e shared] [-n | --cache=mode] "
+     "[--aio=mode] [--image-opts] [--fork] [--pid-file=path] filename"},
     {"resize", vblk::cli::cmd_resize,
      "resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size"},
     {"map", vblk::cli::cmd_map,

@@ -41,6 +41,7 @@ class FileNode final : public Node {
   Status init_length() {
     auto sz = host_size();
     VBLK_TRY(sz);
+    exact_length_ = *sz;
     set_length(align_up(*sz, 512));  // QEMU counts whole 512-byte sectors
     return {};
   }
@@ -68,6 +69,7 @@ class FileNode final : public Node {
   }
 
   int fd() const { return fd_; }
+  uint64_t exact_length() const override { return exact_length_; }
   Node* copy_target(uint64_t&) override { return this; }
 
  protected:
@@ -172,6 +174,7 @@ class FileNode final : public Node {
       co_return Status{};
     }
     if (::ftruncate(fd_, static_cast<off_t>(length)) < 0) co_return Error(errno, std::string("Failed to resize the file: ") + std::strerror(errno));
+    exact_length_ = length;
     set_length(align_up(length, 512));
     co_return Status{};
   }
@@ -190,6 +193,7 @@ class FileNode final : public Node {
 
   std::string path_;
   int fd_;
+  uint64_t exact_length_ = 0;  // the file size when opened (or last resized)
   bool blockdev_;
   AioMode aio_;
 };
@@ -290,9 +294,6 @@ Result<std::shared_ptr<Node>> open_posix(OpenContext& ctx, Json& opts, bool host
   node->set_read_only(read_only);
   node->set_no_flush(no_flush);
   VBLK_TRY(node->probe_alignment(direct));
-  if (direct && !read_only && S_ISREG(st.st_mode) &&
-      static_cast<uint64_t>(st.st_size) % node->limits().request_alignment)
-    return Error(EINVAL, "Cannot get 'write' permission without 'resize': Image size is not a multiple of request alignment");
   VBLK_TRY(node->init_length());
   return std::shared_ptr<Node>(node);
 }

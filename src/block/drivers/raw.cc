@@ -76,6 +76,7 @@ Result<std::shared_ptr<Node>> open_raw(OpenContext& ctx, Json& opts) {
   child_ctx.read_only = ro->value_or(ctx.read_only);
   auto file = open_child(child_ctx, opts, "file", true);
   VBLK_TRY(file);
+  VBLK_TRY(check_write_without_resize(**file));
   uint64_t off = offset->value_or(0);
   uint64_t flen = (*file)->length();
   if (off > flen) return Error(EINVAL, "The sum of offset (" + std::to_string(off) + ") and size (0) has to be smaller or equal to the  actual size of the containing file (" + std::to_string(flen) + ")");

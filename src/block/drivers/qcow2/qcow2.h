@@ -106,6 +106,7 @@ class Qcow2Node final : public Node {
 
   // ---- cluster.cc (lock held)
   Task<Result<Mapping>> lookup(uint64_t offset, uint64_t max_bytes);
+  Task<Result<bool>> reads_as_zero(uint64_t offset, uint64_t bytes);
   // The L2 table for guest offset, allocated (and made writable) if needed.
   Task<Result<MetaCache::Ref>> l2_for_write(uint64_t offset);
   uint64_t l2_entry(MetaCache::Ref& t, uint64_t index) const;
