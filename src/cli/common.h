@@ -67,6 +67,10 @@ struct ImageArgs {
 std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a);
 
 int cmd_create(int argc, char** argv);
+// Put between "<file>: " and create's error message (convert sets it to
+// "error while converting <fmt>: ", as qemu-img words it).
+extern std::string g_create_error_context;
+int cmd_convert(int argc, char** argv);
 int cmd_info(int argc, char** argv);
 int cmd_map(int argc, char** argv);
 int cmd_compare(int argc, char** argv);

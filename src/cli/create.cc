@@ -14,6 +14,8 @@
 
 namespace vblk::cli {
 
+std::string g_create_error_context;
+
 namespace {
 
 enum class OptKind { Size, Bool, String, Number };
@@ -194,7 +196,7 @@ int cmd_create(int argc, char** argv) {
   if (optind != argc) error_exit("Unexpected argument: " + std::string(argv[optind]));
 
   auto fail = [&](const std::string& msg) {
-    error_report(filename + ": " + msg);
+    error_report(filename + ": " + g_create_error_context + msg);
     return 1;
   };
   std::span<const OptSpec> specs;

@@ -22,6 +22,10 @@ const Command kCommands[] = {
      "check [--image-opts] [-q] [-f fmt] [--output=ofmt] [-r [leaks | all]] [-T src_cache] [-U] filename"},
     {"compare", vblk::cli::cmd_compare,
      "compare [--image-opts] [-f fmt] [-F fmt] [-T src_cache] [-p] [-q] [-s] [-U] filename1 filename2"},
+    {"convert", vblk::cli::cmd_convert,
+     "convert [--image-opts] [--target-is-zero] [-U] [-C] [-c] [-p] [-q] [-n] [-f fmt] [-t cache] [-T src_cache] "
+     "[-O output_fmt] [-B backing_file [-F backing_fmt]] [-o options] [-S sparse_size] [-r rate_limit] "
+     "[-m num_coroutines] [-W] filename output_filename"},
     {"create", vblk::cli::cmd_create, "create [-q] [-f fmt] [-o options] filename [size]"},
     {"info", vblk::cli::cmd_info, "info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename"},
     {"nbd", vblk::cli::cmd_nbd,
