@@ -406,6 +406,14 @@ Task<Result<BlockStatus>> Node::do_block_status(uint64_t offset, uint64_t bytes)
 Task<Status> Node::do_copy_range_to(uint64_t, Node&, uint64_t, uint64_t, uint32_t) { co_return Error(ENOTSUP); }
 Task<Result<CheckResult>> Node::check(uint32_t) { co_return Error(ENOTSUP, "This image format does not support checks"); }
 
+Task<Status> Node::snapshot_create(SnapshotInfo&) { co_return Error(ENOTSUP); }
+Task<Status> Node::snapshot_goto(const std::string&) {
+  co_return Error(ENOTSUP, "Block driver does not support snapshots");
+}
+Task<Status> Node::snapshot_delete(const std::string&, const std::string&) {
+  co_return Error(ENOTSUP, "Block driver does not support snapshots");
+}
+
 Task<Status> Node::do_truncate(uint64_t, bool) { co_return Error(ENOTSUP, "Image format driver does not support resize"); }
 
 }  // namespace vblk

@@ -73,5 +73,11 @@ int cmd_compare(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
 int cmd_check(int argc, char** argv);
 int cmd_resize(int argc, char** argv);
+int cmd_snapshot(int argc, char** argv);
+
+// qemu-img's snapshot table printing (bdrv_snapshot_dump): nothing when empty.
+void dump_snapshots(const std::vector<SnapshotInfo>& list);
+// QAPI SnapshotInfo, in schema order.
+nlohmann::ordered_json snapshot_json(const SnapshotInfo& sn);
 
 }  // namespace vblk::cli
