@@ -208,6 +208,15 @@ class Qcow2Node final : public Node {
   Task<Status> write_l1_table();
   Task<Status> flush_all();
   Task<void> wait_allocs();
+  // The metadata structure [offset, offset+size) overlaps, or nullptr.
+  const char* metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1) const;
+  // A metadata write, refused (image marked corrupt) if it would overlap
+  // other metadata.
+  Task<Status> metadata_write(uint64_t offset, std::span<const uint8_t> data, bool ignore_active_l1 = false,
+                              uint32_t flags = 0);
+  // Drops one reference to each cluster of the range; a range with a free
+  // cluster is reported and left alone (QEMU's qcow2_free_clusters).
+  Task<Status> free_unreferenced(uint64_t offset, uint64_t length);
   int find_snapshot(const std::string& id, const std::string& name) const;
   std::vector<Snapshot> snapshots_;
   uint64_t snapshots_size_ = 0;

@@ -20,6 +20,8 @@
 #include <fmt/format.h>
 
 #include <climits>
+#include <cstdio>
+#include <cstring>
 #include <cstdlib>
 
 #include "block/drivers/qcow2/qcow2.h"
@@ -147,7 +149,7 @@ Task<Status> Qcow2Node::write_snapshots(std::vector<Snapshot> table) {
     if (!r) co_return r.take_error();
     where = *r;
     VBLK_CO_TRY(co_await flush_all());
-    VBLK_CO_TRY(co_await file_->write(where, buf.span().subspan(0, align_up(size, cs_))));
+    VBLK_CO_TRY(co_await metadata_write(where, buf.span().subspan(0, align_up(size, cs_))));
     VBLK_CO_TRY(co_await file_->flush());
   }
   uint8_t hd[12];
@@ -161,7 +163,7 @@ Task<Status> Qcow2Node::write_snapshots(std::vector<Snapshot> table) {
   snapshots_ = std::move(table);
   snapshots_size_ = size;
   // The old table is unreachable now (a crash before this only leaks it).
-  if (old_size) VBLK_CO_TRY(co_await update_refcount(old, old_size, -1));
+  if (old_size) VBLK_CO_TRY(co_await free_unreferenced(old, old_size));
   co_return Status{};
 }
 
@@ -188,6 +190,45 @@ int Qcow2Node::find_snapshot(const std::string& id, const std::string& name) con
 
 // ---- refcounts and flags
 
+const char* Qcow2Node::metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1) const {
+  // QEMU's pre-write overlap check ("cached" mode), in its order.
+  auto hit = [&](uint64_t o, uint64_t n) { return n && offset < o + n && o < offset + size; };
+  if (hit(0, cs_)) return "qcow2_header";
+  if (!ignore_active_l1 && hit(h_.l1_table_offset, l1_.size() * 8)) return "active L1 table";
+  for (uint64_t e : l1_)
+    if (hit(e & kL1OffsetMask, (e & kL1OffsetMask) ? cs_ : 0)) return "active L2 table";
+  if (hit(h_.refcount_table_offset, uint64_t{h_.refcount_table_clusters} * cs_)) return "refcount table";
+  for (uint64_t e : rt_)
+    if (hit(e & ~511ull, (e & ~511ull) ? cs_ : 0)) return "refcount block";
+  if (hit(h_.snapshots_offset, snapshots_size_)) return "snapshot table";
+  for (const auto& sn : snapshots_)
+    if (hit(sn.l1_table_offset, uint64_t{sn.l1_size} * 8)) return "inactive L1 table";
+  return nullptr;
+}
+
+Task<Status> Qcow2Node::metadata_write(uint64_t offset, std::span<const uint8_t> data, bool ignore_active_l1,
+                                       uint32_t flags) {
+  if (const char* what = metadata_overlap(offset, data.size(), ignore_active_l1)) {
+    co_await mark_corrupt(fmt::format("Preventing invalid write on metadata (overlaps with {})", what));
+    co_return Error(EIO);
+  }
+  co_return co_await file_->write(offset, data, flags);
+}
+
+Task<Status> Qcow2Node::free_unreferenced(uint64_t offset, uint64_t length) {
+  // QEMU's qcow2_free_clusters: a refcount that would drop below zero is
+  // reported and the whole range left alone; it is not fatal.
+  for (uint64_t ci = offset / cs_; ci <= (offset + length - 1) / cs_; ++ci) {
+    auto rc = co_await get_refcount(ci);
+    if (!rc) co_return rc.take_error();
+    if (*rc == 0) {
+      std::fprintf(stderr, "qcow2_free_clusters failed: %s\n", std::strerror(EINVAL));
+      co_return Status{};
+    }
+  }
+  co_return co_await update_refcount(offset, length, -1);
+}
+
 Task<Result<std::vector<uint64_t>>> Qcow2Node::read_l1(uint64_t offset, uint32_t size) {
   std::vector<uint64_t> l1(size, 0);
   if (!size) co_return l1;
@@ -201,7 +242,7 @@ Task<Status> Qcow2Node::write_l1_table() {
   AlignedBuffer b(align_up(std::max<uint64_t>(l1_.size() * 8, 1), 512));
   b.zero();
   for (size_t i = 0; i < l1_.size(); ++i) put64(b.data() + i * 8, l1_[i]);
-  co_return co_await file_->write(h_.l1_table_offset, b.span(), kReqFua);
+  co_return co_await metadata_write(h_.l1_table_offset, b.span(), true, kReqFua);
 }
 
 Task<Status> Qcow2Node::flush_all() {
@@ -332,7 +373,7 @@ Task<Status> Qcow2Node::snapshot_create(SnapshotInfo& info) {
     AlignedBuffer b(bytes);
     b.zero();
     for (size_t i = 0; i < l1_.size(); ++i) put64(b.data() + i * 8, l1_[i]);
-    VBLK_CO_TRY(co_await file_->write(*where, b.span()));
+    VBLK_CO_TRY(co_await metadata_write(*where, b.span()));
   }
   sn.l1_size = static_cast<uint32_t>(l1_.size());
   // 3. Everything it reaches gains a reference, on disk before the commit.
@@ -404,7 +445,7 @@ Task<Status> Qcow2Node::snapshot_delete(const std::string& id, const std::string
                                                 std::strerror(st.error().code));
   // 2. Its references go (a crash from here on only leaks).
   st = co_await l1_refcounts(*snl1, -1);
-  if (st && sn.l1_size) st = co_await update_refcount(sn.l1_table_offset, uint64_t{sn.l1_size} * 8, -1);
+  if (st && sn.l1_size) st = co_await free_unreferenced(sn.l1_table_offset, uint64_t{sn.l1_size} * 8);
   if (st) st = co_await flush_all();
   if (!st)
     co_return Error(st.error().code,
