@@ -65,6 +65,8 @@ struct ImageArgs {
 // Opens an image as qemu-img does and reports "Could not open 'X': ..." on
 // failure (returns nullptr). Prints the raw-probing warning for writable opens.
 std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a);
+// The warning for a writable image whose format was probed as raw.
+void warn_probed_raw(const std::string& filename);
 
 int cmd_create(int argc, char** argv);
 int cmd_info(int argc, char** argv);

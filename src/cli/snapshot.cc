@@ -30,7 +30,7 @@ int cmd_snapshot(int argc, char** argv) {
   a.read_only = false;
   Action action = kNone;
   std::string name;
-  bool quiet = false;
+  bool quiet = false, force_share = false;
   auto set_action = [&](Action act) {
     if (action != kNone) error_exit("Cannot mix '-l', '-a', '-c', '-d'");
     action = act;
@@ -53,7 +53,7 @@ int cmd_snapshot(int argc, char** argv) {
       case 'c': set_action(kCreate); break;
       case 'd': set_action(kDelete); break;
       case 'q': quiet = true; break;
-      case 'U': break;
+      case 'U': force_share = true; break;
       case OPT_OBJECT: break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
     }
@@ -62,6 +62,10 @@ int cmd_snapshot(int argc, char** argv) {
   if (optind != argc - 1) error_exit("Expecting one image file name");
   a.filename = argv[optind];
 
+  if (force_share && !a.read_only) {
+    error_report("Could not open '" + a.filename + "': force-share=on can only be used with read-only images");
+    return 1;
+  }
   Loop loop;
   auto node = open_cli_image(loop, a);
   if (!node) return 1;
@@ -92,6 +96,11 @@ int cmd_snapshot(int argc, char** argv) {
       auto st = loop.run(node->snapshot_goto(name));
       if (!st) {
         std::string why = st.error().what();
+        if (!node->supports_snapshots() && node->driver() == "raw" && a.format.empty() && !a.image_opts) {
+          // qemu-img falls back to the raw node's file, reopening the raw
+          // node afterwards: its probing warning appears a second time.
+          warn_probed_raw(node->filename());
+        }
         if (node->supports_snapshots()) {
           // The driver's own words come first, on their own line (QEMU's
           // error_report inside the driver), then the generic failure.

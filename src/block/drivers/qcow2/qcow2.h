@@ -199,7 +199,9 @@ class Qcow2Node final : public Node {
   // Writes `table` to new clusters, points the header to it, frees the old.
   Task<Status> write_snapshots(std::vector<Snapshot> table);
   // Adds delta to the refcount of every L2 table and cluster `l1` reaches.
-  Task<Status> l1_refcounts(const std::vector<uint64_t>& l1, int64_t delta);
+  // dry_run: only checks that nothing reached overlaps other metadata
+  // (EIO, image marked corrupt) and no refcount would overflow (EINVAL).
+  Task<Status> l1_refcounts(const std::vector<uint64_t>& l1, int64_t delta, bool dry_run = false);
   // Sets OFLAG_COPIED in `l1` and the L2 tables it reaches exactly where
   // the refcount is one (clear_all: clears it everywhere). The active L1
   // table (l1_) is written back when it changes.
@@ -209,7 +211,8 @@ class Qcow2Node final : public Node {
   Task<Status> flush_all();
   Task<void> wait_allocs();
   // The metadata structure [offset, offset+size) overlaps, or nullptr.
-  const char* metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1) const;
+  const char* metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1,
+                               bool ignore_active_l2 = false) const;
   // A metadata write, refused (image marked corrupt) if it would overlap
   // other metadata.
   Task<Status> metadata_write(uint64_t offset, std::span<const uint8_t> data, bool ignore_active_l1 = false,

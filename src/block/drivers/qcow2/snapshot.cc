@@ -22,6 +22,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <unordered_map>
 #include <cstdlib>
 
 #include "block/drivers/qcow2/qcow2.h"
@@ -190,13 +191,15 @@ int Qcow2Node::find_snapshot(const std::string& id, const std::string& name) con
 
 // ---- refcounts and flags
 
-const char* Qcow2Node::metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1) const {
+const char* Qcow2Node::metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1,
+                                        bool ignore_active_l2) const {
   // QEMU's pre-write overlap check ("cached" mode), in its order.
   auto hit = [&](uint64_t o, uint64_t n) { return n && offset < o + n && o < offset + size; };
   if (hit(0, cs_)) return "qcow2_header";
   if (!ignore_active_l1 && hit(h_.l1_table_offset, l1_.size() * 8)) return "active L1 table";
-  for (uint64_t e : l1_)
-    if (hit(e & kL1OffsetMask, (e & kL1OffsetMask) ? cs_ : 0)) return "active L2 table";
+  if (!ignore_active_l2)
+    for (uint64_t e : l1_)
+      if (hit(e & kL1OffsetMask, (e & kL1OffsetMask) ? cs_ : 0)) return "active L2 table";
   if (hit(h_.refcount_table_offset, uint64_t{h_.refcount_table_clusters} * cs_)) return "refcount table";
   for (uint64_t e : rt_)
     if (hit(e & ~511ull, (e & ~511ull) ? cs_ : 0)) return "refcount block";
@@ -264,8 +267,30 @@ Task<void> Qcow2Node::wait_allocs() {
   }
 }
 
-Task<Status> Qcow2Node::l1_refcounts(const std::vector<uint64_t>& l1, int64_t delta) {
+Task<Status> Qcow2Node::l1_refcounts(const std::vector<uint64_t>& l1, int64_t delta, bool dry_run) {
   AlignedBuffer copy(cs_);
+  // Dry run: count what each cluster would gain, and refuse (as QEMU does,
+  // with EINVAL) if a refcount would exceed what refcount_bits can hold,
+  // before anything changes.
+  std::unordered_map<uint64_t, uint64_t> gain;
+  auto apply = [&](uint64_t off, uint64_t len, bool is_l2) -> Task<Status> {
+    if (!dry_run) co_return co_await update_refcount(off, len, delta);
+    // Tables and data of a snapshot must not be other metadata: adjusting
+    // refcounts (and later COPIED flags) through them would write there.
+    if (const char* what = metadata_overlap(off, len, is_l2, is_l2)) {
+      co_await mark_corrupt(fmt::format("Preventing invalid write on metadata (overlaps with {})", what));
+      co_return Error(EIO);
+    }
+    if (delta < 0) co_return Status{};
+    for (uint64_t ci = off / cs_; ci <= (off + len - 1) / cs_; ++ci) {
+      auto rc = co_await get_refcount(ci);
+      if (!rc) co_return rc.take_error();
+      uint64_t& g = gain[ci];
+      if (refcount_max_ - *rc <= g) co_return Error(EINVAL);
+      ++g;
+    }
+    co_return Status{};
+  };
   for (size_t i = 0; i < l1.size(); ++i) {
     const uint64_t l2 = l1[i] & kL1OffsetMask;
     if (!l2) continue;
@@ -285,7 +310,7 @@ Task<Status> Qcow2Node::l1_refcounts(const std::vector<uint64_t>& l1, int64_t de
         const uint32_t x = 62 - (h_.cluster_bits - 8);
         const uint64_t host = e & ((1ull << x) - 1);
         const uint64_t sectors = ((e >> x) & ((1ull << (h_.cluster_bits - 8)) - 1)) + 1;
-        VBLK_CO_TRY(co_await update_refcount(host, sectors * 512 - (host & 511), delta));
+        VBLK_CO_TRY(co_await apply(host, sectors * 512 - (host & 511), false));
         continue;
       }
       const uint64_t host = e & kL2OffsetMask;
@@ -295,9 +320,9 @@ Task<Status> Qcow2Node::l1_refcounts(const std::vector<uint64_t>& l1, int64_t de
                                           hex(host), hex(l2), hex(j)));
         co_return Error(EIO);
       }
-      VBLK_CO_TRY(co_await update_refcount(host, cs_, delta));
+      VBLK_CO_TRY(co_await apply(host, cs_, false));
     }
-    VBLK_CO_TRY(co_await update_refcount(l2, cs_, delta));
+    VBLK_CO_TRY(co_await apply(l2, cs_, true));
   }
   co_return Status{};
 }
@@ -359,6 +384,7 @@ Task<Status> Qcow2Node::snapshot_create(SnapshotInfo& info) {
   sn.icount = info.icount;
   sn.extra_data_size = kSnapshotExtraBytes;
   VBLK_CO_TRY(co_await flush_all());
+  VBLK_CO_TRY(co_await l1_refcounts(l1_, +1, true));
 
   // 1. Nothing in the active tables is exclusive any more: no in-place
   //    writes from here on (conservative if we crash before the commit).
@@ -405,6 +431,7 @@ Task<Status> Qcow2Node::snapshot_goto(const std::string& id_or_name) {
   auto snl1 = co_await read_l1(sn.l1_table_offset, sn.l1_size);
   if (!snl1) co_return snl1.take_error();
   snl1->resize(l1_.size(), 0);
+  VBLK_CO_TRY(co_await l1_refcounts(*snl1, +1, true));
   // 1. The snapshot's clusters gain the active table's references first.
   VBLK_CO_TRY(co_await l1_refcounts(*snl1, +1));
   VBLK_CO_TRY(co_await flush_all());
@@ -437,6 +464,7 @@ Task<Status> Qcow2Node::snapshot_delete(const std::string& id, const std::string
   VBLK_CO_TRY(co_await flush_all());
   auto snl1 = co_await read_l1(sn.l1_table_offset, sn.l1_size);
   if (!snl1) co_return snl1.take_error();
+  VBLK_CO_TRY(co_await l1_refcounts(*snl1, -1, true));
   // 1. Commit: the table without the snapshot.
   std::vector<Snapshot> table = snapshots_;
   table.erase(table.begin() + idx);
