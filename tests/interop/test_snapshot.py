@@ -82,7 +82,7 @@ class SnapshotCase(InteropTestCase):
 
     def assert_same_views(self, d, img, what):
         for args in (["snapshot", "-l"], ["info"], ["info", "--output=json"],
-                     ["map"], ["map", "--output=json"]):
+                     ["map"], ["map", "--output=json"], ["check"], ["check", "--output=json"]):
             v = vblk(*args, img, cwd=d)
             q = qemu(*args, img, cwd=d)
             self.assertEqual((v.rc, v.stdout, norm_vblk_err(v.stderr)),
@@ -197,6 +197,62 @@ def _make(name, args, size, backing):
 
 for _c in COMBOS:
     setattr(RoundTripTest, "test_" + _c[0], _make(*_c))
+
+
+class DamagedCheckTest(SnapshotCase):
+    """vblk check counts clusters reached only through snapshots."""
+
+    def _refcount_slot(self, path, cluster):
+        # refcount table -> block 0 (16-bit refcounts, 64k clusters)
+        with open(path, "rb") as f:
+            data = f.read()
+        rt = struct.unpack(">Q", data[48:56])[0]
+        rb = struct.unpack(">Q", data[rt:rt + 8])[0]
+        return rb + 2 * cluster
+
+    def test_damaged_refcounts(self):
+        d = self.tmp
+        self.ok(qemu("create", "-q", "-f", "qcow2", "t.qcow2", "4M", cwd=d))
+        qemu_io(d, "t.qcow2", ["write -P 1 0 256k"])
+        self.ok(vblk("snapshot", "-c", "a", "t.qcow2", cwd=d))
+        qemu_io(d, "t.qcow2", ["write -P 2 0 128k"])  # now 2 clusters are snapshot-only
+        self.assert_same_views(d, "t.qcow2", "snapshot-only clusters")
+        path = os.path.join(d, "t.qcow2")
+        with open(path, "rb") as f:
+            data = f.read()
+        # Data clusters of the snapshot (its L1 -> L2 tables), minus the
+        # active image's: the ones only the snapshot reaches.
+        nb, off = struct.unpack(">IQ", data[60:72])
+        sl1, sl1_size = struct.unpack(">QI", data[off:off + 12])
+        snap_data = set()
+        for i in range(sl1_size):
+            l2 = struct.unpack(">Q", data[sl1 + 8 * i:sl1 + 8 * i + 8])[0] & 0x00fffffffffffe00
+            for j in range(8192) if l2 else ():
+                e = struct.unpack(">Q", data[l2 + 8 * j:l2 + 8 * j + 8])[0] & 0x00fffffffffffe00
+                if e:
+                    snap_data.add(e)
+        active = [(e["offset"], e["length"]) for e in
+                  json.loads(qemu("map", "--output=json", "t.qcow2", cwd=d).stdout) if e.get("offset") is not None]
+        only = sorted(o for o in snap_data if not any(a <= o < a + n for a, n in active))
+        self.assertEqual(len(only), 2, (snap_data, active))
+        # Damage: the first of them loses its reference.
+        with open(path, "r+b") as f:
+            f.seek(self._refcount_slot(path, only[0] // 65536))
+            self.assertEqual(struct.unpack(">H", f.read(2))[0], 1)
+            f.seek(self._refcount_slot(path, only[0] // 65536))
+            f.write(struct.pack(">H", 0))
+        for args in (["check"], ["check", "--output=json"]):
+            v = vblk(*args, "t.qcow2", cwd=d)
+            q = qemu(*args, "t.qcow2", cwd=d)
+            self.assertEqual(q.rc, 2, q)
+            self.assertEqual((v.rc, v.stdout, norm_vblk_err(v.stderr)),
+                             (q.rc, q.stdout, norm_qemu_err(q.stderr)), args)
+        # Repair by both gives the same, clean image state.
+        shutil.copy(path, os.path.join(d, "q.qcow2"))
+        v = vblk("check", "-r", "all", "t.qcow2", cwd=d)
+        q = qemu("check", "-r", "all", "q.qcow2", cwd=d)
+        self.assertEqual((v.rc, v.stdout), (q.rc, q.stdout))
+        self.assert_clean(d, "t.qcow2", "vblk check -r all")
 
 
 class GrowShrinkTest(SnapshotCase):
