@@ -101,9 +101,10 @@ int cmd_snapshot(int argc, char** argv) {
           // node afterwards: its probing warning appears a second time.
           warn_probed_raw(node->filename());
         }
-        if (node->supports_snapshots()) {
+        if (node->supports_snapshots() && st.error().code != EBUSY) {
           // The driver's own words come first, on their own line (QEMU's
-          // error_report inside the driver), then the generic failure.
+          // error_report inside the driver), then the generic failure. EBUSY
+          // (dirty bitmaps) is the block layer's refusal: said as it is.
           if (!st.error().message.empty()) error_report(st.error().message);
           why = std::string("Failed to load snapshot: ") + std::strerror(st.error().code);
         }

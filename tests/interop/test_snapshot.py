@@ -276,6 +276,29 @@ class GrowShrinkTest(SnapshotCase):
         del r
 
 
+    def test_v2_with_snapshots_cannot_resize(self):
+        d = self.tmp
+        for tool in ("v", "q"):
+            self.ok(qemu("create", "-q", "-f", "qcow2", "-o", "compat=0.10", tool + ".qcow2", "1M", cwd=d))
+            qemu_io(d, tool + ".qcow2", ["write -P 4 0 1M"])
+            self.ok(qemu("snapshot", "-c", "s", tool + ".qcow2", cwd=d))
+        for args in (["resize"], ["resize", "--shrink"]):
+            v = vblk(*args, "v.qcow2", "512k", cwd=d)
+            q = qemu(*args, "q.qcow2", "512k", cwd=d)
+            self.assertEqual((v.rc, v.stdout, norm_vblk_err(v.stderr).replace("v.qcow2", "X")),
+                             (q.rc, q.stdout, norm_qemu_err(q.stderr).replace("q.qcow2", "X")), args)
+        # Applying a snapshot of another size needs a resize: refused too.
+        for tool, run_ in (("v", vblk), ("q", qemu)):
+            self.ok(qemu("create", "-q", "-f", "qcow2", "-o", "compat=0.10", tool + "2.qcow2", "1M", cwd=d))
+            self.ok(qemu("snapshot", "-c", "s", tool + "2.qcow2", cwd=d))
+            # (grow the header's size behind QEMU's back: v2 cannot resize)
+            _patch(os.path.join(d, tool + "2.qcow2"), 24, ">Q", 2 * MiB)
+        v = vblk("snapshot", "-a", "s", "v2.qcow2", cwd=d)
+        q = qemu("snapshot", "-a", "s", "q2.qcow2", cwd=d)
+        self.assertEqual((v.rc, norm_vblk_err(v.stderr)), (q.rc, norm_qemu_err(q.stderr)))
+        self.assertEqual(v.rc, 1)
+
+
 class CliTest(SnapshotCase):
     def _img(self, name="t.qcow2"):
         r = qemu("create", "-q", "-f", "qcow2", name, "1M", cwd=self.tmp)
@@ -347,6 +370,14 @@ class CliTest(SnapshotCase):
                 q = qemu("snapshot", *args, "r.raw", cwd=d)
                 self.assertEqual((v.rc, v.stdout, norm_vblk_err(v.stderr)),
                                  (q.rc, q.stdout, norm_qemu_err(q.stderr)))
+
+    def test_apply_refused_with_bitmaps(self):
+        d = self.tmp
+        self._img("src.qcow2")
+        self.ok(qemu("snapshot", "-c", "one", "src.qcow2", cwd=d))
+        self.ok(qemu("bitmap", "--add", "src.qcow2", "b0", cwd=d))
+        self.compare("-a", "one", "t.qcow2", fresh=False)
+        self.compare("-d", "one", "t.qcow2", fresh=False)
 
     def test_refcount_bits_1_cannot_share(self):
         d = self.tmp

@@ -18,6 +18,8 @@ Task<Status> Qcow2Node::do_truncate(uint64_t length, bool) { co_return co_await 
 
 Task<Status> Qcow2Node::resize(uint64_t size) {
   if (size % 512) co_return Error(EINVAL, "The new size must be a multiple of 512");
+  // v2 did not require snapshots to record their disk size (QEMU's rule).
+  if (h_.nb_snapshots && h_.version < 3) co_return Error(ENOTSUP, "Can't resize a v2 image which has snapshots");
   if (size < h_.size) {
     // Shrink: the clusters past the new end are freed (the L1 table keeps
     // its size; the file is not truncated, so nothing else can move).

@@ -417,6 +417,11 @@ Task<Status> Qcow2Node::snapshot_create(SnapshotInfo& info) {
 Task<Status> Qcow2Node::snapshot_goto(const std::string& id_or_name) {
   if (read_only()) co_return Error(EACCES);
   if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  // QEMU's block layer refuses first: persistent bitmaps are loaded as
+  // active dirty bitmaps, and a snapshot would invalidate them.
+  if (h_.has_bitmaps_extension && (h_.autoclear_features & kAutoclearBitmaps) && h_.bitmaps_extension.size() >= 4 &&
+      be32(h_.bitmaps_extension.data()) > 0)
+    co_return Error(EBUSY, "Device has active dirty bitmaps");
   int idx = find_snapshot(id_or_name, "");
   if (idx < 0) idx = find_snapshot("", id_or_name);
   if (idx < 0) co_return Error(ENOENT);
