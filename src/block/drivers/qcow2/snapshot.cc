@@ -136,7 +136,7 @@ Task<Status> Qcow2Node::write_snapshots(std::vector<Snapshot> table) {
     put64(buf.data() + p + 8, sn.disk_size);
     put64(buf.data() + p + 16, sn.icount);
     p += kSnapshotExtraBytes;
-    std::memcpy(buf.data() + p, sn.unknown_extra.data(), sn.unknown_extra.size());
+    if (!sn.unknown_extra.empty()) std::memcpy(buf.data() + p, sn.unknown_extra.data(), sn.unknown_extra.size());
     p += sn.unknown_extra.size();
     std::memcpy(buf.data() + p, sn.id.data(), sn.id.size());
     p += sn.id.size();
