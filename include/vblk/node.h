@@ -106,6 +106,17 @@ struct CheckResult {
   int64_t compressed_clusters = 0;
 };
 
+// An internal snapshot as the block layer sees it (QEMU's QEMUSnapshotInfo).
+struct SnapshotInfo {
+  std::string id;
+  std::string name;
+  uint64_t vm_state_size = 0;
+  uint32_t date_sec = 0;
+  uint32_t date_nsec = 0;
+  uint64_t vm_clock_nsec = 0;
+  uint64_t icount = UINT64_MAX;  // UINT64_MAX: not recorded
+};
+
 struct Child {
   std::string role;  // "file", "backing", ...
   std::shared_ptr<Node> node;
@@ -200,6 +211,17 @@ class Node {
   // closed (qcow2: caches, then the dirty bit cleared). The default closes
   // the children. Not calling it is a crash, as far as the image can tell.
   virtual Task<Status> close();
+
+  // Internal snapshots (qemu-img snapshot). The defaults: none, ENOTSUP.
+  virtual bool supports_snapshots() const { return false; }
+  virtual std::vector<SnapshotInfo> snapshots() const { return {}; }
+  // Creates a snapshot of the current state; its id is chosen by the driver
+  // and stored back into `sn`.
+  virtual Task<Status> snapshot_create(SnapshotInfo& sn);
+  // Makes the snapshot with this id (or else this name) the current state.
+  virtual Task<Status> snapshot_goto(const std::string& id_or_name);
+  // Deletes the snapshot with exactly this id and name.
+  virtual Task<Status> snapshot_delete(const std::string& id, const std::string& name);
 
  protected:
   // Drivers implement these. Input is clean: aligned to request_alignment,

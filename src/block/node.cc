@@ -437,6 +437,14 @@ Task<Status> Node::close() {
 
 Task<Result<CheckResult>> Node::check(uint32_t) { co_return Error(ENOTSUP, "This image format does not support checks"); }
 
+Task<Status> Node::snapshot_create(SnapshotInfo&) { co_return Error(ENOTSUP); }
+Task<Status> Node::snapshot_goto(const std::string&) {
+  co_return Error(ENOTSUP, "Block driver does not support snapshots");
+}
+Task<Status> Node::snapshot_delete(const std::string&, const std::string&) {
+  co_return Error(ENOTSUP, "Block driver does not support snapshots");
+}
+
 Task<Status> Node::do_truncate(uint64_t, bool) { co_return Error(ENOTSUP, "Image format driver does not support resize"); }
 
 }  // namespace vblk

@@ -24,6 +24,12 @@ nlohmann::ordered_json info_json(Node& top) {
     j["full-backing-filename"] = path_combine(top.filename(), bf);
     if (!top.backing_file_format().empty()) j["backing-filename-format"] = top.backing_file_format();
   }
+  auto snaps = top.snapshots();
+  if (!snaps.empty()) {
+    nlohmann::ordered_json list = nlohmann::ordered_json::array();
+    for (const auto& sn : snaps) list.push_back(snapshot_json(sn));
+    j["snapshots"] = list;
+  }
   auto spec = top.format_specific();
   if (!spec.is_null()) j["format-specific"] = spec;
   return qdict_order(j);
@@ -69,6 +75,7 @@ void info_human(Node& top) {
     }
     if (!top.backing_file_format().empty()) std::printf("backing file format: %s\n", top.backing_file_format().c_str());
   }
+  dump_snapshots(top.snapshots());
   auto spec = top.format_specific();
   if (!spec.is_null()) {
     std::printf("Format specific information:\n");

@@ -33,6 +33,8 @@ const Command kCommands[] = {
      "[--aio=mode] [--image-opts] [--fork] [--pid-file=path] filename"},
     {"resize", vblk::cli::cmd_resize,
      "resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size"},
+    {"snapshot", vblk::cli::cmd_snapshot,
+     "snapshot [--image-opts] [-U] [-q] [-l | -a snapshot | -c snapshot | -d snapshot] filename"},
     {"map", vblk::cli::cmd_map,
      "map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] filename"},
 };

@@ -335,13 +335,7 @@ Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {
 
 Task<Status> Qcow2Node::do_flush() {
   auto g = co_await lock_.scoped();
-  VBLK_CO_TRY(co_await l2_cache_->write_dirty());  // dependencies go first
-  VBLK_CO_TRY(co_await rb_cache_->write_dirty());
-  VBLK_CO_TRY(co_await file_->flush());
-  // Everything freed so far is free on disk too: it may be reused now.
-  for (uint64_t ci : quarantine_) free_cluster_index_ = std::min(free_cluster_index_, ci);
-  quarantine_.clear();
-  co_return Status{};
+  co_return co_await flush_all();
 }
 
 // QEMU's heuristic: an image whose file allocates clearly fewer clusters than

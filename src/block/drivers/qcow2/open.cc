@@ -125,9 +125,9 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
   VBLK_CO_TRY(validate_table(h_.refcount_table_offset, uint64_t(h_.refcount_table_clusters) * cs_ / 8, 8,
                              kMaxRefcountTableBytes, cs_, "Reference count table"));
   // The snapshot table is not read in check mode: check reports on it.
-  if (h_.nb_snapshots > kMaxSnapshots && !ctx.check) co_return Error(EFBIG, "Snapshot table too large");
-  if (h_.nb_snapshots && !ctx.check)
-    VBLK_CO_TRY(validate_table(h_.snapshots_offset, h_.nb_snapshots, 1, INT64_MAX, cs_, "Snapshot table"));
+  if (!ctx.check)
+    VBLK_CO_TRY(validate_table(h_.snapshots_offset, h_.nb_snapshots, kSnapshotHeaderBytes,
+                               uint64_t{kSnapshotHeaderBytes} * kMaxSnapshots, cs_, "Snapshot table"));
   VBLK_CO_TRY(validate_table(h_.l1_table_offset, h_.l1_size, 8, kMaxL1Bytes, cs_, "Active L1 table"));
   // The L1 table must cover the virtual size.
   uint64_t per_l1 = cs_ * l2_entries_;
@@ -164,6 +164,7 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
 
   set_length(h_.size / 512 * 512);  // QEMU counts whole sectors
   set_read_only(ro);
+  if (!ctx.check) VBLK_CO_TRY(co_await read_snapshots());
 
   co_return Status{};
 }

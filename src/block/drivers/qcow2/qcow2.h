@@ -10,6 +10,7 @@
 //   open.cc          open, header update, options
 //   create.cc        image creation
 //   check.cc         consistency check and repair (qemu-img check)
+//   snapshot.cc      internal snapshots: table, create, apply, delete
 //
 // Metadata (L1, L2 and refcount caches, the allocation state) is guarded by
 // `lock_`, a coroutine mutex held across metadata I/O but never across guest
@@ -47,6 +48,20 @@ struct Mapping {
   uint64_t host = 0;   // Normal: host offset of the first byte; Compressed: the L2 entry
   uint64_t bytes = 0;  // length of the run with this type (and contiguous host)
   bool copied = false; // Normal: refcount is exactly one, writable in place
+};
+
+// One entry of the snapshot table (QEMU's QCowSnapshot).
+struct Snapshot {
+  uint64_t l1_table_offset = 0;
+  uint32_t l1_size = 0;
+  std::string id, name;
+  uint32_t date_sec = 0, date_nsec = 0;
+  uint64_t vm_clock_nsec = 0;
+  uint64_t vm_state_size = 0;
+  uint32_t extra_data_size = 0;
+  uint64_t disk_size = 0;
+  uint64_t icount = UINT64_MAX;
+  std::vector<uint8_t> unknown_extra;  // extra data past what we know, kept
 };
 
 class Qcow2Node final : public Node {
@@ -120,6 +135,8 @@ class Qcow2Node final : public Node {
   uint64_t l2_bitmap(MetaCache::Ref& t, uint64_t index) const;
   void set_l2_entry(MetaCache::Ref& t, uint64_t index, uint64_t entry, uint64_t bitmap);
   Task<Status> write_l1_entry(uint64_t index);
+  // Moves the active L1 table to a bigger one of `entries` (lock held).
+  Task<Status> grow_l1_table(uint64_t entries);
   // Frees what an L2 entry referenced (a cluster, or compressed sectors).
   Task<Status> free_entry(uint64_t entry);
 
@@ -201,6 +218,45 @@ class Qcow2Node final : public Node {
     CoEvent* done;
   };
   std::vector<Alloc> allocs_;
+
+  // ---- snapshot.cc: internal snapshots
+ public:
+  bool supports_snapshots() const override { return true; }
+  std::vector<SnapshotInfo> snapshots() const override;
+  Task<Status> snapshot_create(SnapshotInfo& sn) override;
+  Task<Status> snapshot_goto(const std::string& id_or_name) override;
+  Task<Status> snapshot_delete(const std::string& id, const std::string& name) override;
+  const std::vector<Snapshot>& snapshot_table() const { return snapshots_; }
+
+ private:
+  Task<Status> read_snapshots();
+  // Writes `table` to new clusters, points the header to it, frees the old.
+  Task<Status> write_snapshots(std::vector<Snapshot> table);
+  // Adds delta to the refcount of every L2 table and cluster `l1` reaches.
+  // dry_run: only checks that nothing reached overlaps other metadata
+  // (EIO, image marked corrupt) and no refcount would overflow (EINVAL).
+  Task<Status> l1_refcounts(const std::vector<uint64_t>& l1, int64_t delta, bool dry_run = false);
+  // Sets OFLAG_COPIED in `l1` and the L2 tables it reaches exactly where
+  // the refcount is one (clear_all: clears it everywhere). The active L1
+  // table (l1_) is written back when it changes.
+  Task<Status> fix_copied(std::vector<uint64_t>& l1, bool clear_all);
+  Task<Result<std::vector<uint64_t>>> read_l1(uint64_t offset, uint32_t size);
+  Task<Status> write_l1_table();
+  Task<Status> flush_all();
+  Task<void> wait_allocs();
+  // The metadata structure [offset, offset+size) overlaps, or nullptr.
+  const char* metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1,
+                               bool ignore_active_l2 = false) const;
+  // A metadata write, refused (image marked corrupt) if it would overlap
+  // other metadata.
+  Task<Status> metadata_write(uint64_t offset, std::span<const uint8_t> data, bool ignore_active_l1 = false,
+                              uint32_t flags = 0);
+  // Drops one reference to each cluster of the range; a range with a free
+  // cluster is reported and left alone (QEMU's qcow2_free_clusters).
+  Task<Status> free_unreferenced(uint64_t offset, uint64_t length);
+  int find_snapshot(const std::string& id, const std::string& name) const;
+  std::vector<Snapshot> snapshots_;
+  uint64_t snapshots_size_ = 0;
 
   // ---- check.cc: qemu-img check and repair (QEMU's qcow2_co_check)
  public:
