@@ -132,6 +132,12 @@ class CrashTest(InteropTestCase):
         if os.path.exists(log):
             os.unlink(log)
         p = subprocess.Popen([WRITER, img, "qcow2", str(seed), log] + (["snapshots"] if snapshots else []))
+        # The kill lands at a random moment of the writing, counted from when
+        # the writer has opened its log: a slow start (a sanitizer build on a
+        # loaded machine) must not turn rounds into kills before any write.
+        deadline = time.time() + 20
+        while not os.path.exists(log) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
         time.sleep(rnd.uniform(0.02, 0.4))
         p.send_signal(signal.SIGKILL)
         p.wait()
@@ -146,9 +152,9 @@ class CrashTest(InteropTestCase):
             self.assertEqual(chk.returncode, 0, "seed %d (%s) after -r all:\n%s%s"
                              % (seed, fmt_opts, chk.stdout, chk.stderr))
         self.assertIn(chk.returncode, (0, 3), "seed %d (%s):\n%s%s" % (seed, fmt_opts, chk.stdout, chk.stderr))
-        return self.verify_data(img, log, seed, fmt_opts)
+        return self.verify_data(img, log, seed, fmt_opts, snapshots)
 
-    def verify_data(self, img, log, seed, fmt_opts):
+    def verify_data(self, img, log, seed, fmt_opts, snapshots=False):
         """Every block holds its state as of the last completed flush or the
         content of a later operation. Returns (ops, flushed seq)."""
         raw = os.path.join(self.dir, "crash.raw")

@@ -84,8 +84,9 @@ class NbdNode final : public Node {
     auto ext = co_await c.block_status(offset, ask);
     if (!ext) co_return ext.take_error();
     const nbd::Extent& e = ext->front();
-    s.flags = kStatusOffsetValid | ((e.flags & nbd::kStateHole) ? 0 : kStatusData) |
-              ((e.flags & nbd::kStateZero) ? kStatusZero : 0);
+    s.flags = kStatusOffsetValid;
+    if (!(e.flags & nbd::kStateHole)) s.flags |= kStatusData;
+    if (e.flags & nbd::kStateZero) s.flags |= kStatusZero;
     s.bytes = std::min<uint64_t>(e.length, bytes);
     if (s.bytes == 0) co_return Error(EIO, "NBD server answered block status with an empty extent");
     co_return s;
