@@ -210,7 +210,9 @@ class Node {
   // Closes cleanly: what must reach the disk before the image counts as
   // closed (qcow2: caches, then the dirty bit cleared). The default closes
   // the children. Not calling it is a crash, as far as the image can tell.
-  virtual Task<Status> close();
+  // Runs do_close() once: later calls (a command closing explicitly to
+  // report errors, then its image handle closing) succeed without I/O.
+  Task<Status> close();
 
   // Internal snapshots (qemu-img snapshot). The defaults: none, ENOTSUP.
   virtual bool supports_snapshots() const { return false; }
@@ -236,6 +238,7 @@ class Node {
   virtual Task<Status> do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes,
                                         uint32_t flags);
   virtual Task<Status> do_truncate(uint64_t length, bool exact);
+  virtual Task<Status> do_close();
   // Growing with preallocation other than Off. The default refuses as
   // QEMU does ("Unsupported preallocation mode: metadata").
   virtual Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc);
@@ -282,6 +285,7 @@ class Node {
   bool writethrough_ = false;
   bool no_flush_ = false;
   bool growable_ = false;
+  bool closed_ = false;  // close() ran
   uint64_t in_flight_ = 0;
   Tracked* tracked_head_ = nullptr;
   CoEvent idle_;

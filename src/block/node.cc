@@ -431,6 +431,12 @@ Task<Result<BlockStatus>> Node::do_block_status(uint64_t offset, uint64_t bytes)
 
 Task<Status> Node::do_copy_range_to(uint64_t, Node&, uint64_t, uint64_t, uint32_t) { co_return Error(ENOTSUP); }
 Task<Status> Node::close() {
+  if (closed_) co_return Status{};
+  closed_ = true;
+  co_return co_await do_close();
+}
+
+Task<Status> Node::do_close() {
   for (auto& c : children_) VBLK_CO_TRY(co_await c.node->close());
   co_return Status{};
 }

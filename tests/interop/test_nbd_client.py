@@ -11,7 +11,6 @@ through NBD must land in the image.
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,28 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, VBLK, both, qemu, run  # noqa: E402
+from common import MiB, InteropTestCase, VBLK, both, qemu, run, wait_for_socket  # noqa: E402
 
 QEMU_NBD = shutil.which("qemu-nbd")
 QEMU_IO = shutil.which("qemu-io")
 NBDKIT = shutil.which("nbdkit")
 
 
-def wait_for_socket(path, proc, timeout=10):
-    end = time.time() + timeout
-    while time.time() < end:
-        if os.path.exists(path):
-            try:
-                s = socket.socket(socket.AF_UNIX)
-                s.connect(path)
-                s.close()
-                return
-            except OSError:
-                pass
-        if proc.poll() is not None:
-            raise AssertionError("server exited: %r" % proc.stderr.read())
-        time.sleep(0.02)
-    raise AssertionError("no socket %s" % path)
 
 
 @unittest.skipUnless(QEMU_NBD and NBDKIT and QEMU_IO, "qemu-nbd, nbdkit and qemu-io are needed")

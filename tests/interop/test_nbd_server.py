@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import (MiB, InteropTestCase, VBLK, qemu, rand_bytes, run)  # noqa: E402
+from common import (MiB, InteropTestCase, VBLK, qemu, rand_bytes, run, wait_for_socket)  # noqa: E402
 
 QEMU_NBD = shutil.which("qemu-nbd")
 QEMU_IO = shutil.which("qemu-io")
@@ -51,22 +51,6 @@ CMD_READ, CMD_WRITE, CMD_DISC, CMD_FLUSH, CMD_TRIM, CMD_CACHE, CMD_ZEROES, CMD_B
 EPERM, EIO, EINVAL, ENOSPC = 1, 5, 22, 28
 
 
-def wait_for_socket(path, proc, timeout=10):
-    end = time.time() + timeout
-    while time.time() < end:
-        if os.path.exists(path):
-            try:
-                s = socket.socket(socket.AF_UNIX)
-                s.connect(path)
-                s.close()
-                return
-            except OSError:
-                pass
-        if proc.poll() is not None:
-            raise AssertionError("server exited early: rc=%s stderr=%r" %
-                                 (proc.returncode, proc.stderr.read()))
-        time.sleep(0.02)
-    raise AssertionError("server did not listen on %s" % path)
 
 
 class Server:

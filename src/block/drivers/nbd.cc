@@ -35,7 +35,7 @@ class NbdNode final : public Node {
   bool reports_dirty_flag() const override { return false; }
   Result<uint64_t> allocated_size() const override { return Error(ENOTSUP); }
 
-  Task<Status> close() override {
+  Task<Status> do_close() override {
     for (auto& c : conns_) co_await c->close();
     co_return Status{};
   }

@@ -244,7 +244,7 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   return std::shared_ptr<Node>(node);
 }
 
-Task<Status> Qcow2Node::close() {
+Task<Status> Qcow2Node::do_close() {
   if (read_only()) co_return Status{};
   VBLK_CO_TRY(co_await flush());
   // QEMU clears the dirty bit on close only if the caches made it to disk.

@@ -97,7 +97,7 @@ class Qcow2Node final : public Node {
 
   // For tests and check: the refcount of a host cluster.
   Task<Result<uint64_t>> refcount_of(uint64_t cluster_index);
-  Task<Status> close() override;
+  Task<Status> do_close() override;
   // Changes the virtual size (growing the L1 table if needed), preparing
   // the new area as `prealloc` asks (prealloc.cc).
   Task<Status> resize(uint64_t size, Prealloc prealloc = Prealloc::Off);
