@@ -76,7 +76,9 @@ std::optional<std::string> check_fields(const OJson& o, const std::string& prefi
 
 // vblk's open path says "Block format 'raw' does not support the option
 // 'x'"; QMP's schema check says "Parameter 'x' is unexpected".
-std::string qmp_open_error(const std::string& msg) {
+std::string qmp_open_error(std::string msg) {
+  // What vblk prints as a second line is a hint to QEMU, not part of desc.
+  if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
   auto pos = msg.find(" support the option '");
   if ((msg.rfind("Block format '", 0) == 0 || msg.rfind("Block protocol '", 0) == 0) && pos != std::string::npos) {
     std::string key = msg.substr(pos + 21);

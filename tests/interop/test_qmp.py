@@ -419,6 +419,38 @@ class QmpTest(InteropTestCase):
             return out
         self.assertBoth(scenario)
 
+    def test_nbd_client_node(self):
+        """blockdev-add of the nbd driver against qemu-nbd."""
+        img = os.path.join(self.tmp, "n.raw")
+        with open(img, "wb") as f:
+            f.write(rand_bytes(MiB, "nbd-node"))
+        qn_sock = os.path.join(self.tmp, "qn.sock")
+        qn = subprocess.Popen(["qemu-nbd", "-e", "4", "-t", "-f", "raw", "-x", "ex", "-k", qn_sock, img],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(qn.wait)
+        self.addCleanup(qn.kill)
+        Daemon.wait_socket(type("P", (), {"proc": qn, "argv": ["qemu-nbd"]})(), qn_sock)
+
+        def scenario(cmd):
+            d = self.start(cmd)
+            c = d.qmp().negotiate()
+            cmds = [
+                {"execute": "blockdev-add", "arguments": {"driver": "nbd", "node-name": "n", "export": "ex",
+                                                          "server": {"type": "unix", "path": qn_sock}}},
+                {"execute": "blockdev-add", "arguments": {"driver": "raw", "node-name": "r", "file": "n"}},
+                {"execute": "query-named-block-nodes"},
+                {"execute": "blockdev-add", "arguments": {"driver": "nbd", "node-name": "n3", "export": "nope",
+                                                          "server": {"type": "unix", "path": qn_sock}}},
+                {"execute": "blockdev-del", "arguments": {"node-name": "n"}},
+                {"execute": "blockdev-del", "arguments": {"node-name": "r"}},
+                {"execute": "blockdev-del", "arguments": {"node-name": "n"}},
+            ]
+            out = [re.sub(r"#block\d+", "#block", c.raw(json.dumps(x))) for x in cmds]
+            c.close()
+            self.assertEqual(d.stop(), 0)
+            return out
+        self.assertBoth(scenario)
+
     def test_nbd_export_read_write(self):
         raw, qc = os.path.join(self.tmp, "a.raw"), os.path.join(self.tmp, "b.qcow2")
 
