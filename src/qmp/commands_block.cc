@@ -76,7 +76,9 @@ std::optional<std::string> check_fields(const OJson& o, const std::string& prefi
 
 // vblk's open path says "Block format 'raw' does not support the option
 // 'x'"; QMP's schema check says "Parameter 'x' is unexpected".
-std::string qmp_open_error(const std::string& msg) {
+std::string qmp_open_error(std::string msg) {
+  // What vblk prints as a second line is a hint to QEMU, not part of desc.
+  if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
   auto pos = msg.find(" support the option '");
   if ((msg.rfind("Block format '", 0) == 0 || msg.rfind("Block protocol '", 0) == 0) && pos != std::string::npos) {
     std::string key = msg.substr(pos + 21);
@@ -138,13 +140,24 @@ Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
   co_return Reply::ok();
 }
 
+// QEMU's bdrv_filter_or_cow_child: the backing file, or what a filter
+// filters. Non-flat queries walk this chain (depth, backing-image).
+// Filter drivers are listed here (add copy-before-write, throttle, ...).
+const char* const kFilterDrivers[] = {"blkdebug", "copy-before-write", "throttle", "snapshot-access"};
+
+Node* filter_or_cow_child(const Node& n) {
+  if (Node* b = n.child("backing")) return b;
+  if (in(kFilterDrivers, n.driver())) return n.file_child();
+  return nullptr;
+}
+
 Node* backing_of(const Node& n) { return n.child("backing"); }
 
 OJson image_info(Daemon& d, Node& n, bool flat) {
   OJson img = OJson::object();
   img["filename"] = n.filename();
   img["format"] = n.driver();
-  img["virtual-size"] = n.exact_length();
+  img["virtual-size"] = n.length();  // whole sectors, as bdrv_getlength
   if (auto a = n.allocated_size()) img["actual-size"] = *a;
   if (n.cluster_size()) img["cluster-size"] = n.cluster_size();
   if (n.reports_dirty_flag()) img["dirty-flag"] = n.dirty_flag();
@@ -157,7 +170,7 @@ OJson image_info(Daemon& d, Node& n, bool flat) {
     if (!n.backing_file_format().empty()) img["backing-filename-format"] = n.backing_file_format();
   }
   if (!flat)
-    if (Node* b = backing_of(n)) img["backing-image"] = image_info(d, *b, flat);
+    if (Node* b = filter_or_cow_child(n)) img["backing-image"] = image_info(d, *b, flat);
   return img;
 }
 
@@ -169,8 +182,10 @@ OJson node_info(Daemon& d, Node& n, bool flat) {
   o["node-name"] = n.node_name();
   o["ro"] = n.read_only();
   o["drv"] = n.driver();
+  // QEMU counts the chain only while gathering it (not with flat).
   int depth = 0;
-  for (Node* b = backing_of(n); b; b = backing_of(*b)) ++depth;
+  if (!flat)
+    for (Node* b = filter_or_cow_child(n); b; b = filter_or_cow_child(*b)) ++depth;
   if (Node* b = backing_of(n)) o["backing_file"] = b->filename();
   o["backing_file_depth"] = depth;
   o["encrypted"] = false;
@@ -231,8 +246,11 @@ Result<std::shared_ptr<Node>> Daemon::blockdev_add(const Json& in) {
   monitor_owned.insert((*n)->node_name());
   size_t before = node_order.size();
   note_new_nodes(*n);
+  // Cache modes are inherited by implicit children; detect-zeroes is not.
+  NodeSettings child_st = st;
+  child_st.detect_zeroes = "off";
   for (size_t i = before; i < node_order.size(); ++i)
-    if (auto p = node_order[i].lock()) settings[p.get()] = st;
+    if (auto p = node_order[i].lock()) settings[p.get()] = p == *n ? st : child_st;
   return n;
 }
 

@@ -2,6 +2,7 @@
 // query-commands, quit (qmp_capabilities is the monitor's own).
 #include <algorithm>
 
+#include "block/open.h"
 #include "qmp/daemon.h"
 
 #ifndef VBLK_VERSION
@@ -47,19 +48,30 @@ Daemon::Daemon(Loop& l)
 Daemon::~Daemon() = default;
 
 void Daemon::note_new_nodes(const std::shared_ptr<Node>& top) {
-  // Post-order: children are listed (created) before their parents.
+  // QEMU's creation order: a format node's file child is named before it;
+  // a protocol-level filter's children (blkdebug's image) and a backing
+  // chain after it (they are opened once the node has its name).
   std::vector<Node*> seen;
   for (auto& w : node_order)
     if (auto n = w.lock()) seen.push_back(n.get());
-  std::vector<std::shared_ptr<Node>> stack_out;
+  std::vector<std::shared_ptr<Node>> created;
   auto visit = [&](auto&& self, const std::shared_ptr<Node>& n) -> void {
     if (std::find(seen.begin(), seen.end(), n.get()) != seen.end()) return;
     seen.push_back(n.get());
-    for (const auto& c : n->children()) self(self, c.node);
-    stack_out.push_back(n);
+    const DriverInfo* drv = find_driver(n->driver());
+    bool children_first = !(drv && drv->is_protocol);
+    for (const auto& c : n->children())
+      if (c.role != "backing" && children_first) self(self, c.node);
+    created.push_back(n);
+    for (const auto& c : n->children())
+      if (c.role == "backing" || !children_first) self(self, c.node);
   };
   visit(visit, top);
-  for (auto& n : stack_out) node_order.push_back(n);
+  for (auto& n : created) {
+    // Nodes opened outside the graph (backing files) get #blockNNN names.
+    if (n->node_name().empty()) (void)graph.add(n);
+    node_order.push_back(n);
+  }
 }
 
 void register_core_commands(Daemon& d) {

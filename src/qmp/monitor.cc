@@ -159,7 +159,13 @@ Task<OJson> QmpServer::dispatch(Session& s, const OJson& req) {
   if (has_oob) co_return with_id(fail("GenericError", "The command " + name + " does not support OOB"));
   if (auto e = check_args(cmd->args.members, cmd->args.open, args)) co_return with_id(fail("GenericError", *e));
   Handler fn = cmd->fn;  // the registry may change while the command runs
-  Reply r = co_await fn(args);
+  Reply r;
+  // A handler bug must not take the daemon (and every VM disk) down.
+  try {
+    r = co_await fn(args);
+  } catch (const std::exception& e) {
+    r = Reply::fail(std::string("internal error: ") + e.what());
+  }
   if (r.error) co_return with_id(fail(r.error->cls, r.error->desc));
   rsp["return"] = std::move(r.value);
   co_return with_id(rsp);

@@ -384,6 +384,73 @@ class QmpTest(InteropTestCase):
             return line
         self.assertBoth(scenario)
 
+    def test_query_named_block_nodes_chain(self):
+        """Backing chains (implicit nodes, depth, backing-image), cache and
+        detect-zeroes settings, read-only, a blkdebug filter: whole lines."""
+        base, top, top2 = (os.path.join(self.tmp, n) for n in ("base.raw", "top.qcow2", "top2.qcow2"))
+
+        def scenario(cmd):
+            for p in (top, top2):
+                if os.path.exists(p):
+                    os.unlink(p)
+            with open(base, "wb") as f:
+                f.truncate(MiB)
+            self.assertEqual(qemu("create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", top).rc, 0)
+            self.assertEqual(qemu("create", "-q", "-f", "qcow2", "-b", "top.qcow2", "-F", "qcow2", top2).rc, 0)
+            d = self.start(cmd)
+            c = d.qmp().negotiate()
+            cmds = [
+                {"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "t", "file": {
+                    "driver": "file", "filename": top2}}},
+                {"execute": "query-named-block-nodes"},
+                {"execute": "query-named-block-nodes", "arguments": {"flat": True}},
+                {"execute": "blockdev-add", "arguments": {
+                    "driver": "raw", "node-name": "r", "read-only": True, "detect-zeroes": "on",
+                    "cache": {"direct": True, "no-flush": False}, "file": {"driver": "file", "filename": base}}},
+                {"execute": "blockdev-add", "arguments": {"driver": "raw", "node-name": "bd", "file": {
+                    "driver": "blkdebug", "image": {"driver": "file", "filename": base}}}},
+                {"execute": "query-named-block-nodes", "arguments": {"flat": True}},
+                {"execute": "blockdev-del", "arguments": {"node-name": "t"}},
+                {"execute": "query-named-block-nodes"},
+            ]
+            out = [re.sub(r"#block\d+", "#block", c.raw(json.dumps(x))) for x in cmds]
+            c.close()
+            self.assertEqual(d.stop(), 0)
+            return out
+        self.assertBoth(scenario)
+
+    def test_nbd_client_node(self):
+        """blockdev-add of the nbd driver against qemu-nbd."""
+        img = os.path.join(self.tmp, "n.raw")
+        with open(img, "wb") as f:
+            f.write(rand_bytes(MiB, "nbd-node"))
+        qn_sock = os.path.join(self.tmp, "qn.sock")
+        qn = subprocess.Popen(["qemu-nbd", "-e", "4", "-t", "-f", "raw", "-x", "ex", "-k", qn_sock, img],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(qn.wait)
+        self.addCleanup(qn.kill)
+        Daemon.wait_socket(type("P", (), {"proc": qn, "argv": ["qemu-nbd"]})(), qn_sock)
+
+        def scenario(cmd):
+            d = self.start(cmd)
+            c = d.qmp().negotiate()
+            cmds = [
+                {"execute": "blockdev-add", "arguments": {"driver": "nbd", "node-name": "n", "export": "ex",
+                                                          "server": {"type": "unix", "path": qn_sock}}},
+                {"execute": "blockdev-add", "arguments": {"driver": "raw", "node-name": "r", "file": "n"}},
+                {"execute": "query-named-block-nodes"},
+                {"execute": "blockdev-add", "arguments": {"driver": "nbd", "node-name": "n3", "export": "nope",
+                                                          "server": {"type": "unix", "path": qn_sock}}},
+                {"execute": "blockdev-del", "arguments": {"node-name": "n"}},
+                {"execute": "blockdev-del", "arguments": {"node-name": "r"}},
+                {"execute": "blockdev-del", "arguments": {"node-name": "n"}},
+            ]
+            out = [re.sub(r"#block\d+", "#block", c.raw(json.dumps(x))) for x in cmds]
+            c.close()
+            self.assertEqual(d.stop(), 0)
+            return out
+        self.assertBoth(scenario)
+
     def test_nbd_export_read_write(self):
         raw, qc = os.path.join(self.tmp, "a.raw"), os.path.join(self.tmp, "b.qcow2")
 

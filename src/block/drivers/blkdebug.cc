@@ -59,8 +59,10 @@ class BlkdebugNode final : public Node {
     add_child("file", std::move(image));
   }
 
-  std::string filename() const override { return image_->filename(); }
-  bool reports_dirty_flag() const override { return false; }
+  // QEMU's name for it; and like QEMU's blkdebug it does not know the
+  // allocated size of what it filters.
+  std::string filename() const override { return "blkdebug::" + image_->filename(); }
+  Result<uint64_t> allocated_size() const override { return Error(ENOTSUP); }
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override {
