@@ -138,6 +138,12 @@ Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t
   const uint64_t begin = align_down(offset, align);
   const uint64_t end = align_up(offset + buf.size(), align);
   const bool aligned = begin == offset && end == offset + buf.size();
+  if (flags & kReqCompressed) {
+    // Only drivers that store compressed data take it; they get the request
+    // as it is (no padding: a compressed unit cannot be read-modify-written).
+    if (!caps_.compressed_writes) co_return Error(ENOTSUP);
+    if (!aligned) co_return Error(EINVAL);
+  }
   // A padded write reads and rewrites its edge blocks: it must not overlap
   // anything in flight, or it could write back stale bytes.
   Tracked t{begin, end, !aligned};

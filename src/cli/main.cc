@@ -24,6 +24,8 @@ const Command kCommands[] = {
      "compare [--image-opts] [-f fmt] [-F fmt] [-T src_cache] [-p] [-q] [-s] [-U] filename1 filename2"},
     {"create", vblk::cli::cmd_create, "create [-q] [-f fmt] [-o options] filename [size]"},
     {"info", vblk::cli::cmd_info, "info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename"},
+    {"io", vblk::cli::cmd_io,
+     "io [-f fmt] [-r] [-n] [-t cache] [-i aio] [--image-opts] [-c 'command']... filename (qemu-io compatible)"},
     {"resize", vblk::cli::cmd_resize,
      "resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size"},
     {"map", vblk::cli::cmd_map,

@@ -190,8 +190,9 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   co_return Status{};
 }
 
-Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t) {
+Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
   if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  if (flags & kReqCompressed) co_return co_await write_compressed(offset, buf);
   uint64_t done = 0;
   while (done < buf.size()) {
     uint64_t n = 0;

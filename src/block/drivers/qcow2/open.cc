@@ -16,6 +16,7 @@ Qcow2Node::Qcow2Node(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "qcow2
   limits_.buffer_alignment = file_->limits().buffer_alignment;
   caps_.zeroes = true;
   caps_.discard = true;
+  caps_.compressed_writes = true;
   caps_.serialise_zeroes = true;
   caps_.supports_backing = true;
   add_child("file", std::move(file));

@@ -5,6 +5,7 @@
 //   cache.{h,cc}     bounded LRU metadata cache with write-back ordering
 //   refcount.cc      refcount table and blocks, cluster allocation and freeing
 //   cluster.cc       L1/L2 lookup and update, L2 allocation
+//   compress.cc      compressed cluster writes
 //   io.cc            read, write (allocation + copy-on-write), zeroes,
 //                    discard, block status, flush
 //   open.cc          open, header update, options
@@ -133,6 +134,9 @@ class Qcow2Node final : public Node {
   Task<Status> read_mapping(uint64_t offset, const Mapping& m, std::span<uint8_t> out);
   Task<Status> read_compressed(uint64_t entry, uint64_t in_cluster, std::span<uint8_t> out);
   Task<Status> write_cluster_run(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done);
+  // ---- compress.cc
+  Task<Status> write_compressed(uint64_t offset, std::span<const uint8_t> buf);
+  Task<Status> write_compressed_cluster(uint64_t guest, std::span<const uint8_t> data);
   // full: discarded clusters become unallocated even over a backing file
   // (used when shrinking: the range leaves the disk).
   Task<Status> zero_or_discard(uint64_t offset, uint64_t bytes, bool discard, bool may_unmap, bool full = false);
