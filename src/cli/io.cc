@@ -509,6 +509,7 @@ int cmd_io(int argc, char** argv) {
   a.open_error_prefix = "can't open device ";
   std::vector<std::string> cmds;
   const std::string prog = g_prog + " io";
+  bool force_share = false;
   int c;
   while ((c = getopt_long(argc, argv, ":hVc:d:f:rsnCmkt:T:Ui:", longopts, nullptr)) != -1) {
     switch (c) {
@@ -553,7 +554,8 @@ int cmd_io(int argc, char** argv) {
       case 's':
         error_report("-s (snapshot) is not supported by vblk io");
         return 1;
-      case 'C': case 'm': case 'k': case 'T': case 'U': case OPT_OBJECT: break;
+      case 'U': force_share = true; break;
+      case 'C': case 'm': case 'k': case 'T': case OPT_OBJECT: break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
     }
   }
@@ -565,6 +567,10 @@ int cmd_io(int argc, char** argv) {
   std::shared_ptr<Node> node;
   if (optind < argc) {
     a.filename = argv[optind];
+    if (force_share && !a.read_only) {
+      error_report(a.open_error_prefix + a.filename + ": force-share=on can only be used with read-only images");
+      return 1;
+    }
     node = open_cli_image(loop, a);
     if (!node) return 1;
     node->set_no_flush(a.cache.no_flush);
