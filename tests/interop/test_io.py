@@ -221,7 +221,7 @@ CONFIGS = [
     ("qcow2-v2", "qcow2", "compat=0.10", 4 * MiB),
     ("qcow2-v2-4k", "qcow2", "compat=0.10,cluster_size=4096,refcount_bits=16", 2 * MiB),
     ("qcow2-xl2", "qcow2", "extended_l2=on", 4 * MiB),
-    ("qcow2-xl2-4k", "qcow2", "extended_l2=on,cluster_size=4096", 2 * MiB),
+    ("qcow2-xl2-16k", "qcow2", "extended_l2=on,cluster_size=16384", 2 * MiB),
     ("qcow2-xl2-zstd-2M", "qcow2", "extended_l2=on,cluster_size=2M,compression_type=zstd", 8 * MiB),
     ("qcow2-xl2-rc64-odd", "qcow2", "extended_l2=on,refcount_bits=64", 4 * MiB + 4 * KiB),
     ("qcow2-backing", "qcow2", "backing", 4 * MiB),

@@ -49,6 +49,9 @@ Task<Status> Qcow2Node::write_compressed(uint64_t offset, std::span<const uint8_
   if (offset % cs_) co_return Error(EINVAL);
   if (buf.size() % cs_ && offset + buf.size() != length()) co_return Error(EINVAL);
   AlignedBuffer in(cs_), out(cs_);
+  // QEMU writes the clusters as parallel tasks: one failing cluster (already
+  // allocated) does not stop the others. The first error is returned.
+  Status first_error;
   for (size_t done = 0; done < buf.size();) {
     size_t n = static_cast<size_t>(std::min<uint64_t>(cs_, buf.size() - done));
     // The last cluster of an image whose size is not a cluster multiple is
@@ -56,14 +59,16 @@ Task<Status> Qcow2Node::write_compressed(uint64_t offset, std::span<const uint8_
     in.zero();
     std::memcpy(in.data(), buf.data() + done, n);
     auto len = compress(h_.compression_type, in.span(), out.span().subspan(0, cs_ - 1));
+    Status st;
     if (!len) {
-      VBLK_CO_TRY(co_await do_write(offset + done, buf.subspan(done, n), 0));
+      st = co_await do_write(offset + done, buf.subspan(done, n), 0);
     } else {
-      VBLK_CO_TRY(co_await write_compressed_cluster(offset + done, out.span().subspan(0, *len)));
+      st = co_await write_compressed_cluster(offset + done, out.span().subspan(0, *len));
     }
+    if (!st && first_error.ok()) first_error = st;
     done += n;
   }
-  co_return Status{};
+  co_return first_error;
 }
 
 Task<Status> Qcow2Node::write_compressed_cluster(uint64_t guest, std::span<const uint8_t> data) {

@@ -192,6 +192,9 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
       // Not reusable before the next flush: until then an L2 entry on disk
       // may still point here, and new data must not appear through it.
       quarantine_.insert(ci);
+      // Compressed data is never packed into a cluster that was freed (it
+      // may be reused for anything after the next flush).
+      if (free_byte_offset_ / cs_ == ci) free_byte_offset_ = 0;
       // A freed table must never be written back over reused space.
       l2_cache_->discard(ci * cs_);
       rb_cache_->discard(ci * cs_);
