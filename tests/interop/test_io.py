@@ -324,44 +324,77 @@ class IoWorkloadTest(InteropTestCase):
         # write; the results are the same, only slower.
         v = vio("-f", fmt, "-t", "writeback", *(cmd_args(cmds) + [vimg]))
         q = qio("-f", fmt, "-t", "writeback", *(cmd_args(cmds) + [qimg]))
-        self.assertEqual(strip_timing(v.stdout).splitlines(), strip_timing(q.stdout).splitlines(),
-                         "%s seed %d: output differs" % (name, seed))
-        self.assertEqual(norm_err(v.stderr, VBLK_NAME), norm_err(q.stderr, "qemu-io"))
-        self.assertEqual(v.rc, q.rc)
+        qemu_corrupt = fmt == "qcow2" and (qemu("check", qimg).rc != 0 or "corrupt" in q.stderr)
+        if not qemu_corrupt:
+            self.assertEqual(strip_timing(v.stdout).splitlines(), strip_timing(q.stdout).splitlines(),
+                             "%s seed %d: output differs" % (name, seed))
+            self.assertEqual(norm_err(v.stderr, VBLK_NAME), norm_err(q.stderr, "qemu-io"))
+            self.assertEqual(v.rc, q.rc)
         if fmt == "qcow2":
             c = qemu("check", "--output=json", vimg)
             self.assertEqual(c.rc, 0, "%s seed %d: qemu-img check: %s%s" % (name, seed, c.stdout, c.stderr))
             info = json.loads(c.stdout)
             self.assertEqual(info.get("corruptions", 0), 0)
             self.assertEqual(info.get("leaks", 0), 0)
+        # The vblk image on its own: vblk's map of it equals qemu-img's.
+        qm_v = qemu("map", "--output=json", "-f", fmt, vimg)
+        vm_v = vblk("map", "--output=json", "-f", fmt, vimg)
+        self.assertEqual(vm_v.stdout, qm_v.stdout, "%s seed %d" % (name, seed))
+        if qemu_corrupt:
+            # QEMU 7.2 corrupts its own image in some workloads: after the
+            # compressed clusters sharing a host cluster are freed and that
+            # cluster is reused for data, the next compressed write still
+            # packs behind its old free-byte offset, over the new data
+            # (OFLAG_COPIED data cluster with refcount 2). vblk forgets the
+            # offset when the cluster is freed (test_qemu_compressed_reuse_bug).
+            # The comparison with QEMU's result means nothing then.
+            return "qemu-corrupt"
         cmp = qemu("compare", "-f", fmt, "-F", fmt, vimg, qimg)
         self.assertEqual(cmp.rc, 0, "%s seed %d: %s" % (name, seed, cmp.stdout))
         # vblk reads QEMU's image (compressed clusters included) the same.
         cmp = vblk("compare", "-f", fmt, "-F", fmt, qimg, vimg)
         self.assertEqual(cmp.rc, 0, "%s seed %d: %s" % (name, seed, cmp.stdout))
-        # Allocation: vblk's map of its image equals qemu-img's of it, and
-        # agrees with what QEMU made of the same workload.
-        qm_v = qemu("map", "--output=json", "-f", fmt, vimg)
-        vm_v = vblk("map", "--output=json", "-f", fmt, vimg)
-        self.assertEqual(vm_v.stdout, qm_v.stdout, "%s seed %d" % (name, seed))
+        # Allocation agrees with what QEMU made of the same workload.
         qm_q = qemu("map", "--output=json", "-f", fmt, qimg)
         self.assertEqual(_norm_map(json.loads(qm_v.stdout)), _norm_map(json.loads(qm_q.stdout)),
                          "%s seed %d: allocation differs from QEMU's" % (name, seed))
         # qemu-io's own view of the top layer.
         self.assertEqual(strip_timing(vio("-r", "-f", fmt, "-c", "map", vimg).stdout),
                          strip_timing(qio("-r", "-f", fmt, "-c", "map", qimg).stdout))
+        return "compared"
 
     def test_workloads(self):
         seeds = [int(s) for s in os.environ.get("VBLK_IO_SEEDS", "1,2").split(",")]
         only = os.environ.get("VBLK_IO_CONFIG")
+        outcomes = []
         for name, fmt, opts, size in CONFIGS:
             if only and only != name:
                 continue
             for seed in seeds:
                 with self.subTest(config=name, seed=seed):
-                    self.run_config(name, fmt, opts, size, seed)
+                    outcomes.append(self.run_config(name, fmt, opts, size, seed))
                     for f in os.listdir(self.tmp):
                         os.unlink(os.path.join(self.tmp, f))
+        # QEMU's own corruption must stay the exception, or nothing was compared.
+        self.assertGreater(outcomes.count("compared"), len(outcomes) * 2 // 3, outcomes)
+
+    def test_qemu_compressed_reuse_bug(self):
+        """The sequence that makes QEMU 7.2 corrupt its image leaves vblk's
+        clean and equal to what the writes mean."""
+        cmds = ["write -c -P 1 0 64k",        # compressed: packed at the start of a host cluster
+                "write -z -u 0 64k",          # freed: the host cluster is free again
+                "write -P 2 128k 64k",        # reuses the host cluster for data
+                "write -c -P 3 64k 64k",      # QEMU packs this over the data of 128k
+                "read -P 0 0 64k", "read -P 3 64k 64k", "read -P 2 128k 64k"]
+        self._opts = None
+        vimg = self.make("v.qcow2", "qcow2", None, 4 * MiB)
+        qimg = self.make("q.qcow2", "qcow2", None, 4 * MiB)
+        v = vio("-f", "qcow2", *(cmd_args(cmds) + [vimg]))
+        self.assertEqual(v.rc, 0, v)
+        self.assertEqual(qemu("check", vimg).rc, 0)
+        q = qio("-f", "qcow2", *(cmd_args(cmds) + [qimg]))
+        if q.rc == 0 and qemu("check", qimg).rc == 0:
+            self.skipTest("this QEMU does not have the compressed reuse bug")
 
 
 if __name__ == "__main__":

@@ -319,6 +319,9 @@ Task<Status> Qcow2Node::do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_
 
 Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {
   if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  // Without the zero flag, discarding could expose stale backing data: QEMU
+  // declines (v2 with a backing file), and so does vblk.
+  if (h_.version < 3 && backing_) co_return Status{};
   co_return co_await discard_range(offset, bytes, false);
 }
 

@@ -215,7 +215,8 @@ Task<Status> Qcow2Node::discard_clusters(uint64_t a, uint64_t e, bool full) {
       nw = bitmap = 0;
     } else if (backing_ || allocated) {
       // Reads must not start showing the backing file: zero where the
-      // format can say so (v2 cannot: there the backing file shows, as in QEMU).
+      // format can say so (v2 cannot; do_discard leaves v2 over a backing
+      // file alone, and v2 zeroes by discard only without one).
       if (l2_entry_size_ == 16) {
         nw = 0;
         bitmap = kAllZeroes;
