@@ -302,7 +302,7 @@ class Io {
       return -EINVAL;
     }
     AlignedBuffer buf(static_cast<size_t>(count), 4096);
-    std::memset(buf.data(), 0xab, static_cast<size_t>(count));
+    if (count) std::memset(buf.data(), 0xab, static_cast<size_t>(count));  // (no memory when empty)
     timespec t1 = now();
     Status st = loop_.run(node_->read(static_cast<uint64_t>(offset), buf.span()));
     timespec t2 = now();
@@ -394,7 +394,7 @@ class Io {
       st = loop_.run(node_->write_zeroes(static_cast<uint64_t>(offset), static_cast<uint64_t>(count), flags));
     } else {
       AlignedBuffer buf(static_cast<size_t>(count), 4096);
-      std::memset(buf.data(), pattern, static_cast<size_t>(count));
+      if (count) std::memset(buf.data(), pattern, static_cast<size_t>(count));
       st = loop_.run(node_->write(static_cast<uint64_t>(offset), buf.span(), flags));
     }
     if (st && fua && zflag) st = loop_.run(node_->flush());
