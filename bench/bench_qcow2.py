@@ -50,6 +50,8 @@ def main():
     cases = [
         {"name": "empty-rand-4k-write-qd32", "layout": "empty", "write": True, "depth": 32, "size": 4096,
          "step": step, "count": min(100000 // div, nblocks), "kind": "rand"},
+        {"name": "empty-rand-4k-read-qd32", "layout": "empty", "write": False, "depth": 32, "size": 4096,
+         "step": step, "count": min(200000 // div, nblocks), "kind": "rand"},
         {"name": "empty-seq-1m-write-qd32", "layout": "empty", "write": True, "depth": 32, "size": 1 << 20,
          "step": 0, "count": (args.size >> 20) // div, "kind": "seq"},
         {"name": "prealloc-rand-4k-read-qd32", "layout": "prealloc", "write": False, "depth": 32, "size": 4096,
@@ -62,7 +64,7 @@ def main():
     workdir = tempfile.mkdtemp(prefix="vblk-bench-qcow2-", dir="/var/tmp")
     pre = os.path.join(workdir, "prealloc.qcow2")
     empty = os.path.join(workdir, "empty.qcow2")
-    print(f"# command:  {' '.join([sys.executable] + sys.argv)}")
+    print(f"# command:  {' '.join(['python3'] + sys.argv)}")
     print(f"# vblk:     {bi.first_line([vblk, '--version'])}; qemu-img: {bi.first_line([qemu, '--version'])}")
     print(f"# image:    {bi.human_size(args.size)} qcow2 (64 KiB clusters) on {bi.fs_of(workdir)}; "
           f"load at start {bi.loadavg()}")

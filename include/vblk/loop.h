@@ -73,7 +73,8 @@ class [[nodiscard]] SleepAwaitable {
  public:
   SleepAwaitable(Loop& loop, uint64_t deadline_ns, std::stop_token st)
       : loop_(&loop), deadline_(deadline_ns), token_(std::move(st)) {}
-  SleepAwaitable(SleepAwaitable&&) = default;
+  // Not movable: on_stop_ (a stop_callback) points back at this object.
+  SleepAwaitable(SleepAwaitable&&) = delete;
   ~SleepAwaitable();
   bool await_ready() noexcept;
   void await_suspend(std::coroutine_handle<> h);

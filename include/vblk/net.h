@@ -50,7 +50,8 @@ Task<Result<Fd>> connect_unix(Loop& loop, const std::string& path);
 Task<Result<Fd>> connect_tcp(Loop& loop, const std::string& host, uint16_t port);
 
 // Sends all of buf; fails with EPIPE/ECONNRESET etc. if the peer goes away.
-Task<Status> send_all(Loop& loop, int fd, std::span<const uint8_t> buf);
+// `flags` are send(2)'s (MSG_MORE to keep a header with the payload after it).
+Task<Status> send_all(Loop& loop, int fd, std::span<const uint8_t> buf, int flags = MSG_NOSIGNAL);
 // Receives exactly buf.size() bytes; ECONNRESET-style error or ENODATA on EOF.
 Task<Status> recv_exact(Loop& loop, int fd, std::span<uint8_t> buf);
 

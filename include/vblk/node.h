@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -51,6 +52,12 @@ enum StatusFlags : uint32_t {
 };
 
 class Node;
+
+// How a growing truncate prepares the new area (QEMU's PreallocMode).
+enum class Prealloc { Off, Metadata, Falloc, Full };
+// "off", "metadata", "falloc", "full"; nullopt for anything else.
+std::optional<Prealloc> parse_prealloc(const std::string& s);
+const char* prealloc_name(Prealloc p);
 
 struct BlockStatus {
   uint32_t flags = 0;
@@ -101,6 +108,17 @@ struct CheckResult {
   int64_t compressed_clusters = 0;
 };
 
+// An internal snapshot as the block layer sees it (QEMU's QEMUSnapshotInfo).
+struct SnapshotInfo {
+  std::string id;
+  std::string name;
+  uint64_t vm_state_size = 0;
+  uint32_t date_sec = 0;
+  uint32_t date_nsec = 0;
+  uint64_t vm_clock_nsec = 0;
+  uint64_t icount = UINT64_MAX;  // UINT64_MAX: not recorded
+};
+
 struct Child {
   std::string role;  // "file", "backing", ...
   std::shared_ptr<Node> node;
@@ -129,6 +147,9 @@ class Node {
   bool read_only() const { return read_only_; }
   void set_read_only(bool ro) { read_only_ = ro; }
   const BlockLimits& limits() const { return limits_; }
+  // The exact size in bytes where it is not a whole number of sectors
+  // (length() rounds up to 512 as QEMU does); protocol nodes override it.
+  virtual uint64_t exact_length() const { return length_; }
   const NodeCaps& caps() const { return caps_; }
   // Writethrough: every write is followed by a flush (cache=writethrough).
   void set_writethrough(bool on) { writethrough_ = on; }
@@ -154,7 +175,7 @@ class Node {
   // both sides allow it (copy_file_range). ENOTSUP if not possible: callers
   // fall back to read+write.
   Task<Status> copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes, uint32_t flags = 0);
-  Task<Status> truncate(uint64_t length, bool exact = true);
+  Task<Status> truncate(uint64_t length, bool exact = true, Prealloc prealloc = Prealloc::Off);
   // Waits until no request is in flight on this node.
   Task<void> drain();
   uint64_t in_flight() const { return in_flight_; }
@@ -176,6 +197,9 @@ class Node {
   virtual nlohmann::ordered_json format_specific() const { return nullptr; }
   // The image was not closed cleanly (qcow2's dirty bit: lazy refcounts).
   virtual bool dirty_flag() const { return false; }
+  // Whether `info` shows dirty-flag at all (QEMU shows it when the driver
+  // answers bdrv_get_info; NBD does not).
+  virtual bool reports_dirty_flag() const { return true; }
 
   // Allocated size on disk (qemu-img's "disk size"), -ENOTSUP if unknown.
   virtual Result<uint64_t> allocated_size() const;
@@ -184,6 +208,24 @@ class Node {
   // ENOTSUP: the format has no checks (qemu-img's exit code 63). Messages
   // about what was found go to stderr, worded as QEMU words them.
   virtual Task<Result<CheckResult>> check(uint32_t fix);
+
+  // Closes cleanly: what must reach the disk before the image counts as
+  // closed (qcow2: caches, then the dirty bit cleared). The default closes
+  // the children. Not calling it is a crash, as far as the image can tell.
+  // Runs do_close() once: later calls (a command closing explicitly to
+  // report errors, then its image handle closing) succeed without I/O.
+  Task<Status> close();
+
+  // Internal snapshots (qemu-img snapshot). The defaults: none, ENOTSUP.
+  virtual bool supports_snapshots() const { return false; }
+  virtual std::vector<SnapshotInfo> snapshots() const { return {}; }
+  // Creates a snapshot of the current state; its id is chosen by the driver
+  // and stored back into `sn`.
+  virtual Task<Status> snapshot_create(SnapshotInfo& sn);
+  // Makes the snapshot with this id (or else this name) the current state.
+  virtual Task<Status> snapshot_goto(const std::string& id_or_name);
+  // Deletes the snapshot with exactly this id and name.
+  virtual Task<Status> snapshot_delete(const std::string& id, const std::string& name);
 
  protected:
   // Drivers implement these. Input is clean: aligned to request_alignment,
@@ -198,6 +240,10 @@ class Node {
   virtual Task<Status> do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes,
                                         uint32_t flags);
   virtual Task<Status> do_truncate(uint64_t length, bool exact);
+  virtual Task<Status> do_close();
+  // Growing with preallocation other than Off. The default refuses as
+  // QEMU does ("Unsupported preallocation mode: metadata").
+  virtual Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc);
 
   // For drivers: set during open.
   void add_child(std::string role, std::shared_ptr<Node> n) { children_.push_back({std::move(role), std::move(n)}); }
@@ -241,6 +287,7 @@ class Node {
   bool writethrough_ = false;
   bool no_flush_ = false;
   bool growable_ = false;
+  bool closed_ = false;  // close() ran
   uint64_t in_flight_ = 0;
   Tracked* tracked_head_ = nullptr;
   CoEvent idle_;

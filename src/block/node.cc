@@ -283,11 +283,37 @@ Task<Status> Node::flush() {
   co_return co_await do_flush();
 }
 
-Task<Status> Node::truncate(uint64_t length, bool exact) {
+Task<Status> Node::truncate(uint64_t length, bool exact, Prealloc prealloc) {
   if (read_only_) co_return Error(EPERM, "Block node is read-only");
   co_await drain();
-  VBLK_CO_TRY(co_await do_truncate(length, exact));
+  if (prealloc == Prealloc::Off) {
+    VBLK_CO_TRY(co_await do_truncate(length, exact));
+  } else {
+    VBLK_CO_TRY(co_await do_truncate_prealloc(length, exact, prealloc));
+  }
   co_return Status{};
+}
+
+Task<Status> Node::do_truncate_prealloc(uint64_t, bool, Prealloc prealloc) {
+  co_return Error(ENOTSUP, std::string("Unsupported preallocation mode: ") + prealloc_name(prealloc));
+}
+
+std::optional<Prealloc> parse_prealloc(const std::string& s) {
+  if (s == "off") return Prealloc::Off;
+  if (s == "metadata") return Prealloc::Metadata;
+  if (s == "falloc") return Prealloc::Falloc;
+  if (s == "full") return Prealloc::Full;
+  return std::nullopt;
+}
+
+const char* prealloc_name(Prealloc p) {
+  switch (p) {
+    case Prealloc::Off: return "off";
+    case Prealloc::Metadata: return "metadata";
+    case Prealloc::Falloc: return "falloc";
+    case Prealloc::Full: return "full";
+  }
+  return "off";
 }
 
 // ---- block status
@@ -410,7 +436,26 @@ Task<Result<BlockStatus>> Node::do_block_status(uint64_t offset, uint64_t bytes)
 }
 
 Task<Status> Node::do_copy_range_to(uint64_t, Node&, uint64_t, uint64_t, uint32_t) { co_return Error(ENOTSUP); }
+Task<Status> Node::close() {
+  if (closed_) co_return Status{};
+  closed_ = true;
+  co_return co_await do_close();
+}
+
+Task<Status> Node::do_close() {
+  for (auto& c : children_) VBLK_CO_TRY(co_await c.node->close());
+  co_return Status{};
+}
+
 Task<Result<CheckResult>> Node::check(uint32_t) { co_return Error(ENOTSUP, "This image format does not support checks"); }
+
+Task<Status> Node::snapshot_create(SnapshotInfo&) { co_return Error(ENOTSUP); }
+Task<Status> Node::snapshot_goto(const std::string&) {
+  co_return Error(ENOTSUP, "Block driver does not support snapshots");
+}
+Task<Status> Node::snapshot_delete(const std::string&, const std::string&) {
+  co_return Error(ENOTSUP, "Block driver does not support snapshots");
+}
 
 Task<Status> Node::do_truncate(uint64_t, bool) { co_return Error(ENOTSUP, "Image format driver does not support resize"); }
 

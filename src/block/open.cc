@@ -17,6 +17,7 @@ namespace {
 const DriverInfo kDrivers[] = {
     {"file", true, drivers::open_file, nullptr},
     {"host_device", true, drivers::open_host_device, nullptr},
+    {"nbd", true, drivers::open_nbd, nullptr},
     {"null-co", true, drivers::open_null, nullptr},
     {"qcow2", false, drivers::open_qcow2, drivers::probe_qcow2},
     {"raw", false, drivers::open_raw, drivers::probe_raw},
@@ -40,6 +41,12 @@ const DriverInfo* find_driver(const std::string& name) {
   for (const auto& d : kDrivers)
     if (name == d.name) return &d;
   return nullptr;
+}
+
+Status check_write_without_resize(const Node& file) {
+  if (!file.read_only() && file.exact_length() % file.limits().request_alignment)
+    return Error(EINVAL, "Cannot get 'write' permission without 'resize': Image size is not a multiple of request alignment");
+  return {};
 }
 
 Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
@@ -137,10 +144,13 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
   struct stat st;
   bool is_dev = ::stat(filename.c_str(), &st) == 0 && (S_ISBLK(st.st_mode) || S_ISCHR(st.st_mode));
   file["driver"] = is_dev ? "host_device" : "file";
+  // NBD URIs name the protocol themselves (qemu-img's protocol prefixes).
+  if (filename.rfind("nbd://", 0) == 0 || filename.rfind("nbd+unix://", 0) == 0 || filename.rfind("nbd+tcp://", 0) == 0)
+    file["driver"] = "nbd";
   file["filename"] = filename;
   if (o.direct) file["cache"]["direct"] = true;
   if (o.no_flush) file["cache"]["no-flush"] = true;
-  if (!o.aio.empty()) file["aio"] = o.aio;
+  if (!o.aio.empty() && file["driver"] != "nbd") file["aio"] = o.aio;
   OpenContext fctx = ctx;
   fctx.read_only = o.read_only;
   fctx.no_io = fctx.no_io || o.no_io;
@@ -149,6 +159,7 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
     file["driver"] = format;
     auto n = open_node(fctx, file);
     VBLK_TRY(n);
+    VBLK_TRY(check_write_without_resize(**n));
     (*n)->set_no_flush(o.no_flush);
     (*n)->set_writethrough(o.writethrough);
     return n;

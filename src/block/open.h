@@ -37,6 +37,12 @@ struct OpenContext {
   bool no_io = false;
 };
 
+// A parent that writes to `file` without being allowed to resize it (raw, or
+// a protocol node used as the image) needs its length to be a multiple of the
+// request alignment, as QEMU's permission check demands; formats that grow
+// their file (qcow2) take the resize permission and skip this.
+Status check_write_without_resize(const Node& file);
+
 using DriverOpenFn = Result<std::shared_ptr<Node>> (*)(OpenContext& ctx, Json& opts);
 // Returns a score 0..100 that `head` (the first bytes of a file) is this format.
 using DriverProbeFn = int (*)(std::span<const uint8_t> head);

@@ -245,7 +245,7 @@ int cmd_bench(int argc, char** argv) {
   std::fflush(stdout);
   // A write benchmark leaves its data durable, as qemu-img's close does.
   if (write) {
-    auto fl = loop.run(node->flush());
+    auto fl = loop.run(node->close());
     if (!fl) {
       error_report("Failed flush request: " + fl.error().what());
       return 1;

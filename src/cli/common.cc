@@ -197,6 +197,15 @@ std::string qemu_json_pretty(const nlohmann::ordered_json& j) {
   return out;
 }
 
+void warn_probed_raw(const std::string& filename) {
+  std::fprintf(stderr,
+               "WARNING: Image format was not specified for '%s' and probing guessed raw.\n"
+               "         Automatically detecting the format is dangerous for raw images, write operations on "
+               "block 0 will be restricted.\n"
+               "         Specify the 'raw' format explicitly to remove the restrictions.\n",
+               filename.c_str());
+}
+
 std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
   OpenContext ctx{loop};
   ctx.read_only = a.read_only;
@@ -234,16 +243,18 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
     error_report(prefix + node.error().what());
     return nullptr;
   }
-  if (probed_raw && !a.read_only) {
-    std::fprintf(stderr,
-                 "WARNING: Image format was not specified for '%s' and probing guessed raw.\n"
-                 "         Automatically detecting the format is dangerous for raw images, write operations on "
-                 "block 0 will be restricted.\n"
-                 "         Specify the 'raw' format explicitly to remove the restrictions.\n",
-                 (*node)->filename().c_str());
-  }
+  if (probed_raw && !a.read_only) warn_probed_raw((*node)->filename());
   (*node)->set_writethrough(a.cache.writethrough);
-  return *node;
+  // The image is closed cleanly (Node::close: caches written, qcow2's dirty
+  // bit cleared, NBD connections ended) when the command lets go of it. The
+  // loop outlives the node in every command (declared first).
+  std::shared_ptr<Node> inner = *node;
+  Node* raw = inner.get();
+  return std::shared_ptr<Node>(raw, [inner, &loop](Node*) mutable {
+    Status st = loop.run(inner->close());
+    if (!st) error_report("Failed to close '" + inner->filename() + "': " + st.error().what());
+    inner.reset();
+  });
 }
 
 }  // namespace vblk::cli

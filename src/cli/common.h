@@ -68,8 +68,14 @@ struct ImageArgs {
 // Opens an image as qemu-img does and reports "Could not open 'X': ..." on
 // failure (returns nullptr). Prints the raw-probing warning for writable opens.
 std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a);
+// The warning for a writable image whose format was probed as raw.
+void warn_probed_raw(const std::string& filename);
 
 int cmd_create(int argc, char** argv);
+// Put between "<file>: " and create's error message (convert sets it to
+// "error while converting <fmt>: ", as qemu-img words it).
+extern std::string g_create_error_context;
+int cmd_convert(int argc, char** argv);
 int cmd_info(int argc, char** argv);
 int cmd_map(int argc, char** argv);
 int cmd_compare(int argc, char** argv);
@@ -77,5 +83,12 @@ int cmd_bench(int argc, char** argv);
 int cmd_check(int argc, char** argv);
 int cmd_resize(int argc, char** argv);
 int cmd_io(int argc, char** argv);
+int cmd_nbd(int argc, char** argv);
+int cmd_snapshot(int argc, char** argv);
+
+// qemu-img's snapshot table printing (bdrv_snapshot_dump): nothing when empty.
+void dump_snapshots(const std::vector<SnapshotInfo>& list);
+// QAPI SnapshotInfo, in schema order.
+nlohmann::ordered_json snapshot_json(const SnapshotInfo& sn);
 
 }  // namespace vblk::cli

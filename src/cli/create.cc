@@ -14,6 +14,8 @@
 
 namespace vblk::cli {
 
+std::string g_create_error_context;
+
 namespace {
 
 enum class OptKind { Size, Bool, String, Number };
@@ -102,7 +104,7 @@ int create_qcow2(const std::string& filename, uint64_t size, std::map<std::strin
   std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
   if (prealloc != "off" && prealloc != "metadata" && prealloc != "falloc" && prealloc != "full")
     return fail("Parameter 'preallocation' does not accept value '" + prealloc + "'");
-  if (opts.count("backing_file") && prealloc != "off")
+  if (opts.count("backing_file") && prealloc != "off" && !o.extended_l2)
     return fail("Backing file and preallocation can only be used at the same time if extended_l2 is on");
   if (opts.count("backing_fmt") && !opts.count("backing_file"))
     return fail("Backing format cannot be used without backing file");
@@ -194,7 +196,7 @@ int cmd_create(int argc, char** argv) {
   if (optind != argc) error_exit("Unexpected argument: " + std::string(argv[optind]));
 
   auto fail = [&](const std::string& msg) {
-    error_report(filename + ": " + msg);
+    error_report(filename + ": " + g_create_error_context + msg);
     return 1;
   };
   std::span<const OptSpec> specs;

@@ -14,7 +14,7 @@ nlohmann::ordered_json info_json(Node& top) {
   nlohmann::ordered_json j;
   j["filename"] = top.filename();
   j["format"] = top.driver();
-  j["dirty-flag"] = top.dirty_flag();
+  if (top.reports_dirty_flag()) j["dirty-flag"] = top.dirty_flag();
   if (auto sz = top.allocated_size()) j["actual-size"] = *sz;
   j["virtual-size"] = top.length();
   if (top.cluster_size()) j["cluster-size"] = top.cluster_size();
@@ -23,6 +23,12 @@ nlohmann::ordered_json info_json(Node& top) {
     j["backing-filename"] = bf;
     j["full-backing-filename"] = path_combine(top.filename(), bf);
     if (!top.backing_file_format().empty()) j["backing-filename-format"] = top.backing_file_format();
+  }
+  auto snaps = top.snapshots();
+  if (!snaps.empty()) {
+    nlohmann::ordered_json list = nlohmann::ordered_json::array();
+    for (const auto& sn : snaps) list.push_back(snapshot_json(sn));
+    j["snapshots"] = list;
   }
   auto spec = top.format_specific();
   if (!spec.is_null()) j["format-specific"] = spec;
@@ -69,6 +75,7 @@ void info_human(Node& top) {
     }
     if (!top.backing_file_format().empty()) std::printf("backing file format: %s\n", top.backing_file_format().c_str());
   }
+  dump_snapshots(top.snapshots());
   auto spec = top.format_specific();
   if (!spec.is_null()) {
     std::printf("Format specific information:\n");

@@ -22,12 +22,21 @@ const Command kCommands[] = {
      "check [--image-opts] [-q] [-f fmt] [--output=ofmt] [-r [leaks | all]] [-T src_cache] [-U] filename"},
     {"compare", vblk::cli::cmd_compare,
      "compare [--image-opts] [-f fmt] [-F fmt] [-T src_cache] [-p] [-q] [-s] [-U] filename1 filename2"},
+    {"convert", vblk::cli::cmd_convert,
+     "convert [--image-opts] [--target-is-zero] [-U] [-C] [-c] [-p] [-q] [-n] [-f fmt] [-t cache] [-T src_cache] "
+     "[-O output_fmt] [-B backing_file [-F backing_fmt]] [-o options] [-S sparse_size] [-r rate_limit] "
+     "[-m num_coroutines] [-W] filename output_filename"},
     {"create", vblk::cli::cmd_create, "create [-q] [-f fmt] [-o options] filename [size]"},
     {"info", vblk::cli::cmd_info, "info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename"},
     {"io", vblk::cli::cmd_io,
      "io [-f fmt] [-r] [-n] [-t cache] [-i aio] [--image-opts] [-c 'command']... filename (qemu-io compatible)"},
+    {"nbd", vblk::cli::cmd_nbd,
+     "nbd [-f fmt] [-r] [-x name] [-D text] [-k path | -p port [-b addr]] [-t] [-e shared] [-n | --cache=mode] "
+     "[--aio=mode] [--image-opts] [--fork] [--pid-file=path] filename"},
     {"resize", vblk::cli::cmd_resize,
      "resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size"},
+    {"snapshot", vblk::cli::cmd_snapshot,
+     "snapshot [--image-opts] [-U] [-q] [-l | -a snapshot | -c snapshot | -d snapshot] filename"},
     {"map", vblk::cli::cmd_map,
      "map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] filename"},
 };

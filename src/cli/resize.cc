@@ -89,12 +89,8 @@ int cmd_resize(int argc, char** argv) {
                  g_prog.c_str());
     return 1;
   }
-  if (prealloc != "off") {
-    error_report("Preallocation mode '" + prealloc + "' is not supported by vblk resize yet");
-    return 1;
-  }
-  auto st = loop.run(node->truncate(static_cast<uint64_t>(total)));
-  if (st) st = loop.run(node->flush());
+  auto st = loop.run(node->truncate(static_cast<uint64_t>(total), true, *parse_prealloc(prealloc)));
+  if (st) st = loop.run(node->close());
   if (!st) {
     error_report(st.error().what());
     return 1;

@@ -132,10 +132,10 @@ Task<Result<Fd>> connect_tcp(Loop& loop, const std::string& host, uint16_t port)
   co_return std::move(*s);
 }
 
-Task<Status> send_all(Loop& loop, int fd, std::span<const uint8_t> buf) {
+Task<Status> send_all(Loop& loop, int fd, std::span<const uint8_t> buf, int flags) {
   size_t done = 0;
   while (done < buf.size()) {
-    long r = co_await loop.send(fd, buf.data() + done, buf.size() - done);
+    long r = co_await loop.send(fd, buf.data() + done, buf.size() - done, flags | MSG_NOSIGNAL);
     if (r < 0) co_return Error(static_cast<int>(-r));
     if (r == 0) co_return Error(EPIPE);
     done += static_cast<size_t>(r);

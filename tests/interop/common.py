@@ -16,9 +16,11 @@ import random
 import re
 import shutil
 import stat
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
@@ -252,6 +254,25 @@ def shm_dir() -> Optional[str]:
         if os.path.isdir(cand) and os.access(cand, os.W_OK):
             return cand
     return None
+
+
+def wait_for_socket(path, proc, timeout=10):
+    """Waits until a server process accepts connections on a unix socket."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if os.path.exists(path):
+            try:
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(path)
+                s.close()
+                return
+            except OSError:
+                pass
+        if proc.poll() is not None:
+            raise AssertionError("server exited early: rc=%s stderr=%r" %
+                                 (proc.returncode, proc.stderr.read()))
+        time.sleep(0.02)
+    raise AssertionError("server did not listen on %s" % path)
 
 
 class InteropTestCase(unittest.TestCase):

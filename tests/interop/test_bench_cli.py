@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import (skip_unless_formats, MiB, InteropTestCase, file_state, make_image,  # noqa: E402
+from common import (skip_unless_formats, MiB, InteropTestCase, both, file_state, make_image,  # noqa: E402
                     norm_vblk_err, qemu, rand_bytes, read_range, vblk)
 
 RUN_RE = re.compile(r"^Run completed in \d+\.\d{3} seconds\.$")
@@ -317,6 +317,29 @@ class BenchTest(InteropTestCase):
                                  "qemu-img: Failed request: Input/output error\n")
                 self.assertEqual(len(v.stdout.splitlines()), 1)
                 self.assertRegex(v.stdout.splitlines()[0], FIRST_RE)
+
+    def test_direct_write_needs_aligned_size_unless_format_grows_file(self):
+        # QEMU's permission rule: writing without the resize permission needs
+        # a file size that is a multiple of the O_DIRECT alignment. raw and a
+        # bare file are refused; qcow2 (which takes resize) is not.
+        d = self.subdir("odd")
+        for size in (1000, 196616):
+            with self.subTest(size=size):
+                make_image(os.path.join(d, "odd.raw"), size)
+                for fmt in ("raw", "file"):
+                    v, q = both("bench", "-t", "none", "-w", "-f", fmt, "-c", "1", "-s", "512",
+                                "odd.raw", cwd=d)
+                    self.assertEqual(q.rc, 1, q)
+                    self.assertSameResult(v, q, fmt)
+                    self.assertIn("Cannot get 'write' permission without 'resize'", v.stderr)
+        for tool in (vblk, qemu):
+            with self.subTest(tool=tool.__name__):
+                qemu("create", "-q", "-f", "qcow2", os.path.join(d, "q.qcow2"), "64M")
+                self.assertNotEqual(os.path.getsize(os.path.join(d, "q.qcow2")) % 512, 0)
+                r = tool("bench", "-t", "none", "-w", "-f", "qcow2", "-c", "100", "q.qcow2", cwd=d)
+                self.assertEqual(r.rc, 0, r)
+                c = qemu("check", "q.qcow2", cwd=d)
+                self.assertEqual(c.rc, 0, c)
 
 
 def _make_read_test(name, opts, expected):

@@ -508,6 +508,27 @@ CREATE_COMBOS = [
                            "-o", "extended_l2=on,cluster_size=64k"], "6M"),
     ("backing_v2", ["-b", "base.raw", "-F", "raw", "-o", "compat=0.10"], "2M"),
     ("backing_absolute", ["-b", "<DIR>/base.raw", "-F", "raw"], "4M"),
+    # Preallocation: the same layout as qemu-img's (map offsets, file size).
+    ("prealloc_off", ["-o", "preallocation=off"], "4M"),
+    ("prealloc_metadata", ["-o", "preallocation=metadata"], "1100M"),
+    ("prealloc_metadata_cs4k", ["-o", "preallocation=metadata,cluster_size=4k"], "20M"),
+    ("prealloc_metadata_cs512_rb1", ["-o", "preallocation=metadata,cluster_size=512,"
+                                     "refcount_bits=1"], "3M"),
+    ("prealloc_metadata_v2", ["-o", "preallocation=metadata,compat=0.10"], "3M"),
+    ("prealloc_metadata_lazy", ["-o", "preallocation=metadata,lazy_refcounts=on"], "3M"),
+    ("prealloc_metadata_size_10000", ["-o", "preallocation=metadata"], "10000"),
+    ("prealloc_metadata_extl2_backing", ["-b", "base.raw", "-F", "raw",
+                                         "-o", "preallocation=metadata,extended_l2=on"], "4M"),
+    ("prealloc_falloc", ["-o", "preallocation=falloc"], "24M"),
+    ("prealloc_falloc_cs4k", ["-o", "preallocation=falloc,cluster_size=4k"], "20M"),
+    ("prealloc_falloc_cs512_rb64", ["-o", "preallocation=falloc,cluster_size=512,"
+                                    "refcount_bits=64"], "2M"),
+    ("prealloc_falloc_size_10000", ["-o", "preallocation=falloc"], "10000"),
+    ("prealloc_full", ["-o", "preallocation=full"], "5M"),
+    ("prealloc_full_cs2M", ["-o", "preallocation=full,cluster_size=2M"], "5M"),
+    ("prealloc_full_extl2_backing", ["-b", "base.raw", "-F", "raw",
+                                     "-o", "preallocation=full,extended_l2=on"], "4M"),
+    ("prealloc_size_0", ["-o", "preallocation=full"], "0"),
 ]
 
 
@@ -555,10 +576,18 @@ class VblkCreateTest(Qcow2TestCase):
         self.assertTrue(c.stdout.startswith(NO_ERRORS), c.stdout)
         # qemu-img info / map of both images
         checks = [(["info", "c.qcow2"], _strip_info)]
-        if "-b" in args:
+        prealloc = any("preallocation=" in a and "preallocation=off" not in a for a in args)
+        if "-b" in args or prealloc:
             checks += [(["info", "--output=json", "c.qcow2"], _strip_info_json),
                        (["info", "--backing-chain", "c.qcow2"], _strip_info),
                        (["map", "--output=json", "c.qcow2"], json.loads)]
+        if prealloc:
+            # Same layout: file size exactly, allocation on disk roughly.
+            fv, fq = os.stat(os.path.join(dv, "c.qcow2")), os.stat(os.path.join(dq, "c.qcow2"))
+            self.assertEqual(fv.st_size, fq.st_size, "file size differs")
+            self.assertAlmostEqual(fv.st_blocks * 512, fq.st_blocks * 512,
+                                   delta=max(1 * MiB, fq.st_blocks * 512 // 10),
+                                   msg="allocated size differs")
         for argv, norm in checks:
             rv, rq = qemu(*argv, cwd=dv), qemu(*argv, cwd=dq)
             self.assertEqual(rq.rc, 0, rq)
@@ -922,6 +951,28 @@ class HostileImagesTest(Qcow2TestCase):
                 v, q = self._run_both(cmd + ["l2mis.qcow2"], "l2mis.qcow2")
                 self.assertNotEqual(q.rc, 0, q)
                 self.assertSameResult(v, q)
+
+    def test_allocation_over_metadata_refused(self):
+        # Found by fuzz/qcow2_fuzz.cc: a refcount table without refcount
+        # blocks makes every cluster look free, the header and the tables
+        # included. A write must not allocate over them (vblk used to loop
+        # placing refcount blocks there): both tools mark the image corrupt
+        # with the same message and fail the write.
+        b = bytearray(self.good)
+        rt = struct.unpack_from(">Q", b, H_RT_OFF)[0]
+        b[rt:rt + 65536] = bytes(65536)
+        for name in ("rt_empty_v.qcow2", "rt_empty_q.qcow2"):
+            with open(os.path.join(self.dir, name), "wb") as f:
+                f.write(b)
+        argv = ["bench", "-w", "-c", "1", "-s", "4k", "-o", "512k", "-f", "qcow2"]
+        v = vblk(*argv, "rt_empty_v.qcow2", cwd=self.dir, timeout=20)
+        q = qemu(*argv, "rt_empty_q.qcow2", cwd=self.dir, timeout=20)
+        self.assertNotEqual(q.rc, 0, q)
+        self.assertIn("Preventing invalid write on metadata", q.stderr)
+        self.assertSameResult(v, q)
+        for name in ("rt_empty_v.qcow2", "rt_empty_q.qcow2"):
+            j = json.loads(qemu("info", "--output=json", name, cwd=self.dir).stdout)
+            self.assertTrue(j["format-specific"]["data"]["corrupt"], name)
 
     def test_backing_file_missing(self):
         qemu_ok("create", "-q", "-f", "raw", "gone.raw", "1M", cwd=self.dir)

@@ -3,11 +3,14 @@
 // before it is issued and every completed flush. The crash test kills it with
 // SIGKILL at a random moment and checks the image against the log.
 //
-//   crash_writer IMAGE FORMAT SEED LOG
+//   crash_writer IMAGE FORMAT SEED LOG [snapshots]
 //
 // Log lines: "W seq first count" (blocks of 4 KiB, content derived from
 // (block, seq)), "Z seq first count" (zeroes), "F seq" (every operation with
-// a smaller or equal seq is durable).
+// a smaller or equal seq is durable). With "snapshots", internal snapshots
+// are created (and the oldest deleted) between batches: "S name seq" before
+// creating snapshot `name` of the state after operation `seq`, "SS name seq"
+// once it exists; "D name" before deleting it, "DD name" once it is gone.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -60,6 +63,9 @@ struct State {
   uint64_t blocks;
   uint64_t cluster_blocks;
   Claims claims;
+  bool snapshots = false;
+  std::vector<std::string> live;  // snapshots created, oldest first
+  uint64_t made = 0;
 };
 
 void log_line(State& s, const std::string& line) {
@@ -113,6 +119,31 @@ Task<void> run(State& s) {
     wg.add(n);
     for (uint64_t i = 0; i < n; ++i) spawn_detached(one_op(s, wg));
     co_await wg.wait();
+    if (s.snapshots && s.rng() % 4 == 0) {
+      if (s.live.size() >= 2 && s.rng() % 2) {
+        std::string name = s.live.front();
+        log_line(s, "D " + name);
+        SnapshotInfo victim;
+        for (const auto& sn : s.node.snapshots())
+          if (sn.name == name) victim = sn;
+        auto st = co_await s.node.snapshot_delete(victim.id, victim.name);
+        if (!st) std::abort();
+        s.live.erase(s.live.begin());
+        log_line(s, "DD " + name);
+      } else {
+        std::string name = "s" + std::to_string(s.seq) + "_" + std::to_string(++s.made);
+        log_line(s, "S " + name + " " + std::to_string(s.seq));
+        SnapshotInfo sn;
+        sn.name = name;
+        auto st = co_await s.node.snapshot_create(sn);
+        if (!st) std::abort();
+        s.live.push_back(name);
+        // Creation flushes: everything so far is durable.
+        log_line(s, "SS " + name + " " + std::to_string(s.seq));
+        log_line(s, "F " + std::to_string(s.seq));
+      }
+      continue;
+    }
     if (s.rng() % 3 == 0) {
       uint64_t upto = s.seq;
       auto st = co_await s.node.flush();
@@ -125,8 +156,8 @@ Task<void> run(State& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: crash_writer IMAGE FORMAT SEED LOG\n");
+  if (argc != 5 && !(argc == 6 && std::string(argv[5]) == "snapshots")) {
+    std::fprintf(stderr, "usage: crash_writer IMAGE FORMAT SEED LOG [snapshots]\n");
     return 2;
   }
   Loop loop;
@@ -144,6 +175,7 @@ int main(int argc, char** argv) {
   uint64_t cluster = (*node)->cluster_size() ? (*node)->cluster_size() : 65536;
   State s{loop, **node, log_fd, std::mt19937_64(std::stoull(argv[3])), 0, (*node)->length() / kBlock,
           std::max<uint64_t>(1, cluster / kBlock)};
+  s.snapshots = argc == 6;
   loop.run(run(s));  // runs until killed
   return 0;
 }

@@ -41,6 +41,7 @@ class FileNode final : public Node {
   Status init_length() {
     auto sz = host_size();
     VBLK_TRY(sz);
+    exact_length_ = *sz;
     set_length(align_up(*sz, 512));  // QEMU counts whole 512-byte sectors
     return {};
   }
@@ -68,6 +69,7 @@ class FileNode final : public Node {
   }
 
   int fd() const { return fd_; }
+  uint64_t exact_length() const override { return exact_length_; }
   Node* copy_target(uint64_t&) override { return this; }
 
  protected:
@@ -172,6 +174,37 @@ class FileNode final : public Node {
       co_return Status{};
     }
     if (::ftruncate(fd_, static_cast<off_t>(length)) < 0) co_return Error(errno, std::string("Failed to resize the file: ") + std::strerror(errno));
+    exact_length_ = length;
+    set_length(align_up(length, 512));
+    co_return Status{};
+  }
+  // Grows the file and allocates the new area (QEMU's raw_regular_truncate):
+  // falloc reserves it, full writes zeroes into it.
+  Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc p) override {
+    if (blockdev_ || (p != Prealloc::Falloc && p != Prealloc::Full))
+      co_return co_await Node::do_truncate_prealloc(length, exact, p);
+    auto sz = host_size();
+    if (!sz) co_return sz.take_error();
+    if (length <= *sz) co_return co_await do_truncate(length, exact);
+    const uint64_t old = *sz;
+    if (p == Prealloc::Falloc) {
+      int r = ::posix_fallocate(fd_, static_cast<off_t>(old), static_cast<off_t>(length - old));
+      if (r != 0) co_return Error(r, std::string("Could not preallocate new data: ") + std::strerror(r));
+    } else {
+      if (::ftruncate(fd_, static_cast<off_t>(length)) < 0)
+        co_return Error(errno, std::string("Could not resize file: ") + std::strerror(errno));
+      AlignedBuffer zero(1 << 20, 4096);
+      zero.zero();
+      for (uint64_t pos = old; pos < length;) {
+        size_t n = static_cast<size_t>(std::min<uint64_t>(zero.size(), length - pos));
+        ssize_t w = ::pwrite(fd_, zero.data(), n, static_cast<off_t>(pos));
+        if (w < 0) {
+          if (errno == EINTR) continue;
+          co_return Error(errno, std::string("Could not write zeros for preallocation: ") + std::strerror(errno));
+        }
+        pos += static_cast<uint64_t>(w);
+      }
+    }
     set_length(align_up(length, 512));
     co_return Status{};
   }
@@ -190,6 +223,7 @@ class FileNode final : public Node {
 
   std::string path_;
   int fd_;
+  uint64_t exact_length_ = 0;  // the file size when opened (or last resized)
   bool blockdev_;
   AioMode aio_;
 };
@@ -290,9 +324,6 @@ Result<std::shared_ptr<Node>> open_posix(OpenContext& ctx, Json& opts, bool host
   node->set_read_only(read_only);
   node->set_no_flush(no_flush);
   VBLK_TRY(node->probe_alignment(direct));
-  if (direct && !read_only && S_ISREG(st.st_mode) &&
-      static_cast<uint64_t>(st.st_size) % node->limits().request_alignment)
-    return Error(EINVAL, "Cannot get 'write' permission without 'resize': Image size is not a multiple of request alignment");
   VBLK_TRY(node->init_length());
   return std::shared_ptr<Node>(node);
 }

@@ -19,6 +19,7 @@ class RawNode final : public Node {
     add_child("file", std::move(file));
   }
 
+  bool reports_dirty_flag() const override { return file_child()->reports_dirty_flag(); }
   Node* copy_target(uint64_t& offset) override {
     offset += offset_;
     return file_->copy_target(offset);
@@ -50,6 +51,12 @@ class RawNode final : public Node {
     set_length(file_->length());
     co_return Status{};
   }
+  Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc p) override {
+    if (offset_ != 0 || has_size_) co_return Error(ENOTSUP, "Cannot resize a raw image with offset or size options");
+    VBLK_CO_TRY(co_await file_->truncate(length, exact, p));
+    set_length(file_->length());
+    co_return Status{};
+  }
 
  public:
   bool has_size_ = false;
@@ -76,6 +83,7 @@ Result<std::shared_ptr<Node>> open_raw(OpenContext& ctx, Json& opts) {
   child_ctx.read_only = ro->value_or(ctx.read_only);
   auto file = open_child(child_ctx, opts, "file", true);
   VBLK_TRY(file);
+  VBLK_TRY(check_write_without_resize(**file));
   uint64_t off = offset->value_or(0);
   uint64_t flen = (*file)->length();
   if (off > flen) return Error(EINVAL, "The sum of offset (" + std::to_string(off) + ") and size (0) has to be smaller or equal to the  actual size of the containing file (" + std::to_string(flen) + ")");

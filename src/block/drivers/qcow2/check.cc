@@ -48,7 +48,7 @@ constexpr uint64_t kL2BitmapAllZeroes = 0xffffffff00000000ull;
 constexpr uint64_t kSnapshotHeaderSize = 40;
 constexpr uint32_t kSnapshotKnownExtra = 24;   // QCowSnapshotExtraData
 constexpr uint32_t kSnapshotMinExtraV3 = 16;   // vm_state_size_large + disk_size
-constexpr uint32_t kMaxSnapshotExtraData = 1024;
+
 constexpr uint64_t kMaxSnapshotsSize = 1024ull * kMaxSnapshots;
 
 // Bitmaps extension and directory.

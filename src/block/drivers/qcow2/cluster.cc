@@ -36,7 +36,7 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
   }
   uint64_t l2_off = l1_[l1i] & kL1OffsetMask;
   if (l2_off % cs_) {
-    co_await mark_corrupt(fmt::format("L2 table offset {} unaligned (L1 index: {})", hex(l2_off), hex(l1i)));
+    (void)co_await mark_corrupt(fmt::format("L2 table offset {} unaligned (L1 index: {})", hex(l2_off), hex(l1i)));
     co_return Error(EIO);
   }
   auto t = co_await l2_cache_->get(l2_off);
@@ -78,7 +78,7 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
   Result<Classified> first = Classified{};
   classify(l2i, sub, first);
   if (!first) {
-    co_await mark_corrupt(first.error().message);
+    (void)co_await mark_corrupt(first.error().message);
     co_return Error(EIO);
   }
   m.type = first->type;
@@ -154,20 +154,10 @@ Task<Result<MetaCache::Ref>> Qcow2Node::l2_for_write(uint64_t offset) {
     if (!dst) co_return dst.take_error();
     fresh = std::move(*dst);
   }
+  // A copy of a shared table is verbatim: refcounts count paths (each L1
+  // table reaching a cluster holds a reference), so the data clusters keep
+  // theirs, and their COPIED flags (clear while shared) stay right.
   fresh.mark_dirty();
-  if (old) {
-    // The copy references everything the shared table maps: those clusters
-    // gain a reference, and none of them is exclusively ours any more.
-    for (uint64_t i = 0; i < l2_entries_; ++i) {
-      uint64_t e = l2_entry(fresh, i);
-      if (e & kOflagCompressed) {
-        VBLK_CO_TRY(co_await update_refcount(e & ((1ull << (62 - (h_.cluster_bits - 8))) - 1), 1, +1));
-      } else if (e & kL2OffsetMask) {
-        VBLK_CO_TRY(co_await update_refcount(e & kL2OffsetMask, cs_, +1));
-      }
-      if (e & kOflagCopied) set_l2_entry(fresh, i, e & ~kOflagCopied, l2_bitmap(fresh, i));
-    }
-  }
   // The table and the refcounts it relies on (its own cluster's among them)
   // reach the disk before the L1 entry that makes it reachable.
   VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));

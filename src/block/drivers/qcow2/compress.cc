@@ -126,7 +126,9 @@ Task<Status> Qcow2Node::write_compressed_cluster(uint64_t guest, std::span<const
   locked = true;
   // The data and the refcounts reach the disk before the entry does.
   l2_cache_->depends_on_flush();
-  VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
+  // Lazy refcounts: the dirty bit instead of the refcount-before-L2 order.
+  if (lazy_refcounts_) VBLK_CO_TRY(co_await mark_dirty());
+  if (!dirty_flag()) VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
   auto t = co_await l2_for_write(guest);
   if (!t) co_return t.take_error();
   // Descriptor (qcow2.txt): host offset in the low x = 62 - (cluster_bits - 8)

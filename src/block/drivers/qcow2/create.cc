@@ -16,8 +16,17 @@ Status Qcow2Node::check_create_size(uint64_t size, uint32_t cluster_size, bool e
 
 Task<Status> Qcow2Node::do_truncate(uint64_t length, bool) { co_return co_await resize(length); }
 
-Task<Status> Qcow2Node::resize(uint64_t size) {
+Task<Status> Qcow2Node::do_truncate_prealloc(uint64_t length, bool, Prealloc p) {
+  co_return co_await resize(length, p);
+}
+
+Task<Status> Qcow2Node::resize(uint64_t size, Prealloc prealloc) {
   if (size % 512) co_return Error(EINVAL, "The new size must be a multiple of 512");
+  // v2 did not require snapshots to record their disk size (QEMU's rule).
+  if (h_.nb_snapshots && h_.version < 3) co_return Error(ENOTSUP, "Can't resize a v2 image which has snapshots");
+  if (size < h_.size && prealloc != Prealloc::Off)
+    co_return Error(EINVAL, "Preallocation can't be used for shrinking an image");
+  const uint64_t old_size = h_.size;
   if (size < h_.size) {
     // Shrink: the clusters past the new end are freed (the L1 table keeps
     // its size; the file is not truncated, so nothing else can move).
@@ -33,30 +42,37 @@ Task<Status> Qcow2Node::resize(uint64_t size) {
   uint64_t per_l1 = cs_ * l2_entries_;
   uint64_t need = (size + per_l1 - 1) / per_l1;
   if (need * 8 > kMaxL1Bytes) co_return Error(EFBIG, "The image size is too large for file format 'qcow2'");
-  if (need > h_.l1_size) {
-    // A new, bigger L1 table: written and flushed before the header points
-    // to it; the old one is freed afterwards.
-    uint64_t clusters = (need * 8 + cs_ - 1) / cs_;
-    auto where = co_await alloc_clusters(clusters);
-    if (!where) co_return where.take_error();
-    AlignedBuffer t(clusters * cs_);
-    t.zero();
-    for (uint64_t i = 0; i < l1_.size(); ++i) put64(t.data() + i * 8, l1_[i]);
-    VBLK_CO_TRY(co_await file_->write(*where, t.span()));
-    VBLK_CO_TRY(co_await rb_cache_->flush());
-    uint64_t old_off = h_.l1_table_offset, old_size = h_.l1_size;
-    h_.l1_table_offset = *where;
-    h_.l1_size = static_cast<uint32_t>(need);
-    l1_.resize(need, 0);
-    h_.size = size;
-    VBLK_CO_TRY(co_await write_header());
-    if (old_size) VBLK_CO_TRY(co_await update_refcount(old_off, align_up(old_size * 8, cs_), -1));
-  } else {
-    h_.size = size;
-    VBLK_CO_TRY(co_await write_header());
-  }
+  if (need > h_.l1_size) VBLK_CO_TRY(co_await grow_l1_table(need));
+  h_.size = size;
+  VBLK_CO_TRY(co_await write_header());
+  if (prealloc == Prealloc::Metadata) VBLK_CO_TRY(co_await prealloc_metadata(old_size, size));
+  if (prealloc == Prealloc::Falloc || prealloc == Prealloc::Full)
+    VBLK_CO_TRY(co_await prealloc_data(old_size, size, prealloc));
   set_length(size);
+  VBLK_CO_TRY(co_await l2_cache_->flush());
   co_return co_await rb_cache_->flush();
+}
+
+Task<Status> Qcow2Node::grow_l1_table(uint64_t need) {
+  // A new, bigger L1 table: written and flushed before the header points to
+  // it; the old one is freed afterwards.
+  uint64_t clusters = (need * 8 + cs_ - 1) / cs_;
+  auto where = co_await alloc_clusters(clusters);
+  if (!where) co_return where.take_error();
+  AlignedBuffer t(clusters * cs_);
+  t.zero();
+  for (uint64_t i = 0; i < l1_.size(); ++i) put64(t.data() + i * 8, l1_[i]);
+  // Only the entries are written, as QEMU writes them (the rest of the
+  // cluster stays a hole; reads past the end of the file are zeroes).
+  VBLK_CO_TRY(co_await file_->write(*where, t.span().subspan(0, need * 8)));
+  VBLK_CO_TRY(co_await rb_cache_->flush());
+  uint64_t old_off = h_.l1_table_offset, old_size = h_.l1_size;
+  h_.l1_table_offset = *where;
+  h_.l1_size = static_cast<uint32_t>(need);
+  l1_.resize(need, 0);
+  VBLK_CO_TRY(co_await write_header());
+  if (old_size) VBLK_CO_TRY(co_await update_refcount(old_off, align_up(old_size * 8, cs_), -1));
+  co_return Status{};
 }
 
 Task<Status> Qcow2Node::create(Loop& loop, std::shared_ptr<Node> file, const CreateOptions& o) {
@@ -88,14 +104,13 @@ Task<Status> Qcow2Node::create(Loop& loop, std::shared_ptr<Node> file, const Cre
 
   OpenContext ctx{loop};
   VBLK_CO_TRY(co_await tmp.load(ctx, false));
-  if (o.size) VBLK_CO_TRY(co_await tmp.resize(o.size));
+  auto prealloc = parse_prealloc(o.preallocation);
+  if (!prealloc) co_return Error(EINVAL, "Parameter 'preallocation' does not accept value '" + o.preallocation + "'");
+  if (o.size || *prealloc != Prealloc::Off) VBLK_CO_TRY(co_await tmp.resize(o.size, *prealloc));
   if (!o.backing_file.empty()) {
     tmp.h_.backing_file = o.backing_file;
     tmp.h_.backing_format = o.backing_format;
     VBLK_CO_TRY(co_await tmp.write_header());
-  }
-  if (o.preallocation != "off") {
-    co_return Error(ENOTSUP, "Preallocation mode '" + o.preallocation + "' is not supported by vblk's qcow2 yet");
   }
   co_return co_await tmp.flush();
 }

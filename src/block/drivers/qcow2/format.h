@@ -23,6 +23,10 @@ constexpr uint32_t kMaxClusterBits = 21;
 constexpr uint64_t kMaxL1Bytes = 32ull << 20;            // QEMU's QCOW_MAX_L1_SIZE
 constexpr uint64_t kMaxRefcountTableBytes = 8ull << 20;  // QCOW_MAX_REFTABLE_SIZE
 constexpr uint32_t kMaxSnapshots = 65536;
+constexpr uint32_t kSnapshotHeaderBytes = 40;         // QCowSnapshotHeader
+constexpr uint32_t kSnapshotExtraBytes = 24;          // QCowSnapshotExtraData (known part)
+constexpr uint32_t kMaxSnapshotExtraData = 1024;      // QCOW_MAX_SNAPSHOT_EXTRA_DATA
+constexpr uint64_t kMaxSnapshotsBytes = 1024ull * kMaxSnapshots;  // QCOW_MAX_SNAPSHOTS_SIZE
 
 // Incompatible feature bits.
 constexpr uint64_t kIncompatDirty = 1ull << 0;

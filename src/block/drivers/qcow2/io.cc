@@ -88,6 +88,30 @@ Task<Status> Qcow2Node::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_
   co_return Status{};
 }
 
+// Whether [offset, offset+bytes) reads as zeroes by its L2 entries alone: zero
+// clusters, or unallocated ones with no backing data there. Caller holds lock_.
+Task<Result<bool>> Qcow2Node::reads_as_zero(uint64_t offset, uint64_t bytes) {
+  while (bytes) {
+    auto r = co_await lookup(offset, bytes);
+    if (!r) co_return r.take_error();
+    switch (r->type) {
+      case ClusterType::ZeroPlain:
+      case ClusterType::ZeroAlloc:
+        break;
+      case ClusterType::Unallocated:
+      case ClusterType::UnallocatedAlloc:
+        if (backing_ && offset < backing_->length()) co_return false;
+        break;
+      default:
+        co_return false;
+    }
+    uint64_t k = std::min(r->bytes, bytes);
+    offset += k;
+    bytes -= k;
+  }
+  co_return true;
+}
+
 // One step of a write: either an in-place write to clusters this image owns,
 // or the allocation of a run of new clusters filled with the new data and
 // the old data around it (copy-on-write). *done is how far it got.
@@ -143,8 +167,27 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
     auto t = co_await l2_for_write(first * cs_);
     if (!t) co_return t.take_error();
   }
-  // Allocate the run and claim its guest clusters.
+  // Whether the old contents around the new data read as zeroes (no backing
+  // data, zero clusters): then the new clusters are zeroed by the file
+  // (fallocate) instead of writing zero buffers, as QEMU's handle_alloc_space.
+  const uint64_t run_start = first * cs_;
   const uint64_t count = last - first + 1;
+  const uint64_t total = count * cs_;
+  const uint64_t head = offset - run_start;
+  const uint64_t tail = total - head - n;
+  bool zero_cow = false;
+  if (head || tail) {
+    auto z = co_await reads_as_zero(run_start, head);
+    if (!z) co_return z.take_error();
+    zero_cow = *z;
+    if (zero_cow && tail) {
+      z = co_await reads_as_zero(offset + n, tail);
+      if (!z) co_return z.take_error();
+      zero_cow = *z;
+    }
+  }
+
+  // Allocate the run and claim its guest clusters.
   auto host = co_await alloc_clusters(count);
   if (!host) co_return host.take_error();
   CoEvent finished(loop());
@@ -164,20 +207,26 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
     }
   } release{*this, finished};
 
-  const uint64_t run_start = first * cs_;
-  const uint64_t head = offset - run_start;
-  const uint64_t total = count * cs_;
-  const uint64_t tail = total - head - n;
-  if (head == 0 && tail == 0) {
+  bool data_only = head == 0 && tail == 0;
+  if (zero_cow) {
+    // Without fallocate support the zeroes are written with the data below.
+    data_only = static_cast<bool>(co_await file_->write_zeroes(*host, total, kReqNoFallback));
+    if (data_only) VBLK_CO_TRY(co_await file_->write(*host + head, buf.subspan(0, n)));
+  } else if (data_only) {
     VBLK_CO_TRY(co_await file_->write(*host, buf.subspan(0, n)));
-  } else {
+  }
+  if (!data_only) {
     // Copy-on-write: only the uncovered edges are read from the old place
     // (backing file, zeroes, compressed or shared cluster).
     // (do_read looks each piece up: with subclusters an edge may mix types;
     // no other write can touch these clusters while we own them.)
     AlignedBuffer cow(total, std::max<size_t>(limits_.buffer_alignment, 512));
-    if (head) VBLK_CO_TRY(co_await do_read(run_start, cow.span().subspan(0, head), 0));
-    if (tail) VBLK_CO_TRY(co_await do_read(offset + n, cow.span().subspan(head + n, tail), 0));
+    if (zero_cow) {
+      cow.zero();
+    } else {
+      if (head) VBLK_CO_TRY(co_await do_read(run_start, cow.span().subspan(0, head), 0));
+      if (tail) VBLK_CO_TRY(co_await do_read(offset + n, cow.span().subspan(head + n, tail), 0));
+    }
     std::memcpy(cow.data() + head, buf.data(), n);
     VBLK_CO_TRY(co_await file_->write(*host, cow.span()));
   }
@@ -187,7 +236,11 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   co_await lock_.lock();
   locked = true;
   l2_cache_->depends_on_flush();
-  VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
+  // Lazy refcounts: the image is marked dirty instead, and L2 entries may
+  // reach the disk before their clusters' refcounts (a crash leaves errors
+  // the next read-write open repairs).
+  if (lazy_refcounts_) VBLK_CO_TRY(co_await mark_dirty());
+  if (!dirty_flag()) VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
   for (uint64_t i = 0; i < count; ++i) {
     uint64_t guest = (first + i) * cs_;
     auto t = co_await l2_for_write(guest);
@@ -298,7 +351,9 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
   co_await lock_.lock();
   locked = true;
   l2_cache_->depends_on_flush();
-  VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
+  // Lazy refcounts: the dirty bit instead of the refcount-before-L2 order.
+  if (lazy_refcounts_) VBLK_CO_TRY(co_await mark_dirty());
+  if (!dirty_flag()) VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
   auto t = co_await l2_for_write(guest);
   if (!t) co_return t.take_error();
   uint64_t old = l2_entry(*t, l2i);
@@ -327,13 +382,7 @@ Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {
 
 Task<Status> Qcow2Node::do_flush() {
   auto g = co_await lock_.scoped();
-  VBLK_CO_TRY(co_await l2_cache_->write_dirty());  // dependencies go first
-  VBLK_CO_TRY(co_await rb_cache_->write_dirty());
-  VBLK_CO_TRY(co_await file_->flush());
-  // Everything freed so far is free on disk too: it may be reused now.
-  for (uint64_t ci : quarantine_) free_cluster_index_ = std::min(free_cluster_index_, ci);
-  quarantine_.clear();
-  co_return Status{};
+  co_return co_await flush_all();
 }
 
 // QEMU's heuristic: an image whose file allocates clearly fewer clusters than

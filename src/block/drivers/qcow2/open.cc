@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "block/drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
@@ -53,6 +54,32 @@ Task<Status> Qcow2Node::mark_corrupt(const std::string& why) {
   co_return co_await file_->flush();
 }
 
+Task<Status> Qcow2Node::mark_dirty() {
+  if (h_.incompatible_features & kIncompatDirty) co_return Status{};
+  // Everything written so far is consistent on disk before the bit says
+  // it may not be.
+  VBLK_CO_TRY(co_await file_->flush());
+  uint8_t b[8];
+  put64(b, h_.incompatible_features | kIncompatDirty);
+  VBLK_CO_TRY(co_await file_->write(72, {b, 8}));
+  VBLK_CO_TRY(co_await file_->flush());
+  h_.incompatible_features |= kIncompatDirty;
+  co_return Status{};
+}
+
+Task<Status> Qcow2Node::mark_clean() {
+  if (!(h_.incompatible_features & kIncompatDirty)) co_return Status{};
+  // Refcounts complete on disk first, then the bit cleared.
+  VBLK_CO_TRY(co_await do_flush());
+  auto g = co_await lock_.scoped();
+  uint8_t b[8];
+  put64(b, h_.incompatible_features & ~kIncompatDirty);
+  VBLK_CO_TRY(co_await file_->write(72, {b, 8}));
+  VBLK_CO_TRY(co_await file_->flush());
+  h_.incompatible_features &= ~kIncompatDirty;
+  co_return Status{};
+}
+
 namespace {
 
 std::string real_path(const std::string& p) {
@@ -82,8 +109,6 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
   cs_ = h_.cluster_size();
   if ((h_.incompatible_features & kIncompatCorrupt) && !ro && !ctx.check)
     co_return Error(EACCES, "qcow2: Image is corrupt; cannot be opened read/write");
-  if ((h_.incompatible_features & kIncompatDirty) && !ro && !ctx.check)
-    co_return Error(ENOTSUP, "Image has the dirty bit set (lazy refcounts); repair it with 'vblk check -r all' first");
 
   // vblk has no external data files; QEMU refuses this combination for I/O.
   if ((h_.autoclear_features & kAutoclearDataFileRaw) && !ctx.no_io)
@@ -101,9 +126,9 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
   VBLK_CO_TRY(validate_table(h_.refcount_table_offset, uint64_t(h_.refcount_table_clusters) * cs_ / 8, 8,
                              kMaxRefcountTableBytes, cs_, "Reference count table"));
   // The snapshot table is not read in check mode: check reports on it.
-  if (h_.nb_snapshots > kMaxSnapshots && !ctx.check) co_return Error(EFBIG, "Snapshot table too large");
-  if (h_.nb_snapshots && !ctx.check)
-    VBLK_CO_TRY(validate_table(h_.snapshots_offset, h_.nb_snapshots, 1, INT64_MAX, cs_, "Snapshot table"));
+  if (!ctx.check)
+    VBLK_CO_TRY(validate_table(h_.snapshots_offset, h_.nb_snapshots, kSnapshotHeaderBytes,
+                               uint64_t{kSnapshotHeaderBytes} * kMaxSnapshots, cs_, "Snapshot table"));
   VBLK_CO_TRY(validate_table(h_.l1_table_offset, h_.l1_size, 8, kMaxL1Bytes, cs_, "Active L1 table"));
   // The L1 table must cover the virtual size.
   uint64_t per_l1 = cs_ * l2_entries_;
@@ -140,6 +165,7 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
 
   set_length(h_.size / 512 * 512);  // QEMU counts whole sectors
   set_read_only(ro);
+  if (!ctx.check) VBLK_CO_TRY(co_await read_snapshots());
 
   co_return Status{};
 }
@@ -156,7 +182,9 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   VBLK_TRY(rbsize);
   auto csize = take_size(opts, "cache-size");
   VBLK_TRY(csize);
-  for (const char* k : {"lazy-refcounts", "pass-discard-request", "pass-discard-snapshot", "pass-discard-other"}) {
+  auto lazy = take_bool(opts, "lazy-refcounts");
+  VBLK_TRY(lazy);
+  for (const char* k : {"pass-discard-request", "pass-discard-snapshot", "pass-discard-other"}) {
     auto v = take_bool(opts, k);
     VBLK_TRY(v);
   }
@@ -172,6 +200,17 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   auto node = std::make_shared<Qcow2Node>(ctx.loop, *file);
   auto st = ctx.loop.run(node->load(cctx, read_only));
   VBLK_TRY(st);
+  node->lazy_refcounts_ = lazy->value_or(node->h_.compatible_features & kCompatLazyRefcounts);
+  if (node->lazy_refcounts_ && node->h_.version < 3)
+    return Error(EINVAL, "Lazy refcounts require a qcow2 image with at least qemu 1.1 compatibility level");
+  // An image left dirty by lazy refcounts is repaired before it is written
+  // to (QEMU's qcow2_do_open): leaks and errors fixed, the bit cleared. Read
+  // only, it is used as it is: reads do not depend on refcounts.
+  if (node->dirty_flag() && !read_only && !ctx.check) {
+    auto r = ctx.loop.run(node->check(kCheckFixLeaks | kCheckFixErrors));
+    int err = !r ? r.error().code : (r->check_errors ? EIO : 0);
+    if (err) return Error(err, std::string("Could not repair dirty image: ") + std::strerror(err));
+  }
   // Backing file: relative to this image's directory; format from the
   // header, or probed.
   if (!node->h_.backing_file.empty() && !no_backing) {
@@ -206,9 +245,12 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   return std::shared_ptr<Node>(node);
 }
 
-Task<Status> Qcow2Node::close() {
+Task<Status> Qcow2Node::do_close() {
   if (read_only()) co_return Status{};
-  co_return co_await flush();
+  VBLK_CO_TRY(co_await flush());
+  // QEMU clears the dirty bit on close only if the caches made it to disk.
+  if (!corrupt()) VBLK_CO_TRY(co_await mark_clean());
+  co_return Status{};
 }
 
 }  // namespace vblk::qcow2

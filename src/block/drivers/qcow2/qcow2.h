@@ -12,6 +12,7 @@
 //   open.cc          open, header update, options
 //   create.cc        image creation
 //   check.cc         consistency check and repair (qemu-img check)
+//   snapshot.cc      internal snapshots: table, create, apply, delete
 //
 // Metadata (L1, L2 and refcount caches, the allocation state) is guarded by
 // `lock_`, a coroutine mutex held across metadata I/O but never across guest
@@ -51,6 +52,20 @@ struct Mapping {
   bool copied = false; // Normal: refcount is exactly one, writable in place
 };
 
+// One entry of the snapshot table (QEMU's QCowSnapshot).
+struct Snapshot {
+  uint64_t l1_table_offset = 0;
+  uint32_t l1_size = 0;
+  std::string id, name;
+  uint32_t date_sec = 0, date_nsec = 0;
+  uint64_t vm_clock_nsec = 0;
+  uint64_t vm_state_size = 0;
+  uint32_t extra_data_size = 0;
+  uint64_t disk_size = 0;
+  uint64_t icount = UINT64_MAX;
+  std::vector<uint8_t> unknown_extra;  // extra data past what we know, kept
+};
+
 class Qcow2Node final : public Node {
  public:
   Qcow2Node(Loop& loop, std::shared_ptr<Node> file);
@@ -84,9 +99,10 @@ class Qcow2Node final : public Node {
 
   // For tests and check: the refcount of a host cluster.
   Task<Result<uint64_t>> refcount_of(uint64_t cluster_index);
-  Task<Status> close();
-  // Changes the virtual size (growing the L1 table if needed).
-  Task<Status> resize(uint64_t size);
+  Task<Status> do_close() override;
+  // Changes the virtual size (growing the L1 table if needed), preparing
+  // the new area as `prealloc` asks (prealloc.cc).
+  Task<Status> resize(uint64_t size, Prealloc prealloc = Prealloc::Off);
   // Checks an image's size for create: L1 must fit.
   static Status check_create_size(uint64_t size, uint32_t cluster_size, bool extended_l2);
 
@@ -98,6 +114,7 @@ class Qcow2Node final : public Node {
   Task<Status> do_flush() override;
   Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_truncate(uint64_t length, bool exact) override;
+  Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc) override;
 
  private:
   friend struct Qcow2Opener;
@@ -105,15 +122,23 @@ class Qcow2Node final : public Node {
   Task<Status> load(OpenContext& ctx, bool read_only);
   Task<Status> write_header();
   Task<Status> mark_corrupt(const std::string& why);
+  // lazy_refcounts: the dirty bit goes to disk before the first L2 entry
+  // whose refcount may not; cleared on a clean close (QEMU's
+  // qcow2_mark_dirty/qcow2_mark_clean).
+  Task<Status> mark_dirty();
+  Task<Status> mark_clean();
 
   // ---- cluster.cc (lock held)
   Task<Result<Mapping>> lookup(uint64_t offset, uint64_t max_bytes);
+  Task<Result<bool>> reads_as_zero(uint64_t offset, uint64_t bytes);
   // The L2 table for guest offset, allocated (and made writable) if needed.
   Task<Result<MetaCache::Ref>> l2_for_write(uint64_t offset);
   uint64_t l2_entry(MetaCache::Ref& t, uint64_t index) const;
   uint64_t l2_bitmap(MetaCache::Ref& t, uint64_t index) const;
   void set_l2_entry(MetaCache::Ref& t, uint64_t index, uint64_t entry, uint64_t bitmap);
   Task<Status> write_l1_entry(uint64_t index);
+  // Moves the active L1 table to a bigger one of `entries` (lock held).
+  Task<Status> grow_l1_table(uint64_t entries);
   // Frees what an L2 entry referenced (a cluster, or compressed sectors).
   Task<Status> free_entry(uint64_t entry);
 
@@ -125,10 +150,35 @@ class Qcow2Node final : public Node {
   // Allocates `bytes` (< one cluster) for compressed data, packing them.
   Task<Result<uint64_t>> alloc_bytes(uint64_t bytes);
   Task<Result<uint64_t>> find_free(uint64_t n);
+  // QEMU's "cached" overlap check: which in-memory-known metadata (header,
+  // L1, refcount table, L2 tables, refcount blocks) [offset, +bytes)
+  // overlaps, or nullptr. Refcounts of a hostile image can call such
+  // clusters free; writing there would destroy the image.
+  const char* metadata_overlap(uint64_t offset, uint64_t bytes) const;
+  // Marks the image corrupt and fails if a new allocation overlaps.
+  Task<Status> check_new_clusters(uint64_t offset, uint64_t bytes);
   Task<Result<bool>> ensure_refblocks(uint64_t first_cluster, uint64_t n);
   Task<Status> grow_refcount_table(uint64_t min_entries);
   uint64_t refcount_get(const uint8_t* block, uint64_t index) const;
   void refcount_set(uint8_t* block, uint64_t index, uint64_t value) const;
+
+  // ---- prealloc.cc (lock held)
+  // preallocation=metadata over guest [from, to): L2 tables and data
+  // clusters allocated, the file grown (sparse) to cover them.
+  Task<Status> prealloc_metadata(uint64_t from, uint64_t to);
+  // preallocation=falloc|full: refcount structures for the whole new area
+  // first, then the data clusters in one run, then their L2 entries.
+  Task<Status> prealloc_data(uint64_t from, uint64_t to, Prealloc mode);
+  // QEMU's qcow2_refcount_area: a new refcount table (and the refcount
+  // blocks missing) at start_cluster covering `additional` more clusters;
+  // returns the first cluster after them.
+  Task<Result<uint64_t>> refcount_area(uint64_t start_cluster, uint64_t additional);
+  // Links guest clusters [first, first+n) to host clusters from `host` on.
+  // Like QEMU's link_l2 for a preallocation, it first copies the guest
+  // bytes of the first cluster before `head_end` and writes zeroes after
+  // `tail_from` in the last one (0: none).
+  Task<Result<uint64_t>> link_run(uint64_t first, uint64_t n, uint64_t host, uint64_t head_end = 0,
+                                  uint64_t tail_from = 0);
 
   // ---- io.cc
   Task<Result<bool>> detect_metadata_preallocation();
@@ -172,6 +222,7 @@ class Qcow2Node final : public Node {
   uint64_t free_cluster_index_ = 0;
   uint64_t free_byte_offset_ = 0;  // packing point for compressed writes
   bool header_dirty_ = false;
+  bool lazy_refcounts_ = false;  // the lazy-refcounts option (default: the header's bit)
   bool signaled_corruption_ = false;
   bool prealloc_checked_ = false;
   bool metadata_prealloc_ = false;
@@ -184,6 +235,45 @@ class Qcow2Node final : public Node {
     CoEvent* done;
   };
   std::vector<Alloc> allocs_;
+
+  // ---- snapshot.cc: internal snapshots
+ public:
+  bool supports_snapshots() const override { return true; }
+  std::vector<SnapshotInfo> snapshots() const override;
+  Task<Status> snapshot_create(SnapshotInfo& sn) override;
+  Task<Status> snapshot_goto(const std::string& id_or_name) override;
+  Task<Status> snapshot_delete(const std::string& id, const std::string& name) override;
+  const std::vector<Snapshot>& snapshot_table() const { return snapshots_; }
+
+ private:
+  Task<Status> read_snapshots();
+  // Writes `table` to new clusters, points the header to it, frees the old.
+  Task<Status> write_snapshots(std::vector<Snapshot> table);
+  // Adds delta to the refcount of every L2 table and cluster `l1` reaches.
+  // dry_run: only checks that nothing reached overlaps other metadata
+  // (EIO, image marked corrupt) and no refcount would overflow (EINVAL).
+  Task<Status> l1_refcounts(const std::vector<uint64_t>& l1, int64_t delta, bool dry_run = false);
+  // Sets OFLAG_COPIED in `l1` and the L2 tables it reaches exactly where
+  // the refcount is one (clear_all: clears it everywhere). The active L1
+  // table (l1_) is written back when it changes.
+  Task<Status> fix_copied(std::vector<uint64_t>& l1, bool clear_all);
+  Task<Result<std::vector<uint64_t>>> read_l1(uint64_t offset, uint32_t size);
+  Task<Status> write_l1_table();
+  Task<Status> flush_all();
+  Task<void> wait_allocs();
+  // The metadata structure [offset, offset+size) overlaps, or nullptr.
+  const char* metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1,
+                               bool ignore_active_l2 = false) const;
+  // A metadata write, refused (image marked corrupt) if it would overlap
+  // other metadata.
+  Task<Status> metadata_write(uint64_t offset, std::span<const uint8_t> data, bool ignore_active_l1 = false,
+                              uint32_t flags = 0);
+  // Drops one reference to each cluster of the range; a range with a free
+  // cluster is reported and left alone (QEMU's qcow2_free_clusters).
+  Task<Status> free_unreferenced(uint64_t offset, uint64_t length);
+  int find_snapshot(const std::string& id, const std::string& name) const;
+  std::vector<Snapshot> snapshots_;
+  uint64_t snapshots_size_ = 0;
 
   // ---- check.cc: qemu-img check and repair (QEMU's qcow2_co_check)
  public:

@@ -40,7 +40,7 @@ Task<Result<uint64_t>> Qcow2Node::get_refcount(uint64_t ci) {
   uint64_t rb = rt_[rti] & ~511ull;
   if (!rb) co_return uint64_t{0};
   if (rb % cs_) {
-    co_await mark_corrupt(fmt::format("Refblock offset {} unaligned (reftable index: {})", hex(rb), hex(rti)));
+    (void)co_await mark_corrupt(fmt::format("Refblock offset {} unaligned (reftable index: {})", hex(rb), hex(rti)));
     co_return Error(EIO);
   }
   auto t = co_await rb_cache_->get(rb);
@@ -51,6 +51,25 @@ Task<Result<uint64_t>> Qcow2Node::get_refcount(uint64_t ci) {
 Task<Result<uint64_t>> Qcow2Node::refcount_of(uint64_t ci) {
   auto g = co_await lock_.scoped();
   co_return co_await get_refcount(ci);
+}
+
+const char* Qcow2Node::metadata_overlap(uint64_t off, uint64_t bytes) const {
+  auto hits = [&](uint64_t start, uint64_t len) { return len && off < start + len && start < off + bytes; };
+  if (hits(0, cs_)) return "qcow2_header";
+  if (hits(h_.l1_table_offset, uint64_t(h_.l1_size) * 8)) return "active L1 table";
+  if (hits(h_.refcount_table_offset, uint64_t(h_.refcount_table_clusters) * cs_)) return "refcount table";
+  for (uint64_t e : l1_)
+    if ((e & kL1OffsetMask) && hits(e & kL1OffsetMask, cs_)) return "active L2 table";
+  for (uint64_t e : rt_)
+    if ((e & ~511ull) && hits(e & ~511ull, cs_)) return "refcount block";
+  return nullptr;
+}
+
+Task<Status> Qcow2Node::check_new_clusters(uint64_t offset, uint64_t bytes) {
+  const char* what = metadata_overlap(offset, bytes);
+  if (!what) co_return Status{};
+  (void)co_await mark_corrupt(fmt::format("Preventing invalid write on metadata (overlaps with {})", what));
+  co_return Error(EIO);
 }
 
 // First run of n free clusters at or after free_cluster_index_.
@@ -85,6 +104,7 @@ Task<Result<bool>> Qcow2Node::ensure_refblocks(uint64_t first, uint64_t n) {
     auto where = co_await find_free(1);
     if (!where) co_return where.take_error();
     uint64_t bci = *where;
+    VBLK_CO_TRY(co_await check_new_clusters(bci * cs_, cs_));
     auto t = co_await rb_cache_->get_empty(bci * cs_);
     if (!t) co_return t.take_error();
     if (bci / rb_entries_ == rti) {
@@ -170,7 +190,7 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
     uint64_t rti = ci / rb_entries_;
     if (rti >= rt_.size() || !(rt_[rti] & ~511ull)) {
       if (delta < 0) {
-        co_await mark_corrupt(fmt::format("Decreasing the refcount of cluster {} that has no refcount block", hex(ci)));
+        (void)co_await mark_corrupt(fmt::format("Decreasing the refcount of cluster {} that has no refcount block", hex(ci)));
         co_return Error(EIO);
       }
       auto more = co_await ensure_refblocks(ci, 1);
@@ -181,7 +201,7 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
     uint64_t old = refcount_get(t->data(), ci % rb_entries_);
     if ((delta < 0 && old < static_cast<uint64_t>(-delta)) ||
         (delta > 0 && refcount_max_ - old < static_cast<uint64_t>(delta))) {
-      co_await mark_corrupt(fmt::format("Refcount of cluster {} would {} (is {})", hex(ci),
+      (void)co_await mark_corrupt(fmt::format("Refcount of cluster {} would {} (is {})", hex(ci),
                                         delta < 0 ? "underflow" : "overflow", old));
       co_return Error(delta < 0 ? EIO : ERANGE);
     }
@@ -207,9 +227,16 @@ Task<Result<uint64_t>> Qcow2Node::alloc_clusters(uint64_t n) {
   for (;;) {
     auto start = co_await find_free(n);
     if (!start) co_return start.take_error();
+    // A refcount block this run needs goes right after the run, as in QEMU
+    // (its allocator has moved past the run when it finds the block
+    // missing); then the run is searched again from where it was.
+    const uint64_t saved = free_cluster_index_;
+    free_cluster_index_ = *start + n;
     auto moved = co_await ensure_refblocks(*start, n);
+    free_cluster_index_ = saved;
     if (!moved) co_return moved.take_error();
     if (*moved) continue;
+    VBLK_CO_TRY(co_await check_new_clusters(*start * cs_, n * cs_));
     VBLK_CO_TRY(co_await update_refcount(*start * cs_, n * cs_, +1));
     free_cluster_index_ = *start + n;
     co_return *start * cs_;

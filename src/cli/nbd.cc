@@ -1,0 +1,257 @@
+// vblk nbd: serve one image over NBD, a qemu-nbd compatible subset
+// (-f -r -x -k -p -b -t -e -D -B -n --cache --aio --image-opts --fork
+// --pid-file). Unlike qemu-nbd, TCP binds loopback unless -b names another
+// address. Without -t the server exits once its last client has gone.
+#include <fcntl.h>
+#include <getopt.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "cli/common.h"
+#include "nbd/server.h"
+
+namespace vblk::cli {
+
+namespace {
+
+[[noreturn]] void nbd_usage_error(const std::string& msg) {
+  std::fprintf(stderr, "%s: %s\n", g_prog.c_str(), msg.c_str());
+  std::fprintf(stderr, "Try `%s --help' for more information.\n", g_prog.c_str());
+  std::exit(EXIT_FAILURE);
+}
+
+[[noreturn]] void nbd_fail(const std::string& msg) {
+  std::fprintf(stderr, "%s: %s\n", g_prog.c_str(), msg.c_str());
+  std::exit(EXIT_FAILURE);
+}
+
+void nbd_help() {
+  std::printf(
+      "Usage: vblk nbd [OPTIONS] FILE\n"
+      "Serve FILE over the Network Block Device protocol (qemu-nbd compatible)\n"
+      "\n"
+      "  -h, --help                display this help and exit\n"
+      "  -V, --version             output version information and exit\n"
+      "\n"
+      "Connection properties:\n"
+      "  -p, --port=PORT           port to listen on (default `10809')\n"
+      "  -b, --bind=IFACE          interface to bind to (default `127.0.0.1')\n"
+      "  -k, --socket=PATH         path to the unix socket\n"
+      "  -e, --shared=NUM          device can be shared by NUM clients (default '1', 0: no limit)\n"
+      "  -t, --persistent          don't exit on the last connection\n"
+      "  -x, --export-name=NAME    expose export by name (default is empty string)\n"
+      "  -D, --description=TEXT    export a human-readable description\n"
+      "\n"
+      "Block device options:\n"
+      "  -f, --format=FORMAT       set image format (raw, qcow2, ...)\n"
+      "  -r, --read-only           export read-only\n"
+      "  -n, --nocache             disable host cache\n"
+      "      --cache=MODE          set cache mode used to access the disk image, the\n"
+      "                            valid options are: 'none', 'writeback' (default),\n"
+      "                            'writethrough', 'directsync' and 'unsafe'\n"
+      "      --aio=MODE            set AIO mode (native, io_uring or threads)\n"
+      "      --image-opts          treat FILE as a full set of image options\n"
+      "  -B, --bitmap=NAME         expose a persistent dirty bitmap\n"
+      "\n"
+      "General purpose options:\n"
+      "      --fork                fork off the server process and exit the parent\n"
+      "                            once the server is running\n"
+      "      --pid-file=PATH       store the server's process ID in the given file\n");
+}
+
+enum { kOptCache = 256, kOptAio, kOptImageOpts, kOptFork, kOptPidFile };
+
+struct NbdArgs {
+  ImageArgs image;
+  std::string port, bind = "127.0.0.1", socket, name, description, bitmap, pid_file;
+  unsigned shared = 1;
+  bool persistent = false, fork = false;
+};
+
+NbdArgs parse(int argc, char** argv) {
+  static const option longopts[] = {
+      {"help", no_argument, nullptr, 'h'},         {"version", no_argument, nullptr, 'V'},
+      {"port", required_argument, nullptr, 'p'},   {"bind", required_argument, nullptr, 'b'},
+      {"socket", required_argument, nullptr, 'k'}, {"shared", required_argument, nullptr, 'e'},
+      {"persistent", no_argument, nullptr, 't'},   {"export-name", required_argument, nullptr, 'x'},
+      {"description", required_argument, nullptr, 'D'}, {"format", required_argument, nullptr, 'f'},
+      {"read-only", no_argument, nullptr, 'r'},    {"nocache", no_argument, nullptr, 'n'},
+      {"cache", required_argument, nullptr, kOptCache}, {"aio", required_argument, nullptr, kOptAio},
+      {"image-opts", no_argument, nullptr, kOptImageOpts}, {"bitmap", required_argument, nullptr, 'B'},
+      {"fork", no_argument, nullptr, kOptFork},    {"pid-file", required_argument, nullptr, kOptPidFile},
+      {nullptr, 0, nullptr, 0}};
+  NbdArgs a;
+  a.image.read_only = false;
+  bool cache_set = false;
+  opterr = 0;
+  optind = 1;
+  int c;
+  while ((c = getopt_long(argc, argv, ":hVp:b:k:e:tx:D:f:rnB:", longopts, nullptr)) != -1) {
+    switch (c) {
+      case 'h':
+        nbd_help();
+        std::exit(0);
+      case 'V':
+        std::printf("vblk nbd version " VBLK_VERSION "\n");
+        std::exit(0);
+      case 'p': {
+        auto v = parse_ulong(optarg, 65535);
+        if (!v) nbd_usage_error(std::string("Invalid port '") + optarg + "'");
+        a.port = optarg;
+        break;
+      }
+      case 'b': a.bind = optarg; break;
+      case 'k': a.socket = optarg; break;
+      case 'e': {
+        auto v = parse_ulong(optarg, 0x7fffffff);
+        if (!v) nbd_usage_error(std::string("Invalid shared device number '") + optarg + "'");
+        a.shared = static_cast<unsigned>(*v);
+        break;
+      }
+      case 't': a.persistent = true; break;
+      case 'x':
+        if (std::strlen(optarg) > 4096) nbd_usage_error(std::string("export name '") + optarg + "' too long");
+        a.name = optarg;
+        break;
+      case 'D':
+        if (std::strlen(optarg) > 4096) nbd_usage_error(std::string("export description '") + optarg + "' too long");
+        a.description = optarg;
+        break;
+      case 'f': a.image.format = optarg; break;
+      case 'r': a.image.read_only = true; break;
+      case 'n':
+        if (cache_set) nbd_usage_error("-n and --cache can only be specified once");
+        cache_set = true;
+        a.image.cache = CacheMode{.direct = true};
+        break;
+      case kOptCache:
+        if (cache_set) nbd_usage_error("-n and --cache can only be specified once");
+        cache_set = true;
+        if (!parse_cache_mode(optarg, a.image.cache)) nbd_usage_error(std::string("Invalid cache mode '") + optarg + "'");
+        break;
+      case kOptAio:
+        if (std::strcmp(optarg, "threads") && std::strcmp(optarg, "native") && std::strcmp(optarg, "io_uring"))
+          nbd_usage_error(std::string("invalid aio mode '") + optarg + "'");
+        a.image.aio = optarg;
+        break;
+      case kOptImageOpts: a.image.image_opts = true; break;
+      case 'B': a.bitmap = optarg; break;
+      case kOptFork: a.fork = true; break;
+      case kOptPidFile: a.pid_file = optarg; break;
+      case ':':
+        nbd_usage_error(std::string("option requires an argument -- '") + static_cast<char>(optopt) + "'");
+      default:
+        if (optopt) nbd_usage_error(std::string("invalid option -- '") + static_cast<char>(optopt) + "'");
+        nbd_usage_error(std::string("unrecognized option '") + argv[optind - 1] + "'");
+    }
+  }
+  if (argc - optind != 1) nbd_usage_error("Invalid number of arguments");
+  if (!a.socket.empty() && !a.port.empty()) nbd_usage_error("-p and -k are mutually exclusive");
+  if (a.image.image_opts && !a.image.format.empty())
+    nbd_fail("--image-opts and --format are mutually exclusive");
+  a.image.filename = argv[optind];
+  return a;
+}
+
+// SIGTERM, SIGINT and SIGHUP end the server cleanly (in-flight requests
+// finish, the image is flushed and closed). They are taken by a thread in
+// sigwait so the loop only ever sees a posted stop.
+void watch_signals(Loop& loop, nbd::Server& server, sigset_t set) {
+  std::thread([&loop, &server, set] {
+    int sig = 0;
+    sigwait(&set, &sig);
+    loop.post_threadsafe([&server] { server.stop(); });
+  }).detach();
+}
+
+}  // namespace
+
+int cmd_nbd(int argc, char** argv) {
+  NbdArgs a = parse(argc, argv);
+
+  // --fork: the parent waits until the child listens (or fails) and exits
+  // with its verdict, as qemu-nbd does; the loop is made after the fork.
+  int ready_pipe[2] = {-1, -1};
+  if (a.fork) {
+    if (::pipe(ready_pipe) < 0) nbd_fail(std::string("Failed to create pipe: ") + std::strerror(errno));
+    pid_t pid = ::fork();
+    if (pid < 0) nbd_fail(std::string("Failed to fork: ") + std::strerror(errno));
+    if (pid > 0) {
+      ::close(ready_pipe[1]);
+      char ok = 0;
+      ssize_t n = ::read(ready_pipe[0], &ok, 1);
+      if (n == 1 && ok == 1) return 0;
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      return WIFEXITED(status) && WEXITSTATUS(status) ? WEXITSTATUS(status) : 1;
+    }
+    ::close(ready_pipe[0]);
+    ::setsid();
+  }
+
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);  // before any thread starts
+  ::signal(SIGPIPE, SIG_IGN);
+
+  Loop loop;
+  auto node = open_cli_image(loop, a.image);
+  if (!node) return 1;
+  if (!a.bitmap.empty()) nbd_fail("Bitmap '" + a.bitmap + "' is not found");
+
+  Result<Fd> listener = Error(EINVAL);
+  if (!a.socket.empty()) {
+    listener = listen_unix(loop, a.socket);
+  } else {
+    auto port = parse_ulong(a.port.empty() ? "10809" : a.port, 65535);
+    listener = listen_tcp(loop, a.bind, static_cast<uint16_t>(*port));
+  }
+  if (!listener) nbd_fail(listener.error().what());
+
+  nbd::Server server(loop, nbd::Server::Options{.max_connections = a.shared});
+  nbd::Export e{a.name, a.description, node, !a.image.read_only};
+  if (auto st = server.add_export(std::move(e)); !st) nbd_fail(st.error().what());
+  bool had_client = false;
+  server.on_connect = [&] { had_client = true; };
+  server.on_disconnect = [&](size_t open) {
+    if (!a.persistent && had_client && open == 0) server.stop();
+  };
+
+  if (!a.pid_file.empty()) {
+    FILE* f = std::fopen(a.pid_file.c_str(), "w");
+    if (!f || std::fprintf(f, "%d\n", static_cast<int>(::getpid())) < 0 || std::fclose(f) != 0)
+      nbd_fail("Failed to write pid file '" + a.pid_file + "': " + std::strerror(errno));
+  }
+  watch_signals(loop, server, sigs);
+  if (a.fork) {
+    char ok = 1;
+    [[maybe_unused]] ssize_t n = ::write(ready_pipe[1], &ok, 1);
+    ::close(ready_pipe[1]);
+    // The parent has gone: stdio must not hold the caller's terminal or pipes.
+    int devnull = ::open("/dev/null", O_RDWR);
+    if (devnull >= 0) {
+      ::dup2(devnull, 0);
+      ::dup2(devnull, 1);
+      ::dup2(devnull, 2);
+      ::close(devnull);
+    }
+  }
+
+  loop.run(server.serve(std::move(*listener)));
+  Status st = loop.run(node->flush());
+  if (!a.socket.empty()) ::unlink(a.socket.c_str());
+  if (!a.pid_file.empty()) ::unlink(a.pid_file.c_str());
+  if (!st) nbd_fail("Failed to flush the image: " + st.error().what());
+  return 0;
+}
+
+}  // namespace vblk::cli

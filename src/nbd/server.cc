@@ -1,0 +1,83 @@
+#include "nbd/server.h"
+
+#include <sys/socket.h>
+
+#include "nbd/session.h"
+
+namespace vblk::nbd {
+
+Server::Server(Loop& loop, Options opts) : loop_(loop), opts_(opts), running_(loop), slot_free_(loop) {}
+
+Server::~Server() = default;
+
+Status Server::add_export(Export e) {
+  if (exports_.count(e.name)) return Error(EEXIST, "Block export id '" + e.name + "' is already in use");
+  std::string name = e.name;
+  exports_[name] = std::make_shared<const Export>(std::move(e));
+  return {};
+}
+
+bool Server::remove_export(const std::string& name) { return exports_.erase(name) > 0; }
+
+std::shared_ptr<const Export> Server::find_export(const std::string& name) const {
+  auto it = exports_.find(name);
+  return it == exports_.end() ? nullptr : it->second;
+}
+
+Task<void> Server::serve(Fd listener) {
+  running_.add();
+  listeners_.push_back(listener.get());
+  while (!stopping_) {
+    // At the connection limit, later clients wait in the listen backlog (as
+    // with qemu-nbd -e) until one of the open connections ends.
+    while (opts_.max_connections && conns_.size() >= opts_.max_connections && !stopping_) {
+      slot_free_.reset();
+      co_await slot_free_.wait();
+    }
+    if (stopping_) break;
+    auto c = co_await accept_socket(loop_, listener.get());
+    if (!c) {
+      if (stopping_) break;
+      int e = c.error().code;
+      // A client that gave up before we accepted it, or a transient shortage:
+      // keep serving the others.
+      if (e == ECONNABORTED || e == EINTR || e == EAGAIN || e == EMFILE || e == ENFILE || e == ENOBUFS ||
+          e == ENOMEM) {
+        if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) co_await loop_.sleep(std::chrono::milliseconds(10));
+        continue;
+      }
+      break;
+    }
+    if (on_connect) on_connect();
+    running_.add();
+    spawn_detached(run_connection(std::move(*c)));
+  }
+  std::erase(listeners_, listener.get());
+  running_.done();
+  co_await running_.wait();
+}
+
+void Server::stop() {
+  if (stopping_) return;
+  stopping_ = true;
+  // Wakes a pending accept (io_uring and epoll both see the shutdown) and
+  // every connection's pending receive; in-flight requests still complete.
+  for (int fd : listeners_) ::shutdown(fd, SHUT_RDWR);
+  for (auto& [fd, _] : conns_) ::shutdown(fd, SHUT_RDWR);
+  slot_free_.set();
+}
+
+Task<void> Server::run_connection(Fd fd) {
+  conns_[fd.get()] = 1;
+  {
+    Session s{*this, loop_, fd.get()};
+    if (co_await negotiate(s)) co_await transmit(s);
+  }
+  conns_.erase(fd.get());
+  fd.reset();
+  slot_free_.set();
+  if (on_disconnect) on_disconnect(conns_.size());
+  running_.done();
+}
+
+}  // namespace vblk::nbd

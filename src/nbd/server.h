@@ -1,0 +1,74 @@
+// The NBD server: named exports of nodes, served to many clients at once on
+// one loop. Each connection negotiates (fixed newstyle: export name, info/go,
+// list, structured replies, meta contexts), then serves requests
+// concurrently, replying out of order as the protocol allows.
+//
+// Ownership: the server holds its exports (shared with the node graph) and
+// its connections; stop() ends accepting and closes every connection, and
+// the serve task returns once all of them have finished. One loop.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "vblk/net.h"
+#include "vblk/node.h"
+#include "vblk/sync.h"
+
+namespace vblk::nbd {
+
+struct Export {
+  std::string name;
+  std::string description;
+  std::shared_ptr<Node> node;
+  bool writable = false;
+};
+
+class Server {
+ public:
+  struct Options {
+    unsigned max_connections = 0;  // 0: no limit; more wait in the listen backlog
+    unsigned max_requests = 64;    // requests in flight per connection
+  };
+  Server(Loop& loop, Options opts);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  Status add_export(Export e);  // EEXIST if the name is taken
+  bool remove_export(const std::string& name);
+  std::shared_ptr<const Export> find_export(const std::string& name) const;
+  const std::map<std::string, std::shared_ptr<const Export>>& exports() const { return exports_; }
+
+  // Accepts clients on `listener` until stop(); returns when the listener is
+  // done and every connection has closed.
+  Task<void> serve(Fd listener);
+  // Stops accepting and shuts every connection down (they finish their
+  // in-flight requests first).
+  void stop();
+
+  // Called after each connection closes, with the number still open.
+  std::function<void(size_t)> on_disconnect;
+  // Called after a connection is accepted (before negotiation).
+  std::function<void()> on_connect;
+
+  size_t connections() const { return conns_.size(); }
+  Loop& loop() const { return loop_; }
+  const Options& options() const { return opts_; }
+
+ private:
+  Task<void> run_connection(Fd fd);
+
+  Loop& loop_;
+  Options opts_;
+  std::map<std::string, std::shared_ptr<const Export>> exports_;
+  std::map<int, int> conns_;  // open connection fds (for stop)
+  std::vector<int> listeners_;
+  WaitGroup running_;
+  CoEvent slot_free_;  // a connection ended (or stop): the accept loop may go on
+  bool stopping_ = false;
+};
+
+}  // namespace vblk::nbd
