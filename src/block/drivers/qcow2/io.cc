@@ -381,6 +381,8 @@ Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {
 }
 
 Task<Status> Qcow2Node::do_flush() {
+  // Dropped driver after a fatal corruption in check: nothing to flush.
+  if (check_dead_) co_return Status{};
   auto g = co_await lock_.scoped();
   co_return co_await flush_all();
 }

@@ -246,7 +246,9 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
 }
 
 Task<Status> Qcow2Node::do_close() {
-  if (read_only()) co_return Status{};
+  // A fatal corruption during a repair is QEMU's bs->drv = NULL: the close
+  // writes nothing back (the caches' repairs are lost, as in qemu-img).
+  if (read_only() || check_dead_) co_return Status{};
   VBLK_CO_TRY(co_await flush());
   // QEMU clears the dirty bit on close only if the caches made it to disk.
   if (!corrupt()) VBLK_CO_TRY(co_await mark_clean());
