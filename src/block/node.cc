@@ -279,7 +279,10 @@ Task<Status> Node::discard(uint64_t offset, uint64_t bytes) {
 }
 
 Task<Status> Node::flush() {
-  if (no_flush_) co_return Status{};
+  // cache=unsafe (QEMU's BDRV_O_NO_FLUSH) skips only the flush to disk: a
+  // node with children (a format, a filter) still writes its own state back
+  // and passes the flush on, and each child decides for itself.
+  if (no_flush_ && children_.empty()) co_return Status{};
   co_return co_await do_flush();
 }
 

@@ -573,7 +573,6 @@ int cmd_io(int argc, char** argv) {
     }
     node = open_cli_image(loop, a);
     if (!node) return 1;
-    node->set_no_flush(a.cache.no_flush);
   }
   Io io(loop, node.get());
   int last_error = 0;

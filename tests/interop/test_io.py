@@ -168,6 +168,24 @@ class IoCliTest(InteropTestCase):
             with self.subTest(opts=opts):
                 self.check_same(opts + ["-f", fmt], ["write -P 9 0 64k", "read -P 9 0 64k"], fmt=fmt)
 
+    def test_cache_unsafe_writes_metadata_back(self):
+        """cache=unsafe skips only the file's fsync: the qcow2 tables still
+        reach the image when it is closed, as in QEMU (the data was lost
+        when the format node itself skipped its flush)."""
+        for opts in (["-t", "unsafe"], ["--cache=unsafe"]):
+            with self.subTest(opts=opts):
+                img = self.image("u.img", size="4M")
+                cmds = ["write -P 9 0 64k", "write -P 8 1M 128k", "write -z 2M 64k", "flush", "write -P 7 3M 4k"]
+                v = vio(*(opts + ["-f", "qcow2"] + cmd_args(cmds) + [img]))
+                self.assertEqual(v.rc, 0, v)
+                c = qemu("check", img)
+                self.assertEqual(c.rc, 0, c)
+                r = qio("-r", "-f", "qcow2", "-c", "read -P 9 0 64k", "-c", "read -P 8 1M 128k",
+                        "-c", "read -P 0 2M 64k", "-c", "read -P 7 3M 4k", img)
+                self.assertEqual(r.rc, 0, r)
+                self.assertNotIn("failed", r.stdout)
+                os.unlink(img)
+
     def test_image_opts(self):
         vimg = self.image("v.img")
         qimg = self.image("q.img")
