@@ -8,14 +8,26 @@
 // The compressor settings are QEMU's (zlib: raw deflate, default level,
 // window bits -12, memLevel 9; zstd: default level, one streaming call), so
 // the compressed sizes, and with them the host layout, equal QEMU's.
+//
+// Compression is CPU bound: it runs on the loop's thread pool (the loop
+// thread only allocates and writes), so parallel writers — the copy engine's
+// workers in `convert -c` — compress on every core. The writes still happen
+// in the order the compressions finish, one request at a time as before.
 #include <zlib.h>
 #include <zstd.h>
+
+#include <functional>
+#include <optional>
 
 #include "block/drivers/qcow2/qcow2.h"
 
 namespace vblk::qcow2 {
 
 namespace {
+
+// Below this cluster size a trip through the thread pool costs more than
+// compressing on the loop thread.
+constexpr uint64_t kOffloadMinCluster = 16 << 10;
 
 // Compresses `in` into at most out.size() bytes; nullopt if it does not fit.
 std::optional<size_t> compress(uint8_t type, std::span<const uint8_t> in, std::span<uint8_t> out) {
@@ -58,7 +70,16 @@ Task<Status> Qcow2Node::write_compressed(uint64_t offset, std::span<const uint8_
     // compressed padded with zeroes.
     in.zero();
     std::memcpy(in.data(), buf.data() + done, n);
-    auto len = compress(h_.compression_type, in.span(), out.span().subspan(0, cs_ - 1));
+    std::optional<size_t> len;
+    if (cs_ >= kOffloadMinCluster) {
+      std::function<long()> job = [&] {
+        len = compress(h_.compression_type, in.span(), out.span().subspan(0, cs_ - 1));
+        return 0L;
+      };
+      (void)co_await loop().run_blocking(job);
+    } else {
+      len = compress(h_.compression_type, in.span(), out.span().subspan(0, cs_ - 1));
+    }
     Status st;
     if (!len) {
       st = co_await do_write(offset + done, buf.subspan(done, n), 0);
