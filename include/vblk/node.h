@@ -153,7 +153,8 @@ class Node {
   const NodeCaps& caps() const { return caps_; }
   // Writethrough: every write is followed by a flush (cache=writethrough).
   void set_writethrough(bool on) { writethrough_ = on; }
-  // No-flush: flush() succeeds without doing anything (cache=unsafe).
+  // No-flush (cache=unsafe): on a node without children (protocol) flush()
+  // does nothing; formats and filters still flush their own state.
   void set_no_flush(bool on) { no_flush_ = on; }
   // Growable nodes (a format's file child) accept I/O past their end.
   void set_growable(bool on) { growable_ = on; }
