@@ -37,6 +37,7 @@ enum ReqFlags : uint32_t {
   kReqFua = 1u << 0,         // write: durable when it completes
   kReqMayUnmap = 1u << 1,    // write_zeroes: holes are fine
   kReqNoFallback = 1u << 2,  // write_zeroes: fail with ENOTSUP rather than write zero buffers
+  kReqCompressed = 1u << 3,  // write: store compressed (whole clusters; ENOTSUP if the driver cannot)
 };
 
 // Block status flags (the values QEMU uses, so the mapping is obvious).
@@ -83,6 +84,7 @@ struct NodeCaps {
   bool copy_range = false;      // do_copy_range_to is implemented
   bool serialise_zeroes = false;  // zeroes/discard change metadata: no overlap allowed
   bool supports_backing = false;  // unallocated ranges fall through to "backing"
+  bool compressed_writes = false; // do_write honours kReqCompressed
 };
 
 // Consistency checks (qemu-img check): QEMU's BdrvCheckMode bits and its
@@ -151,7 +153,8 @@ class Node {
   const NodeCaps& caps() const { return caps_; }
   // Writethrough: every write is followed by a flush (cache=writethrough).
   void set_writethrough(bool on) { writethrough_ = on; }
-  // No-flush: flush() succeeds without doing anything (cache=unsafe).
+  // No-flush (cache=unsafe): on a node without children (protocol) flush()
+  // does nothing; formats and filters still flush their own state.
   void set_no_flush(bool on) { no_flush_ = on; }
   // Growable nodes (a format's file child) accept I/O past their end.
   void set_growable(bool on) { growable_ = on; }

@@ -138,6 +138,12 @@ Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t
   const uint64_t begin = align_down(offset, align);
   const uint64_t end = align_up(offset + buf.size(), align);
   const bool aligned = begin == offset && end == offset + buf.size();
+  if (flags & kReqCompressed) {
+    // Only drivers that store compressed data take it; they get the request
+    // as it is (no padding: a compressed unit cannot be read-modify-written).
+    if (!caps_.compressed_writes) co_return Error(ENOTSUP);
+    if (!aligned) co_return Error(EINVAL);
+  }
   // A padded write reads and rewrites its edge blocks: it must not overlap
   // anything in flight, or it could write back stale bytes.
   Tracked t{begin, end, !aligned};
@@ -273,7 +279,10 @@ Task<Status> Node::discard(uint64_t offset, uint64_t bytes) {
 }
 
 Task<Status> Node::flush() {
-  if (no_flush_) co_return Status{};
+  // cache=unsafe (QEMU's BDRV_O_NO_FLUSH) skips only the flush to disk: a
+  // node with children (a format, a filter) still writes its own state back
+  // and passes the flush on, and each child decides for itself.
+  if (no_flush_ && children_.empty()) co_return Status{};
   co_return co_await do_flush();
 }
 

@@ -189,7 +189,8 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
   (*fnode)->set_node_name("");
   (*top)->set_node_name("");
   (*top)->set_writethrough(o.writethrough);
-  (*top)->set_no_flush(o.no_flush);
+  // No set_no_flush on the format: cache=unsafe is the file's business (the
+  // format's metadata must still be written back on flush and close).
   return top;
 }
 

@@ -238,7 +238,9 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
     node = open_image(ctx, a.filename, io, &probed_raw);
   }
   if (!node) {
-    error_report("Could not open '" + a.filename + "': " + node.error().what());
+    std::string prefix = a.open_error_prefix.empty() ? "Could not open '" + a.filename + "': "
+                                                     : a.open_error_prefix + a.filename + ": ";
+    error_report(prefix + node.error().what());
     return nullptr;
   }
   if (probed_raw && !a.read_only) warn_probed_raw((*node)->filename());

@@ -60,6 +60,9 @@ struct ImageArgs {
   bool check = false;      // opening for `check`: corrupt/dirty images may be repaired
   bool no_backing = false; // leave backing files closed (info)
   bool no_io = false;      // opened only to be described (info)
+  // Prefix of the open error; "" gives qemu-img's "Could not open '<file>': "
+  // (qemu-io words it "can't open device <file>: ").
+  std::string open_error_prefix;
 };
 
 // Opens an image as qemu-img does and reports "Could not open 'X': ..." on
@@ -80,6 +83,7 @@ int cmd_bench(int argc, char** argv);
 int cmd_check(int argc, char** argv);
 int cmd_serve(int argc, char** argv);
 int cmd_resize(int argc, char** argv);
+int cmd_io(int argc, char** argv);
 int cmd_nbd(int argc, char** argv);
 int cmd_snapshot(int argc, char** argv);
 

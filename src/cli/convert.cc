@@ -176,12 +176,8 @@ int cmd_convert(int argc, char** argv) {
     error_report("Unknown file format '" + out_fmt + "'");
     return 1;
   }
-  if (compress) {
-    if (out_fmt != "qcow2") {
-      error_report("Compression not supported for this file format");
-    } else {
-      error_report("Compressed qcow2 targets are not supported by vblk convert yet");
-    }
+  if (compress && out_fmt != "qcow2") {
+    error_report("Compression not supported for this file format");
     return 1;
   }
   if (!backing.empty()) {
@@ -238,6 +234,15 @@ int cmd_convert(int argc, char** argv) {
   } else if (!copy_range) {
     o.detect_zeroes = min_sparse;
   }
+  if (compress) {
+    // qemu-img convert -c: every cluster is written on its own as a
+    // compressed cluster (qcow2 stores one that does not shrink as a normal
+    // cluster); the engine's chunks are whole, aligned clusters already
+    // (its granularity is the target's cluster size). Only a cluster that
+    // is zero as a whole is left out, as qemu-img does with compression.
+    o.write_flags |= kReqCompressed;
+    if (min_sparse) o.detect_zeroes = o.cluster_size;
+  }
 
   Status st;
   {
@@ -265,9 +270,8 @@ int cmd_convert(int argc, char** argv) {
     if (shown < 100) meter.print(100 - shown, 100);
     meter.end();
   }
-  // cache=unsafe skips the disk flush, not the format's own metadata: write
-  // that back (qcow2 tables) with the file's flush still disabled.
-  dst->set_no_flush(false);
+  // cache=unsafe skips only the file's fsync; the format's metadata (qcow2
+  // tables) is written back here.
   st = loop.run(dst->flush());
   if (!st) {
     error_report("error while flushing the output image: " + st.error().what());

@@ -28,6 +28,8 @@ const Command kCommands[] = {
      "[-m num_coroutines] [-W] filename output_filename"},
     {"create", vblk::cli::cmd_create, "create [-q] [-f fmt] [-o options] filename [size]"},
     {"info", vblk::cli::cmd_info, "info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename"},
+    {"io", vblk::cli::cmd_io,
+     "io [-f fmt] [-r] [-n] [-t cache] [-i aio] [--image-opts] [-c 'command']... filename (qemu-io compatible)"},
     {"nbd", vblk::cli::cmd_nbd,
      "nbd [-f fmt] [-r] [-x name] [-D text] [-k path | -p port [-b addr]] [-t] [-e shared] [-n | --cache=mode] "
      "[--aio=mode] [--image-opts] [--fork] [--pid-file=path] filename"},

@@ -242,3 +242,29 @@ TEST(NodeTest, BlockStatusIsClampedAndMarksEof) {
   EXPECT_EQ(past->bytes, 0u);
   EXPECT_EQ(past->flags, static_cast<uint32_t>(kStatusEof));
 }
+
+// Compressed writes reach only drivers that store compressed data, unpadded.
+TEST(NodeTest, CompressedWritesNeedDriverSupportAndAlignment) {
+  Loop loop;
+  std::vector<uint8_t> buf(4096, 7);
+  {
+    MemNode n(loop, 1 << 20, BlockLimits{512, 512});
+    auto st = loop.run(n.write(0, buf, kReqCompressed));
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.error().code, ENOTSUP);
+    EXPECT_TRUE(n.reqs.empty());
+  }
+  {
+    NodeCaps caps;
+    caps.compressed_writes = true;
+    MemNode n(loop, 1 << 20, BlockLimits{512, 512}, caps);
+    auto st = loop.run(n.write(100, buf, kReqCompressed));
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.error().code, EINVAL);  // no read-modify-write of a compressed unit
+    EXPECT_TRUE(n.reqs.empty());
+    ASSERT_TRUE(loop.run(n.write(4096, buf, kReqCompressed)).ok());
+    ASSERT_EQ(n.reqs.size(), 1u);
+    EXPECT_EQ(n.reqs[0].flags & kReqCompressed, kReqCompressed);
+    EXPECT_EQ(n.data()[4096], 7);
+  }
+}

@@ -609,11 +609,7 @@ BASES = [
 
 # Cases where vblk's repair currently ends in a different state from
 # qemu-img's. Each is an open bug, not an accepted difference.
-KNOWN_REPAIR_DIVERGENCES = {
-    ("512-rb1", "dmg_l1_into_rt"):
-        "open bug (issue 3): after the snapshot/lazy-refcount merge, -r all on an L1 table "
-        "placed over the refcount table leaves no leaks where qemu-img leaves 10",
-}
+KNOWN_REPAIR_DIVERGENCES = {}
 
 
 class DamagedImagesTest(CheckTestCase):

@@ -127,12 +127,21 @@ class NbdClientTest(InteropTestCase):
 
     def test_server_dies_mid_session(self):
         sock = os.path.join(self.tmp, "die.sock")
-        uri = self.start([NBDKIT, "-f", "-U", sock, "memory", "64M"], sock)
-        p = subprocess.Popen([VBLK, "bench", "-f", "raw", "-c", "2000000", "-d", "4", uri],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(0.5)
-        self.procs[-1].kill()
-        out, err = p.communicate(timeout=30)
+        # The server must die after vblk connected: on a loaded machine (or
+        # under the sanitizers) connecting can take longer than the first
+        # wait, so a kill before the connection is retried with a longer one.
+        for delay in (0.5, 2, 5):
+            uri = self.start([NBDKIT, "-f", "-U", sock, "memory", "64M"], sock)
+            p = subprocess.Popen([VBLK, "bench", "-f", "raw", "-c", "2000000", "-d", "4", uri],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            time.sleep(delay)
+            self.procs[-1].kill()
+            self.procs[-1].wait()
+            out, err = p.communicate(timeout=60)
+            if b"Could not open" not in err:
+                break
+            if os.path.exists(sock):
+                os.unlink(sock)
         self.assertEqual(p.returncode, 1, (out, err))
         self.assertIn(b"Failed request", err)
 

@@ -31,7 +31,7 @@ Task<Status> Qcow2Node::resize(uint64_t size, Prealloc prealloc) {
     // Shrink: the clusters past the new end are freed (the L1 table keeps
     // its size; the file is not truncated, so nothing else can move).
     uint64_t from = align_up(size, cs_);
-    if (from < h_.size) VBLK_CO_TRY(co_await zero_or_discard(from, h_.size - from, true, true, true));
+    if (from < h_.size) VBLK_CO_TRY(co_await discard_range(from, h_.size - from, true));
     auto g = co_await lock_.scoped();
     h_.size = size;
     VBLK_CO_TRY(co_await write_header());

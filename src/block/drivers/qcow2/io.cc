@@ -154,7 +154,19 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
     *done = n;
     co_return Status{};
   }
+  if (l2_entry_size_ == 16) {
+    // Subclusters: one cluster at a time, only the covered subclusters.
+    lock_.unlock();
+    locked = false;
+    co_return co_await write_subclusters(offset, buf, done);
+  }
 
+  // The L2 table first, then the data clusters (QEMU's order, so that the
+  // same writes give the same host layout).
+  {
+    auto t = co_await l2_for_write(first * cs_);
+    if (!t) co_return t.take_error();
+  }
   // Whether the old contents around the new data read as zeroes (no backing
   // data, zero clusters): then the new clusters are zeroed by the file
   // (fallocate) instead of writing zero buffers, as QEMU's handle_alloc_space.
@@ -243,8 +255,9 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   co_return Status{};
 }
 
-Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t) {
+Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
   if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  if (flags & kReqCompressed) co_return co_await write_compressed(offset, buf);
   uint64_t done = 0;
   while (done < buf.size()) {
     uint64_t n = 0;
@@ -254,86 +267,122 @@ Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, 
   co_return Status{};
 }
 
-Task<Status> Qcow2Node::zero_or_discard(uint64_t offset, uint64_t bytes, bool discard, bool may_unmap, bool full) {
-  // Whole clusters change by L2 entry; partial ones are written as zeroes
-  // (zeroes) or left alone (discard is advisory).
-  uint64_t end = offset + bytes;
-  uint64_t a = (offset + cs_ - 1) / cs_ * cs_;
-  uint64_t e = std::min(end, end / cs_ * cs_);
-  if (end == length()) e = (end + cs_ - 1) / cs_ * cs_;  // the last, partial cluster counts whole
-  if (!discard) {
-    if (a > offset) {
-      AlignedBuffer z(std::min(a, end) - offset);
-      z.zero();
-      VBLK_CO_TRY(co_await do_write(offset, z.span(), 0));
+// Extended L2 (QEMU's calculate_l2_meta with subclusters): a write into a
+// cluster writes the subclusters it covers, plus copy-on-write of the partial
+// first and last subcluster, and marks just those allocated; the others stay
+// unallocated or zero. A new host cluster copies what the old cluster had
+// allocated (compressed: all of it).
+Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done) {
+  co_await lock_.lock();
+  bool locked = true;
+  struct Unlock {
+    CoMutex& m;
+    bool& locked;
+    ~Unlock() {
+      if (locked) m.unlock();
     }
-    if (e < end && e >= a) {
-      AlignedBuffer z(end - e);
-      z.zero();
-      VBLK_CO_TRY(co_await do_write(e, z.span(), 0));
-    }
-  }
-  if (e <= a) co_return Status{};
-  auto g = co_await lock_.scoped();
-  for (uint64_t guest = a; guest < e; guest += cs_) {
-    // Wait for allocating writes into this cluster (not while holding the lock).
-    for (;;) {
-      CoEvent* busy = nullptr;
-      for (auto& al : allocs_)
-        if (al.first <= guest / cs_ && guest / cs_ <= al.last) busy = al.done;
-      if (!busy) break;
-      lock_.unlock();
-      co_await busy->wait();
-      co_await lock_.lock();
-    }
-    const uint64_t l1i = guest >> (h_.cluster_bits + l2_bits_);
-    if (l1i >= l1_.size()) break;
-    if (discard && !(l1_[l1i] & kL1OffsetMask)) continue;  // nothing to discard
+  } unlock_guard{lock_, locked};
+  const uint64_t ci = offset / cs_, guest = ci * cs_, in = offset % cs_;
+  const uint64_t n = std::min<uint64_t>(buf.size(), cs_ - in);
+  const uint64_t sc = cs_ / kSubclusters;
+  const uint64_t l2i = ci & (l2_entries_ - 1);
+  co_await wait_allocs(ci);
+  uint64_t e, bm;
+  {
     auto t = co_await l2_for_write(guest);
     if (!t) co_return t.take_error();
-    uint64_t l2i = (guest >> h_.cluster_bits) & (l2_entries_ - 1);
-    uint64_t old = l2_entry(*t, l2i);
-    uint64_t nw;
-    bool free_old = true;
-    if (discard && full) {
-      nw = 0;
-    } else if (discard) {
-      // Reads must not start showing the backing file: keep zero there.
-      nw = (h_.version >= 3 && (backing_ || (old & (kL2OffsetMask | kOflagCompressed | kOflagZero)))) ? kOflagZero : 0;
-      if (h_.version < 3 && backing_) continue;  // v2 cannot express it: leave the data
-    } else if (!may_unmap && (old & kOflagCopied) && !(old & kOflagCompressed) && (old & kL2OffsetMask)) {
-      nw = (old & kL2OffsetMask) | kOflagCopied | kOflagZero;  // keep the allocation
-      free_old = false;
-    } else {
-      nw = kOflagZero;
-    }
-    uint64_t bitmap = 0;
-    if (l2_entry_size_ == 16) {
-      // Extended L2 keeps "zero" in the subcluster bitmap, not in bit 0.
-      bitmap = (nw & kOflagZero) ? 0xffffffff00000000ull : 0;
-      nw &= ~kOflagZero;
-      if (nw == old && bitmap == l2_bitmap(*t, l2i)) continue;
-    } else if (old == nw) {
-      continue;
-    }
-    set_l2_entry(*t, l2i, nw, bitmap);
-    if (free_old && (old & (kOflagCompressed | kL2OffsetMask))) VBLK_CO_TRY(co_await free_entry(old));
+    e = l2_entry(*t, l2i);
+    bm = l2_bitmap(*t, l2i);
   }
+  const auto first_sc = static_cast<uint32_t>(in / sc), last_sc = static_cast<uint32_t>((in + n - 1) / sc);
+  const uint32_t alloc = static_cast<uint32_t>(bm);
+  const bool compressed = e & kOflagCompressed;
+  const uint64_t host = compressed ? 0 : e & kL2OffsetMask;
+  const bool keep_old = host && (e & kOflagCopied);
+  uint64_t from, to;  // cluster-relative range written to the host cluster
+  if (keep_old) {
+    from = (alloc >> first_sc & 1) ? in : first_sc * sc;
+    to = (alloc >> last_sc & 1) ? in + n : (last_sc + 1) * sc;
+  } else if (compressed) {
+    from = 0;
+    to = cs_;
+  } else if (host) {  // shared: copy everything allocated around the write
+    uint32_t lead = alloc ? static_cast<uint32_t>(__builtin_ctz(alloc)) : 32;
+    uint32_t trail = alloc ? static_cast<uint32_t>(__builtin_clz(alloc)) : 32;
+    from = std::min(first_sc, lead) * sc;
+    to = cs_ - std::min(kSubclusters - 1 - last_sc, trail) * sc;
+  } else {
+    from = first_sc * sc;
+    to = (last_sc + 1) * sc;
+  }
+  uint64_t target = host;
+  if (!keep_old) {
+    auto h = co_await alloc_clusters(1);
+    if (!h) co_return h.take_error();
+    target = *h;
+  }
+  CoEvent finished(loop());
+  allocs_.push_back({ci, ci, &finished});
+  struct Release {
+    Qcow2Node& q;
+    CoEvent& ev;
+    ~Release() {
+      for (auto it = q.allocs_.begin(); it != q.allocs_.end(); ++it)
+        if (it->done == &ev) {
+          q.allocs_.erase(it);
+          break;
+        }
+      ev.set();
+    }
+  } release{*this, finished};
+  lock_.unlock();
+  locked = false;
+
+  if (from == in && to == in + n) {
+    VBLK_CO_TRY(co_await file_->write(target + in, buf.subspan(0, n)));
+  } else {
+    AlignedBuffer cow(to - from, std::max<size_t>(limits_.buffer_alignment, 512));
+    if (in > from) VBLK_CO_TRY(co_await do_read(guest + from, cow.span().subspan(0, in - from), 0));
+    if (to > in + n) VBLK_CO_TRY(co_await do_read(guest + in + n, cow.span().subspan(in + n - from, to - in - n), 0));
+    std::memcpy(cow.data() + (in - from), buf.data(), n);
+    VBLK_CO_TRY(co_await file_->write(target + from, cow.span()));
+  }
+
+  co_await lock_.lock();
+  locked = true;
+  l2_cache_->depends_on_flush();
+  // Lazy refcounts: the dirty bit instead of the refcount-before-L2 order.
+  if (lazy_refcounts_) VBLK_CO_TRY(co_await mark_dirty());
+  if (!dirty_flag()) VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
+  auto t = co_await l2_for_write(guest);
+  if (!t) co_return t.take_error();
+  uint64_t old = l2_entry(*t, l2i);
+  uint64_t bitmap = l2_bitmap(*t, l2i);
+  const auto a = static_cast<uint32_t>(from / sc), b = static_cast<uint32_t>((to - 1) / sc);
+  uint64_t range = (b - a + 1 >= 32 ? 0xffffffffull : ((1ull << (b - a + 1)) - 1)) << a;
+  bitmap = (bitmap | range) & ~(range << 32);
+  set_l2_entry(*t, l2i, target | kOflagCopied, bitmap);
+  if (!keep_old && (old & (kOflagCompressed | kL2OffsetMask))) VBLK_CO_TRY(co_await free_entry(old));
+  *done = n;
   co_return Status{};
 }
 
 Task<Status> Qcow2Node::do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) {
   if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
-  if (h_.version < 3) co_return Error(ENOTSUP);  // no zero flag: let the caller write zeroes
-  co_return co_await zero_or_discard(offset, bytes, false, flags & kReqMayUnmap);
+  co_return co_await zeroes(offset, bytes, flags);
 }
 
 Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {
   if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
-  co_return co_await zero_or_discard(offset, bytes, true, true);
+  // Without the zero flag, discarding could expose stale backing data: QEMU
+  // declines (v2 with a backing file), and so does vblk.
+  if (h_.version < 3 && backing_) co_return Status{};
+  co_return co_await discard_range(offset, bytes, false);
 }
 
 Task<Status> Qcow2Node::do_flush() {
+  // Dropped driver after a fatal corruption in check: nothing to flush.
+  if (check_dead_) co_return Status{};
   auto g = co_await lock_.scoped();
   co_return co_await flush_all();
 }

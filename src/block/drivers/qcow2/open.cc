@@ -17,6 +17,7 @@ Qcow2Node::Qcow2Node(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "qcow2
   limits_.buffer_alignment = file_->limits().buffer_alignment;
   caps_.zeroes = true;
   caps_.discard = true;
+  caps_.compressed_writes = true;
   caps_.serialise_zeroes = true;
   caps_.supports_backing = true;
   add_child("file", std::move(file));
@@ -245,7 +246,9 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
 }
 
 Task<Status> Qcow2Node::do_close() {
-  if (read_only()) co_return Status{};
+  // A fatal corruption during a repair is QEMU's bs->drv = NULL: the close
+  // writes nothing back (the caches' repairs are lost, as in qemu-img).
+  if (read_only() || check_dead_) co_return Status{};
   VBLK_CO_TRY(co_await flush());
   // QEMU clears the dirty bit on close only if the caches made it to disk.
   if (!corrupt()) VBLK_CO_TRY(co_await mark_clean());

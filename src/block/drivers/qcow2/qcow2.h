@@ -5,8 +5,10 @@
 //   cache.{h,cc}     bounded LRU metadata cache with write-back ordering
 //   refcount.cc      refcount table and blocks, cluster allocation and freeing
 //   cluster.cc       L1/L2 lookup and update, L2 allocation
-//   io.cc            read, write (allocation + copy-on-write), zeroes,
-//                    discard, block status, flush
+//   compress.cc      compressed cluster writes
+//   io.cc            read, write (allocation + copy-on-write, subclusters),
+//                    block status, flush
+//   zero.cc          zero writes and discard by L2 entry
 //   open.cc          open, header update, options
 //   create.cc        image creation
 //   check.cc         consistency check and repair (qemu-img check)
@@ -183,9 +185,24 @@ class Qcow2Node final : public Node {
   Task<Status> read_mapping(uint64_t offset, const Mapping& m, std::span<uint8_t> out);
   Task<Status> read_compressed(uint64_t entry, uint64_t in_cluster, std::span<uint8_t> out);
   Task<Status> write_cluster_run(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done);
+  // ---- compress.cc
+  Task<Status> write_compressed(uint64_t offset, std::span<const uint8_t> buf);
+  Task<Status> write_compressed_cluster(uint64_t guest, std::span<const uint8_t> data);
+  // Extended L2: one cluster's covered subclusters (with partial-subcluster COW).
+  Task<Status> write_subclusters(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done);
+
+  // ---- zero.cc
+  Task<void> wait_allocs(uint64_t cluster_index);  // lock held
+  // QEMU's is_zero: the range reads as zeroes by metadata alone (lock held).
+  Task<Result<bool>> is_zero_fast(uint64_t offset, uint64_t bytes);
+  Task<Status> zero_clusters(uint64_t a, uint64_t e, bool may_unmap);
+  Task<Result<bool>> zero_subclusters(uint64_t guest, uint32_t first, uint32_t count);
+  Task<Result<bool>> zeroize(uint64_t offset, uint64_t bytes, bool may_unmap);
+  Task<Status> zeroes(uint64_t offset, uint64_t bytes, uint32_t flags);
   // full: discarded clusters become unallocated even over a backing file
   // (used when shrinking: the range leaves the disk).
-  Task<Status> zero_or_discard(uint64_t offset, uint64_t bytes, bool discard, bool may_unmap, bool full = false);
+  Task<Status> discard_range(uint64_t offset, uint64_t bytes, bool full);
+  Task<Status> discard_clusters(uint64_t a, uint64_t e, bool full);  // whole clusters, lock held
 
   Header h_;
   Node* file_;

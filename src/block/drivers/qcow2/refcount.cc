@@ -212,6 +212,9 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
       // Not reusable before the next flush: until then an L2 entry on disk
       // may still point here, and new data must not appear through it.
       quarantine_.insert(ci);
+      // Compressed data is never packed into a cluster that was freed (it
+      // may be reused for anything after the next flush).
+      if (free_byte_offset_ / cs_ == ci) free_byte_offset_ = 0;
       // A freed table must never be written back over reused space.
       l2_cache_->discard(ci * cs_);
       rb_cache_->discard(ci * cs_);
@@ -241,20 +244,35 @@ Task<Result<uint64_t>> Qcow2Node::alloc_clusters(uint64_t n) {
 }
 
 Task<Result<uint64_t>> Qcow2Node::alloc_bytes(uint64_t bytes) {
-  // Compressed data is packed: continue in the last cluster used for it if
-  // the new piece fits, sharing that cluster (refcount + 1).
-  if (free_byte_offset_ && (free_byte_offset_ % cs_) && (free_byte_offset_ % cs_) + bytes <= cs_) {
-    uint64_t off = free_byte_offset_;
-    VBLK_CO_TRY(co_await update_refcount(off, 1, +1));
-    free_byte_offset_ += bytes;
-    co_return off;
+  // QEMU's qcow2_alloc_bytes: compressed data is packed behind the previous
+  // piece while it fits; otherwise it starts in a fresh cluster, or spills
+  // into the next cluster when that one is the next free cluster anyway.
+  // Every cluster a piece touches counts it once in its refcount.
+  uint64_t offset = free_byte_offset_;
+  if (offset) {
+    auto rc = co_await get_refcount(offset / cs_);
+    if (!rc) co_return rc.take_error();
+    // Full refcount, or freed since (then it waits in quarantine): move on.
+    if (*rc == refcount_max_ || *rc == 0) offset = 0;
   }
-  uint64_t n = (bytes + cs_ - 1) / cs_;
-  auto start = co_await alloc_clusters(n);
-  if (!start) co_return start;
-  free_byte_offset_ = *start + bytes;
-  // A piece spilling into a second cluster: that cluster's refcount counts it.
-  co_return *start;
+  const uint64_t free_in_cluster = offset ? cs_ - offset % cs_ : 0;
+  if (!offset || free_in_cluster < bytes) {
+    uint64_t fresh = 0;
+    for (;;) {  // a free cluster, not yet taken: update_refcount below takes it
+      auto start = co_await find_free(1);
+      if (!start) co_return start.take_error();
+      auto moved = co_await ensure_refblocks(*start, 1);
+      if (!moved) co_return moved.take_error();
+      if (*moved) continue;
+      fresh = *start * cs_;
+      break;
+    }
+    free_cluster_index_ = fresh / cs_ + 1;
+    if (!offset || (offset + cs_ - 1) / cs_ * cs_ != fresh) offset = fresh;
+  }
+  VBLK_CO_TRY(co_await update_refcount(offset, bytes, +1));
+  free_byte_offset_ = (offset + bytes) % cs_ ? offset + bytes : 0;
+  co_return offset;
 }
 
 }  // namespace vblk::qcow2
