@@ -33,6 +33,7 @@
 #include <nlohmann/json.hpp>
 #include <stop_token>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "vblk/loop.h"
@@ -269,6 +270,14 @@ class JobManager {
   nlohmann::ordered_json query_jobs() const;
   nlohmann::ordered_json query_block_jobs() const;
 
+  // Op blockers: a node a block job uses cannot be used by another one
+  // ("Node 'x' is busy: block device is in use by block job: backup").
+  Status check_not_busy(const void* node, const std::string& name) const;
+  void block(const void* node, const std::string& job_type) { blockers_.push_back({node, job_type}); }
+  void unblock(const void* node) {
+    std::erase_if(blockers_, [&](const std::pair<const void*, std::string>& b) { return b.first == node; });
+  }
+
   // Cancels every job (force) and runs the loop until all have gone: for
   // shutdown. Jobs still waiting for finalize or dismiss are finished too.
   Task<void> cancel_all();
@@ -283,6 +292,7 @@ class JobManager {
   Loop& loop_;
   JobEventSink sink_;
   std::vector<std::shared_ptr<Job>> jobs_;  // newest first
+  std::vector<std::pair<const void*, std::string>> blockers_;
 };
 
 }  // namespace vblk

@@ -535,6 +535,12 @@ Status JobManager::check_new_id(const std::string& id) const {
   return {};
 }
 
+Status JobManager::check_not_busy(const void* node, const std::string& name) const {
+  for (auto& [n, type] : blockers_)
+    if (n == node) return Error(EBUSY, "Node '" + name + "' is busy: block device is in use by block job: " + type);
+  return {};
+}
+
 void JobManager::add(std::shared_ptr<Job> job) { jobs_.insert(jobs_.begin(), std::move(job)); }
 
 void JobManager::remove(Job* j) {
