@@ -86,7 +86,6 @@ void BackupJob::clean() {
   if (cleaned_ || !cbw_) return;
   cleaned_ = true;
   graph_->remove_filter(cbw_, source_);
-  manager().unblock(source_.get());
   manager().unblock(target_.get());
   spawn_detached(release_filter(cbw_));
 }
@@ -121,8 +120,11 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
 
   if (src == tgt) return Error(EINVAL, "Source and target cannot be the same");
   // No vblk driver writes compressed clusters through the engine yet.
-  if (a.compress) return Error(ENOTSUP, "Compression is not supported for this drive " + tgt->node_name());
-  VBLK_TRY(mgr.check_not_busy(src.get(), src->node_name()));
+  // No vblk driver writes compressed clusters through the engine yet. The
+  // name QEMU prints is the device name, empty for a daemon's nodes.
+  if (a.compress) return Error(ENOTSUP, "Compression is not supported for this drive ");
+  // QEMU blocks the job's filter and its target, not the source (a second
+  // backup of the same source is refused by insert_filter below).
   VBLK_TRY(mgr.check_not_busy(tgt.get(), tgt->node_name()));
   if (a.max_workers < 1 || a.max_workers > INT_MAX)
     return Error(EINVAL, "max-workers must be between 1 and " + std::to_string(INT_MAX));
@@ -168,7 +170,6 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   job->on_source_error_ = a.on_source_error;
   job->on_target_error_ = a.on_target_error;
   job->speed_ = o.copy.speed;
-  mgr.block(src.get(), job->type());
   mgr.block(tgt.get(), job->type());
   job->start();
   return job;

@@ -421,7 +421,10 @@ TEST(BackupTest, ArgumentErrors) {
   a.speed = 1 << 20;
   auto job = e.start(a);
   ASSERT_TRUE(job);
-  EXPECT_EQ(err(e.args()), "Node 'src' is busy: block device is in use by block job: backup");
+  EXPECT_EQ(err(e.args()), "Node 'tgt' is busy: block device is in use by block job: backup");
+  a = e.args();
+  a.compress = true;
+  EXPECT_EQ(err(a), "Compression is not supported for this drive ");
   ASSERT_TRUE(job->user_cancel(true).ok());
   ASSERT_TRUE(e.wait_gone(job));
 }
