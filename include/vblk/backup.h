@@ -63,6 +63,7 @@ class BackupJob : public BlockJob {
   uint64_t progress_current() const override;
   uint64_t progress_total() const override;
   CopyBeforeWrite& filter() { return *cbw_; }
+  std::shared_ptr<Node> filter_node() const { return cbw_; }
 
  protected:
   Task<Status> run() override;
