@@ -29,6 +29,7 @@ class StepJob : public BlockJob {
   Status outcome;
   std::vector<std::string> calls;
   void kick() { enter(); }
+  using BlockJob::apply_verb;
   ErrorAction fail(OnError p, bool read, int err) { return error_action(p, read, err); }
 
  protected:
@@ -360,6 +361,71 @@ TEST_F(JobTest, SetSpeed) {
   EXPECT_EQ(j->speed(), 1u << 20);
   EXPECT_EQ(j->set_speed(-1).error().what(), "Parameter 'speed' expects a non-negative value");
   EXPECT_EQ(j->query_block_job()["speed"], 1 << 20);
+}
+
+// Every verb in every state a job can be observed in: refused verbs give
+// QEMU's message; accepted ones do not (they may fail for other reasons).
+TEST_F(JobTest, EveryVerbInEveryObservableState) {
+  auto call = [](StepJob& j, V v) -> Status {
+    switch (v) {
+      case V::Cancel:
+        return j.apply_verb(v);  // checked only: cancelling would end the job
+      case V::Pause:
+        return j.apply_verb(v);
+      case V::Resume:
+        return j.apply_verb(v);
+      case V::SetSpeed:
+        return j.set_speed(0);
+      case V::Complete:
+        return j.apply_verb(v);
+      case V::Finalize:
+        return j.apply_verb(v);
+      case V::Dismiss:
+        return j.apply_verb(v);
+    }
+    return {};
+  };
+  auto check_all = [&](StepJob& j, S want) {
+    ASSERT_EQ(j.status(), want);
+    for (int v = 0; v < kJobVerbCount; ++v) {
+      Status st = call(j, V(v));
+      std::string refused = std::string("Job '") + j.id() + "' in state '" + job_status_name(want) +
+                            "' cannot accept command verb '" + job_verb_name(V(v)) + "'";
+      if (job_verb_allowed(V(v), want)) {
+        EXPECT_TRUE(st.ok() || st.error().what() != refused) << job_verb_name(V(v));
+      } else {
+        ASSERT_FALSE(st.ok()) << job_verb_name(V(v)) << " in " << job_status_name(want);
+        EXPECT_EQ(st.error().what(), refused);
+      }
+    }
+  };
+  auto j = make("v", false, false);
+  j->steps = 1;
+  j->want_ready = true;
+  check_all(*j, S::Created);
+  j->start();
+  spin();
+  check_all(*j, S::Running);
+  ASSERT_TRUE(j->user_pause().ok());
+  spin();
+  check_all(*j, S::Paused);
+  ASSERT_TRUE(j->user_resume().ok());
+  spin();
+  step(*j, 1);
+  spin();
+  check_all(*j, S::Ready);
+  ASSERT_TRUE(j->user_pause().ok());
+  spin();
+  check_all(*j, S::Standby);
+  ASSERT_TRUE(j->user_resume().ok());
+  spin();
+  ASSERT_TRUE(j->complete().ok());
+  spin();
+  check_all(*j, S::Pending);
+  ASSERT_TRUE(j->finalize().ok());
+  check_all(*j, S::Concluded);
+  ASSERT_TRUE(j->dismiss().ok());
+  EXPECT_EQ(j->status(), S::Null);
 }
 
 TEST_F(JobTest, ManagerIdsAndLookups) {
