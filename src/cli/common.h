@@ -78,6 +78,7 @@ int cmd_map(int argc, char** argv);
 int cmd_compare(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
 int cmd_check(int argc, char** argv);
+int cmd_serve(int argc, char** argv);
 int cmd_resize(int argc, char** argv);
 int cmd_nbd(int argc, char** argv);
 int cmd_snapshot(int argc, char** argv);

@@ -33,6 +33,10 @@ const Command kCommands[] = {
      "[--aio=mode] [--image-opts] [--fork] [--pid-file=path] filename"},
     {"resize", vblk::cli::cmd_resize,
      "resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size"},
+    {"serve", vblk::cli::cmd_serve,
+     "serve [--blockdev options] [--chardev socket,path=path,server=on,wait=off,id=id] [--monitor chardev=id] "
+     "[--nbd-server addr.type=unix,addr.path=path] [--export type=nbd,id=id,node-name=node] [--object type,id=id] "
+     "[--pidfile path] [--daemonize]"},
     {"snapshot", vblk::cli::cmd_snapshot,
      "snapshot [--image-opts] [-U] [-q] [-l | -a snapshot | -c snapshot | -d snapshot] filename"},
     {"map", vblk::cli::cmd_map,
@@ -48,7 +52,7 @@ void help() {
   for (const auto& c : kCommands) std::printf("  %s\n", c.synopsis);
   std::printf(
       "\n"
-      "Supported formats: file host_device null-co qcow2 raw\n");
+      "Supported formats: blkdebug file host_device null-co qcow2 raw\n");
 }
 
 }  // namespace

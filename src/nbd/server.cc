@@ -67,10 +67,21 @@ void Server::stop() {
   slot_free_.set();
 }
 
+size_t Server::disconnect_clients(const std::string& name) {
+  size_t n = 0;
+  for (auto& [fd, s] : conns_) {
+    if (s && s->exp && s->exp->name == name) {
+      ::shutdown(fd, SHUT_RDWR);
+      ++n;
+    }
+  }
+  return n;
+}
+
 Task<void> Server::run_connection(Fd fd) {
-  conns_[fd.get()] = 1;
   {
     Session s{*this, loop_, fd.get()};
+    conns_[fd.get()] = &s;
     if (co_await negotiate(s)) co_await transmit(s);
   }
   conns_.erase(fd.get());

@@ -26,6 +26,8 @@ struct Export {
   bool writable = false;
 };
 
+struct Session;
+
 class Server {
  public:
   struct Options {
@@ -45,6 +47,9 @@ class Server {
   // Accepts clients on `listener` until stop(); returns when the listener is
   // done and every connection has closed.
   Task<void> serve(Fd listener);
+  // Ends the connections that chose export `name` (in-flight requests
+  // finish first); returns how many there were.
+  size_t disconnect_clients(const std::string& name);
   // Stops accepting and shuts every connection down (they finish their
   // in-flight requests first).
   void stop();
@@ -64,7 +69,7 @@ class Server {
   Loop& loop_;
   Options opts_;
   std::map<std::string, std::shared_ptr<const Export>> exports_;
-  std::map<int, int> conns_;  // open connection fds (for stop)
+  std::map<int, const Session*> conns_;  // open connections by fd (for stop)
   std::vector<int> listeners_;
   WaitGroup running_;
   CoEvent slot_free_;  // a connection ended (or stop): the accept loop may go on

@@ -10,6 +10,7 @@ Result<std::shared_ptr<Node>> open_host_device(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_raw(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_nbd(OpenContext& ctx, Json& opts);
+Result<std::shared_ptr<Node>> open_blkdebug(OpenContext& ctx, Json& opts);
 int probe_raw(std::span<const uint8_t> head);
 Result<std::shared_ptr<Node>> open_qcow2(OpenContext& ctx, Json& opts);
 int probe_qcow2(std::span<const uint8_t> head);

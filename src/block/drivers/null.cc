@@ -18,8 +18,21 @@ class NullNode final : public Node {
     set_length(size);
   }
 
-  std::string filename() const override { return "null-co://"; }
+  // QEMU names a null-co node with non-default options by those options
+  // ("json:{...}", members in QEMU's dict order: read-zeroes, driver, size).
+  std::string filename() const override {
+    if (!given_read_zeroes_ && !given_size_) return "null-co://";
+    std::string f = "json:{";
+    if (given_read_zeroes_) f += std::string("\"read-zeroes\": ") + (read_zeroes_ ? "true" : "false") + ", ";
+    f += "\"driver\": \"null-co\"";
+    if (given_size_) f += ", \"size\": " + std::to_string(length());
+    return f + "}";
+  }
+  bool given_read_zeroes_ = false;
+  bool given_size_ = false;
   Result<uint64_t> allocated_size() const override { return uint64_t{0}; }
+  // QEMU's null-co has no bdrv_get_info: no dirty-flag in info.
+  bool reports_dirty_flag() const override { return false; }
 
  protected:
   Task<void> delay() {
@@ -71,6 +84,8 @@ Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts) {
   (void)take_string(opts, "filename");
   auto node = std::make_shared<NullNode>(ctx.loop, size->value_or(1ull << 30), rz->value_or(false), lat->value_or(0));
   node->set_read_only(ro->value_or(ctx.read_only));
+  node->given_read_zeroes_ = rz->has_value();
+  node->given_size_ = size->has_value();
   return std::shared_ptr<Node>(node);
 }
 

@@ -1,0 +1,339 @@
+// vblk serve: a qemu-storage-daemon compatible daemon. The options are
+// qemu-storage-daemon's and take effect in command-line order, so the same
+// command line starts either daemon:
+//   --blockdev JSON|key=val,...   --chardev socket,path=P,server=on,wait=off,id=ID
+//   --monitor chardev=ID          --nbd-server addr.type=unix,addr.path=P
+//   --export type=nbd,id=..,node-name=..[,name=..][,writable=on]
+//   --object TYPE,id=..           --pidfile PATH   --daemonize
+// SIGTERM, SIGINT and SIGHUP (and QMP `quit`) shut down cleanly: monitors
+// and exports end, every node is drained and closed.
+#include <fcntl.h>
+#include <getopt.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "cli/common.h"
+#include "qmp/daemon.h"
+
+namespace vblk::cli {
+
+namespace {
+
+using qmp::OJson;
+
+void serve_help() {
+  std::printf(
+      "Usage: vblk serve [options]\n"
+      "vblk's storage daemon (qemu-storage-daemon compatible)\n"
+      "\n"
+      "  -h, --help             display this help and exit\n"
+      "  -V, --version          output version information and exit\n"
+      "\n"
+      "  --blockdev [driver=]<driver>[,node-name=<N>][,discard=ignore|unmap]\n"
+      "             [,cache.direct=on|off][,cache.no-flush=on|off]\n"
+      "             [,read-only=on|off][,auto-read-only=on|off]\n"
+      "             [,force-share=on|off][,detect-zeroes=on|off|unmap]\n"
+      "             [,driver specific parameters...]\n"
+      "                         configure a block backend (or a JSON object)\n"
+      "  --chardev socket,path=<path>,server=on,wait=off,id=<id>\n"
+      "                         a unix socket for a QMP monitor\n"
+      "  --export [type=]nbd,id=<id>,node-name=<node-name>[,name=<export-name>]\n"
+      "           [,writable=on|off][,description=<text>]\n"
+      "                         export the specified block node over NBD\n"
+      "  --monitor [chardev=]name[,mode=control]\n"
+      "                         configure a QMP monitor\n"
+      "  --nbd-server addr.type=inet,addr.host=<host>,addr.port=<port>\n"
+      "               [,max-connections=<n>]\n"
+      "  --nbd-server addr.type=unix,addr.path=<path>[,max-connections=<n>]\n"
+      "                         start an NBD server for exporting block nodes\n"
+      "  --object iothread,id=<id>\n"
+      "                         accepted (vblk serves from one event loop)\n"
+      "  --pidfile <path>       write process ID to a file after startup\n"
+      "  --daemonize            daemonize the process, and close the parent once\n"
+      "                         startup is complete\n");
+}
+
+// qemu-storage-daemon reports errors on one line, without a --help hint.
+[[noreturn]] void serve_fail(const std::string& msg) {
+  error_report(msg);
+  std::exit(1);
+}
+
+[[noreturn]] void opt_fail(const std::string& opt, const std::string& arg, const std::string& msg) {
+  serve_fail("--" + opt + " " + arg + ": " + msg);
+}
+
+struct Chardev {
+  Fd fd;
+  std::string path;
+};
+
+// key=val strings from the command line -> typed JSON for the QMP checks.
+bool to_bool(OJson& o, const std::string& key, std::string& err) {
+  if (!o.contains(key) || !o[key].is_string()) return true;
+  std::string v = o[key];
+  if (v == "on" || v == "yes" || v == "true" || v == "y") {
+    o[key] = true;
+  } else if (v == "off" || v == "no" || v == "false" || v == "n") {
+    o[key] = false;
+  } else {
+    err = "Parameter '" + key + "' expects 'on' or 'off'";
+    return false;
+  }
+  return true;
+}
+
+OJson keyval(const std::string& opt, const std::string& arg, const std::string& implied = {}) {
+  auto kv = parse_keyval(arg, implied);
+  if (!kv) opt_fail(opt, arg, kv.error().what());
+  return OJson::parse(kv->dump());
+}
+
+void do_blockdev(qmp::Daemon& d, const std::string& arg) {
+  Json opts;
+  if (!arg.empty() && arg[0] == '{') {
+    auto m = qmp::parse_json_value(arg);
+    if (!m.ok) opt_fail("blockdev", arg, m.error);
+    opts = Json::parse(m.value.dump());
+  } else {
+    auto kv = parse_keyval(arg, "driver");
+    if (!kv) opt_fail("blockdev", arg, kv.error().what());
+    opts = *kv;
+  }
+  auto n = d.blockdev_add(opts);
+  if (!n) {
+    std::string msg = n.error().what();
+    if (msg.rfind("Unknown driver '", 0) == 0)
+      msg = "Parameter 'driver' does not accept value '" + msg.substr(16, msg.size() - 17) + "'";
+    opt_fail("blockdev", arg, msg);
+  }
+}
+
+void do_chardev(std::map<std::string, Chardev>& chardevs, Loop& loop, const std::string& arg) {
+  OJson o = keyval("chardev", arg, "backend");
+  std::string backend = o.value("backend", "");
+  std::string id = o.value("id", "");
+  if (id.empty()) opt_fail("chardev", arg, "Parameter 'id' is missing");
+  if (chardevs.count(id)) opt_fail("chardev", arg, "duplicate yank instance");
+  if (backend != "socket") opt_fail("chardev", arg, "chardev backend '" + backend + "' is not supported by vblk");
+  std::string err;
+  if (!to_bool(o, "server", err) || !to_bool(o, "wait", err)) opt_fail("chardev", arg, err);
+  if (!o.value("server", false)) opt_fail("chardev", arg, "only server=on sockets are supported by vblk");
+  if (!o.contains("path")) opt_fail("chardev", arg, "chardev: socket: no host given");
+  std::string path = o["path"];
+  auto fd = listen_unix(loop, path);
+  if (!fd) opt_fail("chardev", arg, fd.error().what());
+  chardevs[id] = Chardev{std::move(*fd), path};
+}
+
+void do_monitor(qmp::Daemon& d, std::map<std::string, Chardev>& chardevs, const std::string& arg) {
+  OJson o = keyval("monitor", arg, "chardev");
+  std::string id = o.value("chardev", "");
+  std::string mode = o.value("mode", "control");
+  if (mode != "control") opt_fail("monitor", arg, "Only QMP is supported");
+  std::string err;
+  if (!to_bool(o, "pretty", err)) opt_fail("monitor", arg, err);
+  if (o.value("pretty", false)) opt_fail("monitor", arg, "pretty=on is not supported by vblk");
+  auto it = chardevs.find(id);
+  if (it == chardevs.end()) opt_fail("monitor", arg, "chardev \"" + id + "\" not found");
+  if (!it->second.fd.valid()) opt_fail("monitor", arg, "Device '" + id + "' is in use");
+  d.monitors.add_monitor(std::move(it->second.fd), it->second.path);
+}
+
+void do_nbd_server(qmp::Daemon& d, const std::string& arg) {
+  OJson o = keyval("nbd-server", arg);
+  static const std::vector<qmp::Arg> kUnix = {{"type", qmp::ArgType::Enum, true, {"inet", "unix", "vsock", "fd"}},
+                                              {"path", qmp::ArgType::Str, true}};
+  static const std::vector<qmp::Arg> kInet = {{"type", qmp::ArgType::Enum, true, {"inet", "unix", "vsock", "fd"}},
+                                              {"host", qmp::ArgType::Str, true},
+                                              {"port", qmp::ArgType::Str, true}};
+  if (!o.contains("addr") || !o["addr"].is_object()) opt_fail("nbd-server", arg, "Parameter 'addr' is missing");
+  OJson& addr = o["addr"];
+  std::string type = addr.value("type", "");
+  if (type.empty()) opt_fail("nbd-server", arg, "Parameter 'addr.type' is missing");
+  if (auto e = qmp::check_args(type == "inet" ? kInet : kUnix, true, addr, "addr")) opt_fail("nbd-server", arg, *e);
+  unsigned maxc = 0;
+  if (o.contains("max-connections")) {
+    auto v = parse_ulong(o["max-connections"].get<std::string>(), UINT32_MAX);
+    if (!v) opt_fail("nbd-server", arg, "Parameter 'max-connections' expects uint32_t");
+    maxc = static_cast<unsigned>(*v);
+  }
+  for (auto it = o.begin(); it != o.end(); ++it)
+    if (it.key() != "addr" && it.key() != "max-connections")
+      opt_fail("nbd-server", arg, "Parameter '" + it.key() + "' is unexpected");
+  auto st = qmp::start_nbd_server(d, addr, maxc);
+  if (!st) opt_fail("nbd-server", arg, st.error().what());
+}
+
+void do_export(qmp::Daemon& d, const std::string& arg) {
+  OJson o = keyval("export", arg, "type");
+  std::string err;
+  for (const char* k : {"writable", "writethrough", "fixed-iothread", "allocation-depth"})
+    if (!to_bool(o, k, err)) opt_fail("export", arg, err);
+  static const std::vector<qmp::Arg> kExport = {{"type", qmp::ArgType::Enum, true, {"nbd"}},
+                                                {"id", qmp::ArgType::Str, true},
+                                                {"fixed-iothread", qmp::ArgType::Bool},
+                                                {"iothread", qmp::ArgType::Str},
+                                                {"node-name", qmp::ArgType::Str, true},
+                                                {"writable", qmp::ArgType::Bool},
+                                                {"writethrough", qmp::ArgType::Bool},
+                                                {"name", qmp::ArgType::Str},
+                                                {"description", qmp::ArgType::Str},
+                                                {"allocation-depth", qmp::ArgType::Bool}};
+  if (auto e = qmp::check_args(kExport, false, o)) opt_fail("export", arg, *e);
+  auto st = qmp::add_block_export(d, o);
+  if (!st) opt_fail("export", arg, st.error().what());
+}
+
+void do_object(const std::string& arg) {
+  OJson o = keyval("object", arg, "qom-type");
+  std::string type = o.value("qom-type", "");
+  if (type.empty()) opt_fail("object", arg, "Parameter 'qom-type' is missing");
+  if (!o.contains("id")) opt_fail("object", arg, "Parameter 'id' is missing");
+  // One event loop serves everything: iothreads are accepted as no-ops.
+  if (type == "iothread") return;
+  static const char* const kQemuTypes[] = {"throttle-group", "secret", "secret_keyring", "tls-creds-x509",
+                                           "tls-creds-psk", "tls-creds-anon", "tls-cipher-suites", "authz-simple",
+                                           "authz-list", "authz-listfile", "authz-pam", "memory-backend-file",
+                                           "memory-backend-ram", "memory-backend-memfd", "rng-random", "rng-egd"};
+  for (const char* t : kQemuTypes)
+    if (type == t) opt_fail("object", arg, "object type '" + type + "' is not supported by vblk");
+  opt_fail("object", arg, "Parameter 'qom-type' does not accept value '" + type + "'");
+}
+
+void write_pidfile(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f || std::fprintf(f, "%d\n", static_cast<int>(::getpid())) < 0 || std::fclose(f) != 0)
+    serve_fail("Cannot open pid file: " + std::string(std::strerror(errno)));
+}
+
+Task<void> run_daemon(qmp::Daemon& d) {
+  co_await d.quit.wait();
+  co_await d.shutdown();
+}
+
+}  // namespace
+
+int cmd_serve(int argc, char** argv) {
+  enum { kBlockdev = 256, kChardev, kDaemonize, kExport, kMonitor, kNbdServer, kObject, kPidfile };
+  static const option longopts[] = {
+      {"help", no_argument, nullptr, 'h'},           {"version", no_argument, nullptr, 'V'},
+      {"trace", required_argument, nullptr, 'T'},    {"blockdev", required_argument, nullptr, kBlockdev},
+      {"chardev", required_argument, nullptr, kChardev}, {"daemonize", no_argument, nullptr, kDaemonize},
+      {"export", required_argument, nullptr, kExport}, {"monitor", required_argument, nullptr, kMonitor},
+      {"nbd-server", required_argument, nullptr, kNbdServer}, {"object", required_argument, nullptr, kObject},
+      {"pidfile", required_argument, nullptr, kPidfile}, {nullptr, 0, nullptr, 0}};
+  // First pass: everything that must be known before the loop exists.
+  std::vector<std::pair<int, std::string>> opts;
+  bool daemonize = false;
+  std::string pidfile;
+  opterr = 0;
+  optind = 1;
+  int c;
+  while ((c = getopt_long(argc, argv, "-:hT:V", longopts, nullptr)) != -1) {
+    switch (c) {
+      case 'h':
+        serve_help();
+        return 0;
+      case 'V':
+        std::printf("vblk serve version " VBLK_VERSION "\n");
+        return 0;
+      case 'T': break;  // tracing: accepted, nothing to trace
+      case 1: serve_fail(std::string(optarg) + ": Unexpected argument");
+      case kDaemonize: daemonize = true; break;
+      case kPidfile: pidfile = optarg; break;
+      // getopt's words, without qemu-img's "Try --help" line (as qsd).
+      case ':':
+        if (optopt > 0 && optopt < 256) serve_fail(std::string("option requires an argument -- '") + static_cast<char>(optopt) + "'");
+        serve_fail(std::string("option '") + argv[optind - 1] + "' requires an argument");
+      case '?':
+        if (optopt > 0 && optopt < 256) serve_fail(std::string("invalid option -- '") + static_cast<char>(optopt) + "'");
+        serve_fail(std::string("unrecognized option '") + argv[optind - 1] + "'");
+      default: opts.emplace_back(c, optarg); break;
+    }
+  }
+
+  // --daemonize: the parent waits until the child is serving (or failed)
+  // and exits with its verdict, as qemu-storage-daemon does.
+  int ready_pipe[2] = {-1, -1};
+  if (daemonize) {
+    if (::pipe(ready_pipe) < 0) serve_fail(std::string("Failed to create pipe: ") + std::strerror(errno));
+    pid_t pid = ::fork();
+    if (pid < 0) serve_fail(std::string("Failed to fork: ") + std::strerror(errno));
+    if (pid > 0) {
+      ::close(ready_pipe[1]);
+      char ok = 0;
+      ssize_t n = ::read(ready_pipe[0], &ok, 1);
+      if (n == 1 && ok == 1) return 0;
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      return WIFEXITED(status) && WEXITSTATUS(status) ? WEXITSTATUS(status) : 1;
+    }
+    ::close(ready_pipe[0]);
+    ::setsid();
+  }
+
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);  // before any thread starts
+  ::signal(SIGPIPE, SIG_IGN);
+
+  Loop loop;
+  qmp::Daemon d(loop);
+  qmp::register_all_commands(d);
+  std::map<std::string, Chardev> chardevs;
+  for (auto& [opt, arg] : opts) {
+    switch (opt) {
+      case kBlockdev: do_blockdev(d, arg); break;
+      case kChardev: do_chardev(chardevs, loop, arg); break;
+      case kMonitor: do_monitor(d, chardevs, arg); break;
+      case kNbdServer: do_nbd_server(d, arg); break;
+      case kExport: do_export(d, arg); break;
+      case kObject: do_object(arg); break;
+      default: break;
+    }
+  }
+  if (!pidfile.empty()) write_pidfile(pidfile);
+
+  // Signals arrive in a thread (sigwait) and only post the quit request.
+  std::thread([&loop, &d, sigs] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    loop.post_threadsafe([&d] { d.quit.set(); });
+  }).detach();
+
+  if (daemonize) {
+    char ok = 1;
+    [[maybe_unused]] ssize_t n = ::write(ready_pipe[1], &ok, 1);
+    ::close(ready_pipe[1]);
+    int devnull = ::open("/dev/null", O_RDWR);
+    if (devnull >= 0) {
+      ::dup2(devnull, 0);
+      ::dup2(devnull, 1);
+      ::dup2(devnull, 2);
+      ::close(devnull);
+    }
+  }
+
+  loop.run(run_daemon(d));
+  for (auto& [id, ch] : chardevs)
+    if (ch.fd.valid()) ::unlink(ch.path.c_str());
+  if (!pidfile.empty()) ::unlink(pidfile.c_str());
+  // The signal thread stays blocked in sigwait; _exit skips joining it and
+  // static destructors that could race with it.
+  std::fflush(stdout);
+  std::fflush(stderr);
+  ::_exit(0);
+}
+
+}  // namespace vblk::cli

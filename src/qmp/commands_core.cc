@@ -1,0 +1,71 @@
+// The daemon's bookkeeping and the core QMP commands: query-version,
+// query-commands, quit (qmp_capabilities is the monitor's own).
+#include <algorithm>
+
+#include "qmp/daemon.h"
+
+#ifndef VBLK_VERSION
+#define VBLK_VERSION "0.0.0"
+#define VBLK_VERSION_MAJOR 0
+#define VBLK_VERSION_MINOR 0
+#define VBLK_VERSION_PATCH 0
+#endif
+
+namespace vblk::qmp {
+
+namespace {
+
+OJson version_json() {
+  OJson v = OJson::object();
+  v["qemu"] = {{"major", VBLK_VERSION_MAJOR}, {"minor", VBLK_VERSION_MINOR}, {"micro", VBLK_VERSION_PATCH}};
+  v["package"] = "vblk " VBLK_VERSION;
+  return v;
+}
+
+Task<Reply> query_version(Daemon&, const OJson&) { co_return Reply::ok(version_json()); }
+
+Task<Reply> query_commands(Daemon& d, const OJson&) {
+  OJson list = OJson::array();
+  auto names = d.registry.names();
+  names.push_back("qmp_capabilities");
+  // QEMU lists the newest registration first.
+  std::reverse(names.begin(), names.end());
+  for (const auto& n : names) list.push_back({{"name", n}});
+  co_return Reply::ok(std::move(list));
+}
+
+Task<Reply> quit(Daemon& d, const OJson&) {
+  d.quit.set();
+  co_return Reply::ok();
+}
+
+}  // namespace
+
+Daemon::Daemon(Loop& l)
+    : loop(l), monitors(l, registry, version_json()), nbd_running(l), quit(l) {}
+
+Daemon::~Daemon() = default;
+
+void Daemon::note_new_nodes(const std::shared_ptr<Node>& top) {
+  // Post-order: children are listed (created) before their parents.
+  std::vector<Node*> seen;
+  for (auto& w : node_order)
+    if (auto n = w.lock()) seen.push_back(n.get());
+  std::vector<std::shared_ptr<Node>> stack_out;
+  auto visit = [&](auto&& self, const std::shared_ptr<Node>& n) -> void {
+    if (std::find(seen.begin(), seen.end(), n.get()) != seen.end()) return;
+    seen.push_back(n.get());
+    for (const auto& c : n->children()) self(self, c.node);
+    stack_out.push_back(n);
+  };
+  visit(visit, top);
+  for (auto& n : stack_out) node_order.push_back(n);
+}
+
+void register_core_commands(Daemon& d) {
+  d.registry.add({"query-version", {}, [&d](const OJson& a) { return query_version(d, a); }});
+  d.registry.add({"query-commands", {}, [&d](const OJson& a) { return query_commands(d, a); }});
+  d.registry.add({"quit", {}, [&d](const OJson& a) { return quit(d, a); }});
+}
+
+}  // namespace vblk::qmp

@@ -1,0 +1,226 @@
+// NBD server and block export commands: nbd-server-start/stop,
+// block-export-add/del, query-block-exports. The exports are served by
+// nbd::Server through its public API.
+#include <algorithm>
+
+#include "qmp/daemon.h"
+
+namespace vblk::qmp {
+
+namespace {
+
+const std::vector<Arg> kUnixMembers = {{"path", ArgType::Str, true}, {"abstract", ArgType::Bool}, {"tight", ArgType::Bool}};
+const std::vector<Arg> kInetMembers = {{"host", ArgType::Str, true},     {"port", ArgType::Str, true},
+                                       {"numeric", ArgType::Bool},       {"to", ArgType::Int},
+                                       {"ipv4", ArgType::Bool},          {"ipv6", ArgType::Bool},
+                                       {"keep-alive", ArgType::Bool},    {"mptcp", ArgType::Bool}};
+const std::vector<std::string> kAddrTypes = {"inet", "unix", "vsock", "fd"};
+
+// A server task owns its nbd::Server: the object lives until every
+// connection has ended, even after nbd-server-stop forgot it.
+Task<void> run_server(Daemon& d, std::unique_ptr<nbd::Server> s, Fd listener, std::string unix_path) {
+  co_await s->serve(std::move(listener));
+  if (!unix_path.empty()) ::unlink(unix_path.c_str());
+  s.reset();
+  d.nbd_running.done();
+}
+
+Task<Reply> nbd_server_stop(Daemon& d, const OJson&);
+
+Task<Reply> nbd_server_start(Daemon& d, const OJson& args) {
+  // SocketAddressLegacy: {"type": ..., "data": {...}}
+  const OJson& addr = args.at("addr");
+  std::vector<Arg> legacy = {{"type", ArgType::Enum, true, kAddrTypes}, {"data", ArgType::Object, true}};
+  if (auto e = check_args(legacy, false, addr, "addr")) co_return Reply::fail(*e);
+  std::string type = addr.at("type");
+  const OJson& data = addr.at("data");
+  if (type == "unix" || type == "inet") {
+    if (auto e = check_args(type == "unix" ? kUnixMembers : kInetMembers, false, data, "addr.data"))
+      co_return Reply::fail(*e);
+  }
+  if (args.contains("tls-creds")) co_return Reply::fail("No TLS credentials with id '" + args.at("tls-creds").get<std::string>() + "'");
+  OJson flat = data;
+  flat["type"] = type;
+  unsigned maxc = 0;
+  if (args.contains("max-connections")) maxc = args.at("max-connections").get<unsigned>();
+  auto st = start_nbd_server(d, flat, maxc);
+  if (!st) co_return Reply::fail(st.error().what());
+  co_return Reply::ok();
+}
+
+Task<void> delete_export(Daemon& d, std::string id);
+
+Task<Reply> nbd_server_stop(Daemon& d, const OJson&) {
+  if (!d.nbd) co_return Reply::fail("NBD server not running");
+  co_await d.nbd_stop();
+  co_return Reply::ok();
+}
+
+Task<Reply> block_export_add(Daemon& d, const OJson& args) {
+  auto st = add_block_export(d, args);
+  if (!st) co_return Reply::fail(st.error().what());
+  co_return Reply::ok();
+}
+
+// Removes the export, ends its clients (mode=hard) and waits until they
+// let go of it, so the node is free when the BLOCK_EXPORT_DELETED event
+// and the reply go out. (QEMU sends the event once the clients' coroutines
+// have ended, which can be later than its reply.)
+Task<void> delete_export(Daemon& d, std::string id) {
+  auto it = d.exports.find(id);
+  if (it == d.exports.end()) co_return;
+  std::string name = it->second.nbd_name;
+  d.exports.erase(it);
+  std::erase(d.export_order, id);
+  if (d.nbd) {
+    std::weak_ptr<const nbd::Export> held = d.nbd->find_export(name);
+    d.nbd->remove_export(name);
+    d.nbd->disconnect_clients(name);
+    for (int i = 0; i < 10000 && !held.expired(); ++i) co_await d.loop.sleep(std::chrono::milliseconds(1));
+  }
+  d.emit("BLOCK_EXPORT_DELETED", {{"id", id}});
+}
+
+Task<Reply> block_export_del(Daemon& d, const OJson& args) {
+  std::string id = args.at("id");
+  auto it = d.exports.find(id);
+  if (it == d.exports.end()) co_return Reply::fail("Export '" + id + "' is not found");
+  bool hard = args.contains("mode") && args.at("mode") == "hard";
+  if (!hard && d.nbd) {
+    // Connected clients hold the export (QEMU: its reference count): the
+    // map here, `e`, and one per client.
+    auto e = d.nbd->find_export(it->second.nbd_name);
+    if (e && e.use_count() > 2) co_return Reply::fail("export '" + id + "' still in use");
+  }
+  co_await delete_export(d, id);
+  co_return Reply::ok();
+}
+
+Task<Reply> query_block_exports(Daemon& d, const OJson&) {
+  OJson list = OJson::array();
+  // Newest first, as QEMU's list.
+  for (auto it = d.export_order.rbegin(); it != d.export_order.rend(); ++it) {
+    const BlockExport& e = d.exports.at(*it);
+    list.push_back({{"type", e.type}, {"id", e.id}, {"node-name", e.node_name}, {"shutting-down", false}});
+  }
+  co_return Reply::ok(std::move(list));
+}
+
+}  // namespace
+
+Result<Fd> listen_socket_address(Loop& loop, const OJson& addr, std::string* unix_path) {
+  std::string type = addr.value("type", "");
+  if (type == "unix") {
+    std::string path = addr.value("path", "");
+    auto fd = listen_unix(loop, path);
+    if (fd && unix_path) *unix_path = path;
+    return fd;
+  }
+  if (type == "inet") {
+    std::string host = addr.value("host", "");
+    std::string port = addr.value("port", "");
+    char* end = nullptr;
+    unsigned long p = std::strtoul(port.c_str(), &end, 10);
+    if (port.empty() || *end || p > 65535) return Error(EINVAL, "Unable to parse port '" + port + "'");
+    return listen_tcp(loop, host, static_cast<uint16_t>(p));
+  }
+  return Error(EINVAL, "Address type '" + type + "' is not supported by vblk");
+}
+
+Status start_nbd_server(Daemon& d, const OJson& addr, unsigned max_connections) {
+  if (d.nbd) return Error(EBUSY, "NBD server already running");
+  std::string path;
+  auto fd = listen_socket_address(d.loop, addr, &path);
+  VBLK_TRY(fd);
+  auto s = std::make_unique<nbd::Server>(d.loop, nbd::Server::Options{.max_connections = max_connections});
+  d.nbd = s.get();
+  d.nbd_unix_path = path;
+  d.nbd_running.add();
+  spawn_detached(run_server(d, std::move(s), std::move(*fd), path));
+  return {};
+}
+
+Task<void> Daemon::nbd_stop() {
+  if (!nbd) co_return;
+  std::vector<std::string> ids;
+  for (auto it = export_order.rbegin(); it != export_order.rend(); ++it)
+    if (exports.at(*it).type == "nbd") ids.push_back(*it);
+  for (auto& id : ids) co_await delete_export(*this, id);
+  nbd->stop();
+  nbd = nullptr;
+}
+
+Status add_block_export(Daemon& d, const OJson& o) {
+  std::string id = o.at("id");
+  // QEMU's id_wellformed: a letter, then letters, digits, '-', '.', '_'.
+  bool good = !id.empty() && std::isalpha(static_cast<unsigned char>(id[0]));
+  for (char c : id) good = good && (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_');
+  if (!good) return Error(EINVAL, "Invalid block export id");
+  if (d.exports.count(id)) return Error(EEXIST, "Block export id '" + id + "' is already in use");
+  std::string node_name = o.at("node-name");
+  auto node = d.graph.find(node_name);
+  if (!node) return Error(ENOENT, "Cannot find device='' nor node-name='" + node_name + "'");
+  if (!d.nbd) return Error(EINVAL, "NBD server not running");
+  std::string name = o.contains("name") ? o.at("name").get<std::string>() : node_name;
+  if (name.size() > 4096) return Error(EINVAL, "export name '" + name + "' too long");
+  std::string desc = o.contains("description") ? o.at("description").get<std::string>() : "";
+  if (desc.size() > 4096) return Error(EINVAL, "description '" + desc + "' too long");
+  if (d.nbd->find_export(name)) return Error(EEXIST, "NBD server already has export named '" + name + "'");
+  if (o.contains("bitmaps") && !o.at("bitmaps").empty())
+    return Error(ENOENT, "Bitmap '" + o.at("bitmaps")[0].get<std::string>() + "' is not found");
+  bool writable = o.contains("writable") && o.at("writable").get<bool>();
+  if (writable && node->read_only()) return Error(EACCES, "Block node is read-only");
+  VBLK_TRY(d.nbd->add_export(nbd::Export{name, desc, node, writable}));
+  d.exports[id] = BlockExport{id, "nbd", node_name, name};
+  d.export_order.push_back(id);
+  return {};
+}
+
+void register_nbd_commands(Daemon& d) {
+  d.node_users.push_back([&d](const Node& n) {
+    return std::any_of(d.exports.begin(), d.exports.end(), [&](auto& kv) {
+      auto p = d.graph.find(kv.second.node_name);
+      return p.get() == &n;
+    });
+  });
+  d.registry.add({"nbd-server-start",
+                  {{{"addr", ArgType::Struct, true, {}, {{"type", ArgType::Enum, true, kAddrTypes}}, true},
+                    {"tls-creds", ArgType::Str},
+                    {"tls-authz", ArgType::Str},
+                    {"max-connections", ArgType::UInt32}}},
+                  [&d](const OJson& a) { return nbd_server_start(d, a); }});
+  d.registry.add({"nbd-server-stop", {}, [&d](const OJson& a) { return nbd_server_stop(d, a); }});
+  d.registry.add({"block-export-add",
+                  {{{"type", ArgType::Enum, true, {"nbd"}},
+                    {"id", ArgType::Str, true},
+                    {"fixed-iothread", ArgType::Bool},
+                    {"iothread", ArgType::Str},
+                    {"node-name", ArgType::Str, true},
+                    {"writable", ArgType::Bool},
+                    {"writethrough", ArgType::Bool},
+                    {"name", ArgType::Str},
+                    {"description", ArgType::Str},
+                    {"bitmaps", ArgType::List},
+                    {"allocation-depth", ArgType::Bool}}},
+                  [&d](const OJson& a) { return block_export_add(d, a); }});
+  d.registry.add({"block-export-del",
+                  {{{"id", ArgType::Str, true}, {"mode", ArgType::Enum, false, {"safe", "hard"}}}},
+                  [&d](const OJson& a) { return block_export_del(d, a); }});
+  d.registry.add({"query-block-exports", {}, [&d](const OJson& a) { return query_block_exports(d, a); }});
+}
+
+Task<void> Daemon::shutdown() {
+  monitors.stop();
+  co_await nbd_stop();
+  co_await nbd_running.wait();
+  co_await monitors.wait();
+  // Close every node, parents first (they write back into their children).
+  for (auto it = node_order.rbegin(); it != node_order.rend(); ++it) {
+    if (auto n = it->lock()) {
+      co_await n->drain();
+      (void)co_await n->close();
+    }
+  }
+}
+
+}  // namespace vblk::qmp

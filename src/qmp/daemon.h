@@ -1,0 +1,101 @@
+// Daemon: the state QMP commands act on in `vblk serve` (QEMU's
+// qemu-storage-daemon): the node graph, the QMP monitors, the NBD server
+// and its exports, and the shutdown request.
+//
+// Commands are registered per area by register_*_commands(Daemon&) (core,
+// block, nbd); later areas (jobs, backup) add their own function and their
+// own fields here. Anything that keeps a node in use the way a QEMU
+// BlockBackend does (an export, a job) registers a check in `node_users`
+// so blockdev-del refuses the node with QEMU's "Node 'x' is in use".
+//
+// Ownership: the daemon owns everything it names; nodes are shared with
+// their users. One loop.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "nbd/server.h"
+#include "qmp/monitor.h"
+#include "qmp/registry.h"
+#include "vblk/graph.h"
+
+namespace vblk::qmp {
+
+// Per-node settings QEMU reports in query-named-block-nodes.
+struct NodeSettings {
+  bool direct = false;
+  bool no_flush = false;
+  std::string detect_zeroes = "off";
+};
+
+struct BlockExport {
+  std::string id;
+  std::string type;       // "nbd"
+  std::string node_name;
+  std::string nbd_name;   // the name clients ask for
+};
+
+struct Daemon {
+  explicit Daemon(Loop& l);
+  ~Daemon();
+
+  Loop& loop;
+  Graph graph;
+  Registry registry;
+  QmpServer monitors;
+
+  // Nodes in the order QEMU lists them (newest first); children come
+  // before their parents in creation order.
+  std::vector<std::weak_ptr<Node>> node_order;
+  std::map<const Node*, NodeSettings> settings;
+  std::set<std::string> monitor_owned;  // node names given by the user
+
+  // NBD server (nbd-server-start / --nbd-server) and exports by id.
+  nbd::Server* nbd = nullptr;  // owned by its serve task (freed when it ends)
+  std::string nbd_unix_path;  // unlinked when the server stops
+  WaitGroup nbd_running;
+  std::map<std::string, BlockExport> exports;
+  std::vector<std::string> export_order;  // ids, oldest first
+
+  // True if something other than the graph and parents holds `n` (export,
+  // job): blockdev-del answers "Node x is in use".
+  std::vector<std::function<bool(const Node&)>> node_users;
+
+  // `quit`, SIGTERM, SIGINT: set once; `vblk serve` then shuts down.
+  CoEvent quit;
+
+  void emit(const std::string& event, OJson data = nullptr) { monitors.emit_event(event, std::move(data)); }
+
+  // Adds a node tree opened from blockdev options to the bookkeeping.
+  void note_new_nodes(const std::shared_ptr<Node>& top);
+  // Opens blockdev options (QMP blockdev-add, --blockdev) into the graph.
+  Result<std::shared_ptr<Node>> blockdev_add(const nlohmann::json& opts);
+  // Stops the NBD server (exports removed, BLOCK_EXPORT_DELETED each).
+  Task<void> nbd_stop();
+  // Everything down: monitors, exports, server, nodes closed.
+  Task<void> shutdown();
+};
+
+void register_core_commands(Daemon& d);
+void register_block_commands(Daemon& d);
+void register_nbd_commands(Daemon& d);
+inline void register_all_commands(Daemon& d) {
+  register_core_commands(d);
+  register_block_commands(d);
+  register_nbd_commands(d);
+}
+
+// QEMU's SocketAddress (flat: {"type":"unix","path":...} or
+// {"type":"inet","host":...,"port":...}) -> listening socket.
+Result<Fd> listen_socket_address(Loop& loop, const OJson& addr, std::string* unix_path);
+// nbd-server-start for QMP and --nbd-server: `addr` flat, max_connections 0 = no limit.
+Status start_nbd_server(Daemon& d, const OJson& addr, unsigned max_connections);
+// block-export-add for QMP and --export (options already type-checked).
+Status add_block_export(Daemon& d, const OJson& opts);
+
+}  // namespace vblk::qmp
