@@ -19,7 +19,8 @@ namespace vblk {
 class NodeRef {
  public:
   NodeRef() = default;
-  explicit NodeRef(std::shared_ptr<Node> n) { reset(std::move(n)); }
+  // Implicit: an export's options take a node like a shared_ptr.
+  NodeRef(std::shared_ptr<Node> n) { reset(std::move(n)); }  // NOLINT
   ~NodeRef() { reset(); }
   NodeRef(NodeRef&& o) noexcept { reset(o.node_); o.reset(); }
   NodeRef& operator=(NodeRef&& o) noexcept {
