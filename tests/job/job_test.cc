@@ -70,6 +70,8 @@ struct JobTest : ::testing::Test {
   void SetUp() override {
     mgr.set_event_sink([this](const std::string& n, const J& d) { events.push_back({n, d}); });
   }
+  // Jobs a test leaves running end here, so no coroutine outlives the loop.
+  void TearDown() override { loop.run(mgr.cancel_all()); }
   // The event names, with JOB_STATUS_CHANGE shown as its status.
   std::vector<std::string> trace() const {
     std::vector<std::string> out;
