@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "vblk/node.h"
+#include "vblk/node_ref.h"
 
 namespace vblk {
 
@@ -23,6 +24,19 @@ class Graph {
   Status remove(const std::string& name);
   std::vector<std::shared_ptr<Node>> nodes() const;
   std::string generate_name();
+
+  // Filters above a node (QEMU's bdrv_insert_node / bdrv_drop_filter, for
+  // what backup needs). insert_filter adds `filter` (whose child is already
+  // `below`) to the graph and re-points every NodeRef to `below` at it, so
+  // exports and devices write through the filter from now on. Node parents
+  // are not re-pointed: if a named node has `below` as a child, EBUSY.
+  Status insert_filter(const std::shared_ptr<Node>& below, const std::shared_ptr<Node>& filter);
+  // Undoes insert_filter: the filter's NodeRefs point at `below` again and
+  // the filter leaves the graph (callers keep it alive until its in-flight
+  // requests are done).
+  void remove_filter(const std::shared_ptr<Node>& filter, const std::shared_ptr<Node>& below);
+  // A named node that has n as a child, or nullptr.
+  std::shared_ptr<Node> parent_of(const Node& n, const Node* except = nullptr) const;
 
  private:
   std::map<std::string, std::shared_ptr<Node>> nodes_;

@@ -52,6 +52,7 @@ enum StatusFlags : uint32_t {
 };
 
 class Node;
+class NodeRef;
 
 // How a growing truncate prepares the new area (QEMU's PreallocMode).
 enum class Prealloc { Off, Metadata, Falloc, Full };
@@ -141,6 +142,9 @@ class Node {
   Node* child(const std::string& role) const;
   Node* file_child() const { return child("file"); }
   Loop& loop() const { return loop_; }
+  // The re-pointable references held to this node by exports and jobs
+  // (see node_ref.h); Graph::insert_filter re-points them.
+  const std::vector<NodeRef*>& refs() const { return refs_; }
 
   // ---- properties
   uint64_t length() const { return length_; }
@@ -291,6 +295,8 @@ class Node {
   bool closed_ = false;  // close() ran
   uint64_t in_flight_ = 0;
   Tracked* tracked_head_ = nullptr;
+  friend class NodeRef;
+  std::vector<NodeRef*> refs_;
   CoEvent idle_;
 };
 

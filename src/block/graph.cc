@@ -38,4 +38,31 @@ std::string Graph::generate_name() {
   return name;
 }
 
+std::shared_ptr<Node> Graph::parent_of(const Node& n, const Node* except) const {
+  for (auto& [name, p] : nodes_) {
+    if (p.get() == except) continue;
+    for (auto& c : p->children())
+      if (c.node.get() == &n) return p;
+  }
+  return nullptr;
+}
+
+Status Graph::insert_filter(const std::shared_ptr<Node>& below, const std::shared_ptr<Node>& filter) {
+  if (auto p = parent_of(*below, filter.get()))
+    return Error(EBUSY, "Cannot insert a filter above node '" + below->node_name() + "': it is a child of node '" +
+                            p->node_name() + "'");
+  if (auto st = add(filter); !st) return st;
+  // Copy the list first: reset() edits it.
+  std::vector<NodeRef*> refs = below->refs();
+  for (NodeRef* r : refs) r->reset(filter);
+  return {};
+}
+
+void Graph::remove_filter(const std::shared_ptr<Node>& filter, const std::shared_ptr<Node>& below) {
+  std::vector<NodeRef*> refs = filter->refs();
+  for (NodeRef* r : refs) r->reset(below);
+  auto it = nodes_.find(filter->node_name());
+  if (it != nodes_.end() && it->second == filter) nodes_.erase(it);
+}
+
 }  // namespace vblk

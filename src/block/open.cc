@@ -16,6 +16,7 @@ namespace {
 // objects nobody references, and the order here is the probe order.
 const DriverInfo kDrivers[] = {
     {"blkdebug", true, drivers::open_blkdebug, nullptr},
+    {"copy-before-write", false, drivers::open_copy_before_write, nullptr},
     {"file", true, drivers::open_file, nullptr},
     {"host_device", true, drivers::open_host_device, nullptr},
     {"nbd", true, drivers::open_nbd, nullptr},

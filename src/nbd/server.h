@@ -15,6 +15,7 @@
 
 #include "vblk/net.h"
 #include "vblk/node.h"
+#include "vblk/node_ref.h"
 #include "vblk/sync.h"
 
 namespace vblk::nbd {
@@ -22,7 +23,9 @@ namespace vblk::nbd {
 struct Export {
   std::string name;
   std::string description;
-  std::shared_ptr<Node> node;
+  // Re-pointable: a backup's copy-before-write filter inserted above the
+  // node takes the export's writes from then on.
+  NodeRef node;
   bool writable = false;
 };
 

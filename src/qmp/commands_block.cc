@@ -125,6 +125,8 @@ Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
   if (!node) co_return Reply::fail("Failed to find node with node-name='" + name + "'");
   for (auto& in_use : d.node_users)
     if (in_use(*node)) co_return Reply::fail("Node " + name + " is in use");
+  // A job's op blocker (a backup's target).
+  if (auto st = d.jobs.check_not_busy(node.get(), name); !st) co_return Reply::fail(st.error().what());
   if (!d.monitor_owned.count(name)) co_return Reply::fail("Node " + name + " is not owned by the monitor");
   // The graph and `node` hold it; anything more is a parent.
   if (node.use_count() > 2) co_return Reply::fail("Block device " + name + " is in use");

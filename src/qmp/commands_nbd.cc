@@ -211,6 +211,9 @@ void register_nbd_commands(Daemon& d) {
 
 Task<void> Daemon::shutdown() {
   monitors.stop();
+  // As qemu-storage-daemon does at exit: cancel every job and wait for it
+  // (backup filters leave the graph before the nodes close).
+  co_await jobs.cancel_all();
   co_await nbd_stop();
   co_await nbd_running.wait();
   co_await monitors.wait();

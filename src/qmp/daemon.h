@@ -23,6 +23,7 @@
 #include "qmp/monitor.h"
 #include "qmp/registry.h"
 #include "vblk/graph.h"
+#include "vblk/job.h"
 
 namespace vblk::qmp {
 
@@ -46,6 +47,8 @@ struct Daemon {
 
   Loop& loop;
   Graph graph;
+  // Jobs (blockdev-backup, job-*, block-job-*): see src/qmp/commands_job.cc.
+  JobManager jobs{loop};
   Registry registry;
   QmpServer monitors;
 
@@ -84,10 +87,12 @@ struct Daemon {
 void register_core_commands(Daemon& d);
 void register_block_commands(Daemon& d);
 void register_nbd_commands(Daemon& d);
+void register_job_commands(Daemon& d);
 inline void register_all_commands(Daemon& d) {
   register_core_commands(d);
   register_block_commands(d);
   register_nbd_commands(d);
+  register_job_commands(d);
 }
 
 // QEMU's SocketAddress (flat: {"type":"unix","path":...} or

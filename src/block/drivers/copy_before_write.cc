@@ -1,0 +1,149 @@
+// The copy-before-write filter (see include/vblk/copy_before_write.h) and
+// its blockdev options, as QEMU 7.2 names them: file, target, bitmap,
+// on-cbw-error, cbw-timeout.
+#include "vblk/copy_before_write.h"
+
+#include <algorithm>
+#include <stop_token>
+
+#include "block/drivers/drivers.h"
+#include "vblk/buffer.h"
+
+namespace vblk {
+
+uint64_t cbw_cluster_size(const Node& target) { return std::max<uint64_t>(64 << 10, target.cluster_size()); }
+
+CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::shared_ptr<Node> target,
+                                 CbwOptions opts)
+    : Node(loop, "copy-before-write"),
+      file_(file.get()),
+      target_(target.get()),
+      on_error_(opts.on_error),
+      timeout_ns_(uint64_t{opts.timeout_s} * 1000000000ull),
+      orphans_(loop) {
+  limits_ = file_->limits();
+  caps_ = file_->caps();
+  caps_.native_fua = true;    // passed down; the child emulates it
+  caps_.copy_range = false;   // never a copy source: reads go to `file`
+  caps_.supports_backing = false;
+  set_length(file_->length());
+  set_read_only(file_->read_only());
+  if (!opts.copy.cluster_size) opts.copy.cluster_size = cbw_cluster_size(*target_);
+  add_child("file", std::move(file));
+  add_child("target", std::move(target));
+  bcs_ = std::make_unique<BlockCopyState>(*file_, *target_, opts.copy);
+  // Without a bitmap option every cluster is still to be copied: the
+  // snapshot is the whole disk as of now.
+  bcs_->bitmap().set_all();
+}
+
+CopyBeforeWrite::~CopyBeforeWrite() = default;
+
+Task<void> CopyBeforeWrite::quiesce() { co_await orphans_.wait(); }
+
+Task<Status> CopyBeforeWrite::copy_before_write(uint64_t offset, uint64_t bytes) {
+  if (!snapshot_error_.ok() || bytes == 0) co_return Status{};
+  const uint64_t cs = bcs_->options().cluster_size;
+  const uint64_t begin = align_down(offset, cs);
+  const uint64_t end = std::min(align_up(offset + bytes, cs), align_up(length(), cs));
+  if (begin >= end) co_return Status{};
+  Status st;
+  if (!timeout_ns_) {
+    st = co_await bcs_->copy(begin, end - begin, /*ignore_ratelimit=*/true);
+  } else {
+    // Wait for the copy at most cbw-timeout; a copy that takes longer is
+    // cancelled (its running tasks finish on their own, tracked in orphans_
+    // so the state is not destroyed under them).
+    auto stop = std::make_shared<std::stop_source>();
+    orphans_.add();
+    auto call = bcs_->copy_async(begin, end - begin, true, [this, stop](BlockCopyCall&) {
+      stop->request_stop();
+      orphans_.done();
+    });
+    if (!call->finished()) co_await loop().sleep(std::chrono::nanoseconds(timeout_ns_), stop->get_token());
+    if (!call->finished()) {
+      call->cancel();
+      st = Error(ETIMEDOUT);
+    } else if (call->failed()) {
+      st = call->status();
+    } else if (call->cancelled()) {
+      st = Error(ECANCELED);
+    }
+  }
+  if (st.ok()) co_return st;
+  if (on_error_ == OnCbwError::BreakGuestWrite) co_return st;
+  // break-snapshot: the guest write wins; the snapshot is no longer whole.
+  if (snapshot_error_.ok()) snapshot_error_ = st;
+  co_return Status{};
+}
+
+Task<Status> CopyBeforeWrite::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) {
+  co_return co_await file_->read(offset, buf, flags);
+}
+
+Task<Status> CopyBeforeWrite::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
+  VBLK_CO_TRY(co_await copy_before_write(offset, buf.size()));
+  co_return co_await file_->write(offset, buf, flags);
+}
+
+Task<Status> CopyBeforeWrite::do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) {
+  VBLK_CO_TRY(co_await copy_before_write(offset, bytes));
+  co_return co_await file_->write_zeroes(offset, bytes, flags);
+}
+
+Task<Status> CopyBeforeWrite::do_discard(uint64_t offset, uint64_t bytes) {
+  VBLK_CO_TRY(co_await copy_before_write(offset, bytes));
+  co_return co_await file_->discard(offset, bytes);
+}
+
+Task<Status> CopyBeforeWrite::do_flush() { co_return co_await file_->flush(); }
+
+Task<Result<BlockStatus>> CopyBeforeWrite::do_block_status(uint64_t offset, uint64_t bytes) {
+  co_return BlockStatus{.flags = kStatusRaw | kStatusOffsetValid, .bytes = bytes, .map = offset, .file = file_};
+}
+
+Task<Status> CopyBeforeWrite::do_truncate(uint64_t, bool) {
+  co_return Error(ENOTSUP, "Cannot resize a node under a copy-before-write filter");
+}
+
+namespace drivers {
+
+Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opts) {
+  auto file = open_child(ctx, opts, "file", true);
+  VBLK_TRY(file);
+  auto target = open_child(ctx, opts, "target", true);
+  VBLK_TRY(target);
+  CbwOptions o;
+  if (auto bitmap = take_dict(opts, "bitmap")) {
+    // vblk has no named dirty bitmaps yet: any bitmap is one that does not
+    // exist (QEMU's block_dirty_bitmap_lookup wording).
+    auto node = take_string(*bitmap, "node");
+    VBLK_TRY(node);
+    auto name = take_string(*bitmap, "name");
+    VBLK_TRY(name);
+    return Error(ENOENT, "Dirty bitmap '" + name->value_or("") + "' not found");
+  }
+  auto on_err = take_string(opts, "on-cbw-error");
+  VBLK_TRY(on_err);
+  if (*on_err) {
+    if (**on_err == "break-guest-write") {
+      o.on_error = OnCbwError::BreakGuestWrite;
+    } else if (**on_err == "break-snapshot") {
+      o.on_error = OnCbwError::BreakSnapshot;
+    } else {
+      return Error(EINVAL, "Parameter 'on-cbw-error' does not accept value '" + **on_err + "'");
+    }
+  }
+  auto timeout = take_size(opts, "cbw-timeout");
+  VBLK_TRY(timeout);
+  if (*timeout) {
+    if (**timeout > UINT32_MAX) return Error(EINVAL, "Parameter 'cbw-timeout' expects uint32_t");
+    o.timeout_s = static_cast<uint32_t>(**timeout);
+  }
+  if ((*file)->length() != (*target)->length())
+    return Error(EINVAL, "Source and target image have different sizes");
+  return std::shared_ptr<Node>(std::make_shared<CopyBeforeWrite>(ctx.loop, *file, *target, o));
+}
+
+}  // namespace drivers
+}  // namespace vblk

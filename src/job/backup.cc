@@ -1,0 +1,178 @@
+// The backup job (see include/vblk/backup.h): QEMU 7.2's backup_loop on one
+// asynchronous block-copy call, with the copy-before-write filter holding
+// the point in time.
+#include "vblk/backup.h"
+
+#include <climits>
+
+namespace vblk {
+
+BackupJob::BackupJob(JobManager& mgr, const std::string& id, bool auto_finalize, bool auto_dismiss)
+    : BlockJob(mgr, id, auto_finalize, auto_dismiss) {}
+
+BackupJob::~BackupJob() = default;
+
+uint64_t BackupJob::progress_current() const { return cbw_ ? cbw_->bcs().progress_done() : 0; }
+uint64_t BackupJob::progress_total() const { return cbw_ ? cbw_->bcs().progress_total() : 0; }
+
+Task<Status> BackupJob::run() {
+  // Requests that reached the source before the filter did belong to the
+  // time before the snapshot: let them finish first.
+  co_await source_->drain();
+  if (sync_ == Sync::None) {
+    // Fleecing: only guest writes copy (through the filter) until cancelled.
+    while (!is_cancelled()) co_await yield();
+    co_return Status{};
+  }
+  Status st = co_await copy_loop();
+  if (st.ok() && !is_cancelled() && !cbw_->snapshot_error().ok()) st = cbw_->snapshot_error();
+  co_return st;
+}
+
+Task<Status> BackupJob::copy_loop() {
+  BlockCopyState& bcs = cbw_->bcs();
+  const uint64_t len = align_up(source_->length(), bcs.options().cluster_size);
+  std::weak_ptr<Job> weak = weak_from_this();
+  for (;;) {
+    if (is_cancelled()) co_return Status{};
+    call_ = bcs.copy_async(0, len, false, [weak](BlockCopyCall&) {
+      if (auto j = weak.lock()) static_cast<BackupJob*>(j.get())->enter();
+    });
+    while (!call_->finished() && !is_cancelled()) co_await yield();
+    std::shared_ptr<BlockCopyCall> call = call_;
+    if (!call->finished()) {
+      // Cancelled: stop the call and wait for its running tasks.
+      call->cancel();
+      co_await call->wait();
+      call_.reset();
+      co_return Status{};
+    }
+    call_.reset();
+    if (is_cancelled() || call->succeeded()) co_return Status{};
+    // Cancelled by a pause: the pause is over, start a new call.
+    if (call->cancelled()) continue;
+    const bool is_read = call->error_is_read();
+    ErrorAction act = error_action(is_read ? on_source_error_ : on_target_error_, is_read, call->status().error().code);
+    if (act == ErrorAction::Report) co_return call->status();
+    // Stop: pause here, before the next call; ignore: retry at once.
+    if (act == ErrorAction::Stop) co_await pause_point();
+  }
+}
+
+void BackupJob::on_pause() {
+  if (call_ && !call_->finished()) call_->cancel();
+}
+
+bool BackupJob::on_cancel(bool force) {
+  (void)force;
+  if (call_ && !call_->finished()) call_->cancel();
+  return true;
+}
+
+void BackupJob::on_set_speed(uint64_t speed) {
+  if (cbw_) cbw_->bcs().set_speed(speed);
+}
+
+namespace {
+// Keeps the filter alive until requests that entered it before it left the
+// graph are done (they hold no reference of their own).
+Task<void> release_filter(std::shared_ptr<CopyBeforeWrite> f) {
+  co_await f->drain();
+  co_await f->quiesce();
+}
+}  // namespace
+
+void BackupJob::clean() {
+  if (cleaned_ || !cbw_) return;
+  cleaned_ = true;
+  graph_->remove_filter(cbw_, source_);
+  manager().unblock(target_.get());
+  spawn_detached(release_filter(cbw_));
+}
+
+Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, const BackupArgs& a) {
+  auto not_found = [](const std::string& n) {
+    return Error(ENOENT, "Cannot find device='" + n + "' nor node-name='" + n + "'");
+  };
+  auto src = graph.find(a.device);
+  if (!src) return not_found(a.device);
+  auto tgt = graph.find(a.target);
+  if (!tgt) return not_found(a.target);
+
+  BackupJob::Sync sync;
+  if (a.sync == "full") {
+    sync = BackupJob::Sync::Full;
+  } else if (a.sync == "top") {
+    sync = BackupJob::Sync::Top;
+  } else if (a.sync == "none") {
+    sync = BackupJob::Sync::None;
+  } else if (a.sync == "bitmap" || a.sync == "incremental") {
+    if (!a.bitmap) return Error(EINVAL, "must provide a valid bitmap name for '" + a.sync + "' sync mode");
+    if (a.sync == "incremental" && a.bitmap_mode && *a.bitmap_mode != "on-success")
+      return Error(EINVAL, "Bitmap sync mode must be 'on-success' when using sync mode 'incremental'");
+    sync = BackupJob::Sync::Full;  // not reached: no named bitmaps yet
+  } else {
+    return Error(EINVAL, "Parameter 'sync' does not accept value '" + a.sync + "'");
+  }
+  // vblk has no named dirty bitmaps yet, so every bitmap is unknown.
+  if (a.bitmap) return Error(ENOENT, "Bitmap '" + *a.bitmap + "' could not be found");
+  if (a.bitmap_mode) return Error(EINVAL, "Cannot specify bitmap sync mode without a bitmap");
+
+  if (src == tgt) return Error(EINVAL, "Source and target cannot be the same");
+  // No vblk driver writes compressed clusters through the engine yet.
+  // No vblk driver writes compressed clusters through the engine yet. The
+  // name QEMU prints is the device name, empty for a daemon's nodes.
+  if (a.compress) return Error(ENOTSUP, "Compression is not supported for this drive ");
+  // QEMU blocks the job's filter and its target, not the source (a second
+  // backup of the same source is refused by insert_filter below).
+  VBLK_TRY(mgr.check_not_busy(tgt.get(), tgt->node_name()));
+  if (a.max_workers < 1 || a.max_workers > INT_MAX)
+    return Error(EINVAL, "max-workers must be between 1 and " + std::to_string(INT_MAX));
+  if (a.max_chunk < 0) return Error(EINVAL, "max-chunk must be zero (which means no limit) or positive");
+  if (src->length() != tgt->length()) return Error(EINVAL, "Source and target image have different sizes");
+  const uint64_t cs = cbw_cluster_size(*tgt);
+  if (a.max_chunk && static_cast<uint64_t>(a.max_chunk) < cs)
+    return Error(EINVAL, "Required max-chunk (" + std::to_string(a.max_chunk) + ") is less than backup cluster size (" +
+                             std::to_string(cs) + ")");
+  if (tgt->read_only()) return Error(EACCES, "Block node is read-only");
+  // QEMU names the job after the device when no id is given; nodes of a
+  // storage daemon have no device name, so the id must be given.
+  const std::string id = a.job_id.value_or(std::string());
+  VBLK_TRY(mgr.check_new_id(id));
+  if (a.speed && *a.speed < 0) return Error(EINVAL, "Parameter 'speed' expects a non-negative value");
+  std::string fname = a.filter_node_name.value_or(std::string());
+  if (!fname.empty() && graph.find(fname)) return Error(EEXIST, "Duplicate nodes with node-name='" + fname + "'");
+  if (fname.empty()) fname = graph.generate_name();
+
+  CbwOptions o;
+  o.copy.cluster_size = cs;
+  o.copy.max_workers = static_cast<unsigned>(a.max_workers);
+  o.copy.max_chunk = static_cast<uint64_t>(a.max_chunk);
+  o.copy.use_copy_range = a.use_copy_range;
+  o.copy.skip_unallocated = sync == BackupJob::Sync::Top;
+  o.copy.speed = a.speed ? static_cast<uint64_t>(*a.speed) : 0;
+  if (a.max_memory) o.copy.max_memory = a.max_memory;
+  auto cbw = std::make_shared<CopyBeforeWrite>(src->loop(), src, tgt, o);
+  cbw->set_node_name(fname);
+  VBLK_TRY(graph.insert_filter(src, cbw));
+
+  auto created = mgr.create<BackupJob>(id, a.auto_finalize, a.auto_dismiss);
+  if (!created.ok()) {
+    graph.remove_filter(cbw, src);
+    return created.take_error();
+  }
+  std::shared_ptr<BackupJob> job = *created;
+  job->graph_ = &graph;
+  job->source_ = src;
+  job->target_ = tgt;
+  job->cbw_ = cbw;
+  job->sync_ = sync;
+  job->on_source_error_ = a.on_source_error;
+  job->on_target_error_ = a.on_target_error;
+  job->speed_ = o.copy.speed;
+  mgr.block(tgt.get(), job->type());
+  job->start();
+  return job;
+}
+
+}  // namespace vblk
