@@ -28,6 +28,8 @@ Device limit (on the fully written cases, sizes of the source file):
   fio-copy            both jobs at once in one fio run: the time a copy
                       needs at least when it reads and writes in parallel
                       (the copy bound; "% bound" columns divide by it)
+  (fio's times are its own job run time plus the fsync, without fio's
+  start-up and file lay-out, which can take seconds on a loaded machine)
 
 Timing: wall time of the tool plus an fsync of the target afterwards, so a
 tool that leaves dirty pages in the page cache (cp, nbdcopy, cache=unsafe)
@@ -119,6 +121,10 @@ def time_v(argv, env=None, timeout=900):
         sys.stderr.write(p.stdout + p.stderr)
         raise SystemExit(f"FAILED (exit status {p.returncode}): {shlex.join(argv)}")
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)
+    if argv[0] == "fio":
+        # fio's own run time: its start-up and file lay-out are not the device's.
+        jobs = json.loads(p.stdout[p.stdout.index("{"):])["jobs"]
+        dt = max(j["job_runtime"] for j in jobs) / 1000.0
     return dt, int(m.group(1)) if m else 0, p.stderr
 
 
@@ -128,6 +134,48 @@ def fio_argv(jobs, size):
     for name, rw, path in jobs:
         argv += [f"--name={name}", f"--rw={rw}", f"--filename={path}"]
     return argv
+
+
+def report(res):
+    """Prints one case's table; returns True if a vblk environment is the fastest tool."""
+    t = res["seconds"]
+    mean = {e: statistics.fmean(v) for e, v in t.items()}
+    others = [e for e in t if not e.startswith("vblk") and not e.startswith("fio")]
+    best = min(others, key=lambda e: mean[e])
+    bound = mean.get("fio-copy")
+    res["mean"], res["best_other"] = mean, best
+    rows = [["environment", "time (s)", "MiB/s", "peak RSS (MiB)", "vs best", "% bound", "ok"]]
+    for e, v in t.items():
+        m, sd = bi.mean_sd(v)
+        mbs = res["source_bytes"] / MIB / m
+        vs = "" if e.startswith("fio") else f"{mean[best] / m:.2f}"
+        pct = f"{100 * bound / m:.0f} %" if bound and not e.startswith("fio") else ""
+        ok = "" if e not in res["verified"] else ("yes" if res["verified"][e] else "NO")
+        rows.append([e, bi.fmt_pm(m, sd, 3), f"{mbs:.0f}", f"{max(res['peak_rss_kib'][e]) / 1024:.0f}", vs, pct, ok])
+    print(f"\n## {res['case']} (source file {bi.human_size(res['source_bytes'])}; best other tool: {best})")
+    print(bi.render_table(rows))
+    mem = res["vblk_copy_memory_peak"]
+    if mem:
+        print("block-copy memory peak: " + ", ".join(f"{e} {v / MIB:.0f} MiB" for e, v in mem.items() if e != "cap")
+              + f" (cap {mem.get('cap', 0) / MIB:.0f} MiB)")
+    print(f"# load {bi.loadavg()} after this case", flush=True)
+    vb = [e for e in t if e.startswith("vblk")]
+    fastest = min(vb, key=lambda e: mean[e]) if vb else None
+    return not (fastest and mean[fastest] > mean[best])
+
+
+def from_log(path, sizes):
+    """Results of an interrupted run, from its progress lines on stderr."""
+    per = {}
+    for line in open(path):
+        m = re.match(r"run \d+/\d+ (\S+)\s+(\S+)\s+([0-9.]+) s\s+(\d+) MiB", line)
+        if m:
+            case, env, t, rss = m.group(1), m.group(2), float(m.group(3)), int(m.group(4))
+            r = per.setdefault(case, {"case": case, "source_bytes": sizes[case], "seconds": {}, "peak_rss_kib": {},
+                                      "vblk_copy_memory_peak": {}, "verified": {}})
+            r["seconds"].setdefault(env, []).append(t)
+            r["peak_rss_kib"].setdefault(env, []).append(rss * 1024)
+    return list(per.values())
 
 
 def main():
@@ -142,7 +190,16 @@ def main():
     ap.add_argument("--dir", default=None, help="image directory (default: temp dir under /var/tmp)")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--no-verify", action="store_true", help="skip the qemu-img compare of every target")
+    ap.add_argument("--from-log", default=None, metavar="FILE",
+                    help="only print the tables of an interrupted run from its stderr progress log")
     args = ap.parse_args()
+    if args.from_log:
+        sizes = {"raw-full": args.size, "raw-sparse": 4 * args.size}
+        print(f"# tables from the progress log of an interrupted run ({os.path.basename(args.from_log)}); "
+              f"no compare results or memory peaks in it")
+        for res in from_log(args.from_log, sizes):
+            report(res)
+        return
     vblk = bi.resolve_tool(args.vblk, "vblk")
     qemu = bi.resolve_tool(args.qemu_img, "qemu-img")
     for tool in ("nbdcopy", "qemu-nbd", "fio"):
@@ -247,7 +304,10 @@ def main():
                                 "fio-write": [("w", "write", dst)],
                                 "fio-copy": [("r", "read", case["src"]), ("w", "write", dst)]}[env]
                         t, m, _ = time_v(fio_argv(jobs, src_bytes))
-                        fsync_path(dst) if env != "fio-read" else None
+                        if env != "fio-read":
+                            t0 = time.monotonic()
+                            fsync_path(dst)
+                            t += time.monotonic() - t0
                     else:
                         if env.startswith("nbdcopy") and case["fmt"] == "qcow2":
                             vsize = json.loads(subprocess.run([qemu, "info", "--output=json", case["src"]],
@@ -274,38 +334,19 @@ def main():
             rm(dst)
             results.append({"case": case["name"], "source_bytes": src_bytes, "seconds": times,
                             "peak_rss_kib": rss, "vblk_copy_memory_peak": mem, "verified": verified})
+            # Each case's table as soon as it is done (a long run can be cut short).
+            results[-1]["vblk_fastest"] = report(results[-1])
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"meta": meta, "results": results}, f, indent=2)
+                    f.write("\n")
     finally:
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)
     meta["elapsed_seconds"] = round(time.monotonic() - t_start, 1)
     meta["loadavg_end"] = bi.loadavg()
 
-    slower = []
-    for res in results:
-        t = res["seconds"]
-        mean = {e: statistics.fmean(v) for e, v in t.items()}
-        others = [e for e in t if not e.startswith("vblk") and not e.startswith("fio")]
-        best = min(others, key=lambda e: mean[e])
-        bound = mean.get("fio-copy")
-        res["mean"], res["best_other"] = mean, best
-        rows = [["environment", "time (s)", "MiB/s", "peak RSS (MiB)", "vs best", "% bound", "ok"]]
-        for e, v in t.items():
-            m, sd = bi.mean_sd(v)
-            mbs = res["source_bytes"] / MIB / m
-            vs = "" if e.startswith("fio") else f"{mean[best] / m:.2f}"
-            pct = f"{100 * bound / m:.0f} %" if bound and not e.startswith("fio") else ""
-            ok = "" if e not in res["verified"] else ("yes" if res["verified"][e] else "NO")
-            rows.append([e, bi.fmt_pm(m, sd, 3), f"{mbs:.0f}", f"{max(res['peak_rss_kib'][e]) / 1024:.0f}", vs, pct, ok])
-        print(f"\n## {res['case']} (source file {bi.human_size(res['source_bytes'])}; best other tool: {best})")
-        print(bi.render_table(rows))
-        mem = res["vblk_copy_memory_peak"]
-        if mem:
-            print("block-copy memory peak: " + ", ".join(f"{e} {v / MIB:.0f} MiB" for e, v in mem.items() if e != "cap")
-                  + f" (cap {mem.get('cap', 0) / MIB:.0f} MiB)")
-        vb = [e for e in t if e.startswith("vblk")]
-        fastest = min(vb, key=lambda e: mean[e]) if vb else None
-        if fastest and mean[fastest] > mean[best]:
-            slower.append(res["case"])
+    slower = [res["case"] for res in results if not res.get("vblk_fastest", True)]
     print()
     print("vblk fastest in every case" if not slower else f"vblk not fastest in: {', '.join(slower)}")
     print(f"# total wall time {meta['elapsed_seconds']:.0f} s; load {meta['loadavg_end']} at end")
