@@ -136,7 +136,7 @@ def fio_argv(jobs, size):
     return argv
 
 
-def report(res):
+def report(res, show_load=True):
     """Prints one case's table; returns True if a vblk environment is the fastest tool."""
     t = res["seconds"]
     mean = {e: statistics.fmean(v) for e, v in t.items()}
@@ -158,7 +158,8 @@ def report(res):
     if mem:
         print("block-copy memory peak: " + ", ".join(f"{e} {v / MIB:.0f} MiB" for e, v in mem.items() if e != "cap")
               + f" (cap {mem.get('cap', 0) / MIB:.0f} MiB)")
-    print(f"# load {bi.loadavg()} after this case", flush=True)
+    if show_load:
+        print(f"# load {bi.loadavg()} after this case", flush=True)
     vb = [e for e in t if e.startswith("vblk")]
     fastest = min(vb, key=lambda e: mean[e]) if vb else None
     return not (fastest and mean[fastest] > mean[best])
@@ -171,6 +172,8 @@ def from_log(path, sizes):
         m = re.match(r"run \d+/\d+ (\S+)\s+(\S+)\s+([0-9.]+) s\s+(\d+) MiB", line)
         if m:
             case, env, t, rss = m.group(1), m.group(2), float(m.group(3)), int(m.group(4))
+            if case not in sizes:
+                continue
             r = per.setdefault(case, {"case": case, "source_bytes": sizes[case], "seconds": {}, "peak_rss_kib": {},
                                       "vblk_copy_memory_peak": {}, "verified": {}})
             r["seconds"].setdefault(env, []).append(t)
@@ -198,7 +201,7 @@ def main():
         print(f"# tables from the progress log of an interrupted run ({os.path.basename(args.from_log)}); "
               f"no compare results or memory peaks in it")
         for res in from_log(args.from_log, sizes):
-            report(res)
+            report(res, show_load=False)
         return
     vblk = bi.resolve_tool(args.vblk, "vblk")
     qemu = bi.resolve_tool(args.qemu_img, "qemu-img")
