@@ -204,8 +204,12 @@ class Connection {
     }
     Status st;
     switch (r.type) {
-      case kCmdRead: co_await read(r); co_return;
-      case kCmdBlockStatus: co_await block_status(r); co_return;
+      case kCmdRead:
+        co_await read(r);
+        co_return;
+      case kCmdBlockStatus:
+        co_await block_status(r);
+        co_return;
       case kCmdWrite: {
         uint32_t f = 0;
         if (r.flags & kCmdFlagFua) f |= kReqFua;
