@@ -176,8 +176,8 @@ class BlockCopyState {
   Task<Status> copy_data(uint64_t offset, uint64_t bytes, bool& error_is_read);
   Task<Status> read_write(uint64_t offset, uint64_t bytes, bool& error_is_read);
   Task<Status> write_detecting_zeroes(uint64_t offset, std::span<const uint8_t> buf);
-  AlignedBuffer take_buffer(uint64_t bytes);
-  void give_buffer(AlignedBuffer b);
+  std::span<uint8_t> take_buffer(uint64_t bytes);
+  void give_buffer(std::span<uint8_t> b);
   InFlight* find_in_flight(uint64_t offset, uint64_t end);
   uint64_t call_end(const BlockCopyCall& call) const;
   uint64_t data_chunk_limit() const;
@@ -196,7 +196,9 @@ class BlockCopyState {
   uint64_t in_flight_bytes_ = 0;
   std::vector<InFlight*> in_flight_;          // tasks of all calls
   std::vector<BlockCopyCall*> calls_;         // running calls (for kicks)
-  std::vector<AlignedBuffer> free_buffers_;   // reused data buffers
+  std::vector<AlignedBuffer> slabs_;          // huge-page memory for data buffers
+  std::vector<uint8_t*> free_pieces_;         // chunk-size pieces of slabs_ not in use
+  std::vector<AlignedBuffer> spare_;          // oversized buffers in use (rare)
 };
 
 }  // namespace vblk

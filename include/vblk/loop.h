@@ -37,7 +37,7 @@ class Loop;
 
 namespace detail {
 struct IoRequest {
-  enum class Op : uint8_t { Read, Write, Fsync, Fdatasync, Fallocate, Recv, Send, Accept, Connect, Blocking, PollIn, PollOut };
+  enum class Op : uint8_t { Read, Write, Fsync, Fdatasync, Fallocate, Recv, Send, SendMsg, Accept, Connect, Blocking, PollIn, PollOut };
   Op op = Op::Read;
   AioMode mode = AioMode::IoUring;
   int fd = -1;
@@ -126,6 +126,8 @@ class Loop {
   // --- sockets (fds must come from make_socket_for_loop semantics: see net.h)
   IoAwaitable recv(int fd, void* buf, size_t len, int flags = 0);
   IoAwaitable send(int fd, const void* buf, size_t len, int flags = MSG_NOSIGNAL);
+  // sendmsg(2): many buffers in one call (msg must outlive the await).
+  IoAwaitable sendmsg(int fd, const msghdr* msg, int flags = MSG_NOSIGNAL);
   IoAwaitable accept(int fd);
   IoAwaitable connect(int fd, const sockaddr* addr, socklen_t len);
 

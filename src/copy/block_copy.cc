@@ -310,23 +310,42 @@ Task<Status> BlockCopyState::copy_data(uint64_t offset, uint64_t bytes, bool& er
   co_return co_await read_write(offset, bytes, error_is_read);
 }
 
-AlignedBuffer BlockCopyState::take_buffer(uint64_t bytes) {
-  if (bytes == data_chunk_limit() && !free_buffers_.empty()) {
-    AlignedBuffer b = std::move(free_buffers_.back());
-    free_buffers_.pop_back();
-    if (b.size() == bytes) return b;
+// Data buffers are pieces of chunk size cut from slabs of 2 MiB transparent
+// huge pages (where the kernel gives them): a 1 MiB O_DIRECT request then
+// spans one or two physical segments instead of 256 pages, so the device
+// queue (virtio-blk allows 254 segments) need not split it, and the zero
+// scan and the kernel's pinning walk a few TLB entries. Pieces are recycled:
+// a fresh allocation per chunk would be an mmap/munmap pair each time. The
+// pieces in use are bounded by the memory budget (every user holds its bytes
+// of it), so the slabs are too.
+std::span<uint8_t> BlockCopyState::take_buffer(uint64_t bytes) {
+  const uint64_t piece = data_chunk_limit();
+  if (bytes > piece) {
+    // Not from the slabs (never happens with read_write's pieces).
+    spare_.push_back(AlignedBuffer(bytes, std::max<size_t>({kDefaultBufferAlign, source_.limits().buffer_alignment,
+                                                            target_.limits().buffer_alignment})));
+    return spare_.back().span();
   }
-  size_t align = std::max<size_t>({kDefaultBufferAlign, source_.limits().buffer_alignment,
-                                   target_.limits().buffer_alignment});
-  return AlignedBuffer(bytes, align);
+  if (free_pieces_.empty()) {
+    constexpr uint64_t kSlab = 2 << 20;
+    const uint64_t slab = align_up(std::max(piece, kSlab), kSlab);
+    slabs_.push_back(AlignedBuffer::huge(slab));
+    uint8_t* base = slabs_.back().data();
+    for (uint64_t off = 0; off + piece <= slab; off += piece) free_pieces_.push_back(base + off);
+  }
+  uint8_t* p = free_pieces_.back();
+  free_pieces_.pop_back();
+  return {p, static_cast<size_t>(bytes)};
 }
 
-void BlockCopyState::give_buffer(AlignedBuffer b) {
-  // Keep full-size buffers for reuse (bounded by the budget anyway): a fresh
-  // 1 MiB allocation per chunk would be an mmap/munmap pair each time.
-  if (b.size() == data_chunk_limit() &&
-      free_buffers_.size() * b.size() < opts_.max_memory)
-    free_buffers_.push_back(std::move(b));
+void BlockCopyState::give_buffer(std::span<uint8_t> b) {
+  for (auto it = spare_.begin(); it != spare_.end(); ++it) {
+    if (it->data() == b.data()) {
+      spare_.erase(it);
+      return;
+    }
+  }
+  free_pieces_.push_back(b.data());
 }
 
 Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& error_is_read) {
@@ -337,8 +356,7 @@ Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& e
     const uint64_t n = std::min(piece_max, bytes - done);
     co_await memory_.acquire(n);
     memory_peak_ = std::max(memory_peak_, memory_in_use());
-    AlignedBuffer buf = take_buffer(n);
-    std::span<uint8_t> span = buf.span().subspan(0, n);
+    std::span<uint8_t> span = take_buffer(n);
     Status st = co_await source_.read(offset + done, span);
     if (!st.ok()) {
       error_is_read = true;
@@ -350,7 +368,7 @@ Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& e
       }
       if (!st.ok()) error_is_read = false;
     }
-    give_buffer(std::move(buf));
+    give_buffer(span);
     memory_.release(n);
     if (!st.ok()) co_return st;
     done += n;

@@ -37,7 +37,7 @@ class EpollBackend final : public Backend {
       return;
     }
     auto& w = waiting_[r->fd];
-    bool out = r->op == IoRequest::Op::Send || r->op == IoRequest::Op::Connect;
+    bool out = r->op == IoRequest::Op::Send || r->op == IoRequest::Op::SendMsg || r->op == IoRequest::Op::Connect;
     (out ? w.out : w.in) = r;
     rearm(r->fd, w);
   }
@@ -64,7 +64,7 @@ class EpollBackend final : public Backend {
           complete(loop_, r);
         } else {
           auto& slot = waiting_[fd];
-          bool out = r->op == IoRequest::Op::Send || r->op == IoRequest::Op::Connect;
+          bool out = r->op == IoRequest::Op::Send || r->op == IoRequest::Op::SendMsg || r->op == IoRequest::Op::Connect;
           (out ? slot.out : slot.in) = r;
         }
       }
@@ -102,6 +102,9 @@ class EpollBackend final : public Backend {
         break;
       case IoRequest::Op::Send:
         ret = ::send(r->fd, r->buf, r->len, r->flags | MSG_DONTWAIT);
+        break;
+      case IoRequest::Op::SendMsg:
+        ret = ::sendmsg(r->fd, static_cast<const msghdr*>(r->buf), r->flags | MSG_DONTWAIT);
         break;
       case IoRequest::Op::Accept:
         ret = ::accept4(r->fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);

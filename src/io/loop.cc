@@ -86,6 +86,9 @@ IoAwaitable Loop::recv(int fd, void* buf, size_t len, int flags) {
 IoAwaitable Loop::send(int fd, const void* buf, size_t len, int flags) {
   return IoAwaitable(*this, {.op = Op::Send, .fd = fd, .buf = const_cast<void*>(buf), .len = len, .flags = flags});
 }
+IoAwaitable Loop::sendmsg(int fd, const msghdr* msg, int flags) {
+  return IoAwaitable(*this, {.op = Op::SendMsg, .fd = fd, .buf = const_cast<msghdr*>(msg), .flags = flags});
+}
 IoAwaitable Loop::accept(int fd) { return IoAwaitable(*this, {.op = Op::Accept, .fd = fd}); }
 IoAwaitable Loop::connect(int fd, const sockaddr* addr, socklen_t len) {
   return IoAwaitable(*this, {.op = Op::Connect, .fd = fd, .addr = addr, .addrlen = len});

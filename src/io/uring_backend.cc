@@ -16,7 +16,7 @@ namespace {
 
 bool is_socket_op(IoRequest::Op op) {
   using Op = IoRequest::Op;
-  return op == Op::Recv || op == Op::Send || op == Op::Accept || op == Op::Connect;
+  return op == Op::Recv || op == Op::Send || op == Op::SendMsg || op == Op::Accept || op == Op::Connect;
 }
 
 class UringBackend final : public Backend {
@@ -85,6 +85,9 @@ class UringBackend final : public Backend {
         break;
       case Op::Send:
         io_uring_prep_send(sqe, r->fd, r->buf, r->len, r->flags);
+        break;
+      case Op::SendMsg:
+        io_uring_prep_sendmsg(sqe, r->fd, static_cast<const msghdr*>(r->buf), static_cast<unsigned>(r->flags));
         break;
       case Op::Accept:
         io_uring_prep_accept(sqe, r->fd, nullptr, nullptr, SOCK_CLOEXEC);
@@ -156,16 +159,23 @@ class UringBackend final : public Backend {
       }
       if (req->op == IoRequest::Op::PollIn || req->op == IoRequest::Op::PollOut) {
         // A socket op that said EAGAIN: readiness arrived, retry it.
-        req->op = req->flags & kWasSend ? IoRequest::Op::Send
-                  : req->flags & kWasAccept ? IoRequest::Op::Accept
-                                            : IoRequest::Op::Recv;
-        req->flags &= ~(kWasSend | kWasAccept);
+        if (req->flags & kWasSend) {
+          req->op = IoRequest::Op::Send;
+        } else if (req->flags & kWasSendMsg) {
+          req->op = IoRequest::Op::SendMsg;
+        } else if (req->flags & kWasAccept) {
+          req->op = IoRequest::Op::Accept;
+        } else {
+          req->op = IoRequest::Op::Recv;
+        }
+        req->flags &= ~(kWasSend | kWasSendMsg | kWasAccept);
         submit(req);
         continue;
       }
       if (cqe->res == -EAGAIN && is_socket_op(req->op) && req->op != IoRequest::Op::Connect) {
-        bool out = req->op == IoRequest::Op::Send;
+        bool out = req->op == IoRequest::Op::Send || req->op == IoRequest::Op::SendMsg;
         if (req->op == IoRequest::Op::Send) req->flags |= kWasSend;
+        if (req->op == IoRequest::Op::SendMsg) req->flags |= kWasSendMsg;
         if (req->op == IoRequest::Op::Accept) req->flags |= kWasAccept;
         req->op = out ? IoRequest::Op::PollOut : IoRequest::Op::PollIn;
         submit(req);
@@ -187,6 +197,7 @@ class UringBackend final : public Backend {
 
   // Flag bits kept in IoRequest::flags while a socket op waits for readiness
   // (MSG_* flags never use these high bits).
+  static constexpr int kWasSendMsg = 1 << 28;
   static constexpr int kWasSend = 1 << 29;
   static constexpr int kWasAccept = 1 << 30;
 
