@@ -121,8 +121,10 @@ TEST(BackupTest, PointInTimeUnderGuestWrites) {
         for (auto& b : d) b = static_cast<uint8_t>(rng());
         std::copy(d.begin(), d.end(), expect_src.begin() + static_cast<long>(off));
         co_await write_through(*e.device, off, std::move(d), &results[static_cast<size_t>(i)]);
-        ++done;
         co_await e.loop.sleep(std::chrono::microseconds(rng() % 3000));
+        // Counted after the pause: once done == 40 the writer has returned,
+        // so its frame is gone before the round's Env is destroyed.
+        ++done;
       }
     };
     spawn_detached(writer());
