@@ -125,20 +125,7 @@ Task<Status> Qcow2Node::write_compressed_cluster(uint64_t guest, std::span<const
   auto host = co_await alloc_bytes(data.size());
   if (!host) co_return host.take_error();
 
-  CoEvent finished(loop());
-  allocs_.push_back({ci, ci, &finished});
-  struct Release {
-    Qcow2Node& q;
-    CoEvent& ev;
-    ~Release() {
-      for (auto it = q.allocs_.begin(); it != q.allocs_.end(); ++it)
-        if (it->done == &ev) {
-          q.allocs_.erase(it);
-          break;
-        }
-      ev.set();
-    }
-  } release{*this, finished};
+  AllocClaim claim(*this, ci, ci);
   lock_.unlock();
   locked = false;
   VBLK_CO_TRY(co_await file_->write(*host, data));

@@ -190,22 +190,9 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   // Allocate the run and claim its guest clusters.
   auto host = co_await alloc_clusters(count);
   if (!host) co_return host.take_error();
-  CoEvent finished(loop());
-  allocs_.push_back({first, last, &finished});
+  AllocClaim claim(*this, first, last);
   lock_.unlock();
   locked = false;
-  struct Release {
-    Qcow2Node& q;
-    CoEvent& ev;
-    ~Release() {
-      for (auto it = q.allocs_.begin(); it != q.allocs_.end(); ++it)
-        if (it->done == &ev) {
-          q.allocs_.erase(it);
-          break;
-        }
-      ev.set();
-    }
-  } release{*this, finished};
 
   bool data_only = head == 0 && tail == 0;
   if (zero_cow) {
@@ -321,20 +308,7 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
     if (!h) co_return h.take_error();
     target = *h;
   }
-  CoEvent finished(loop());
-  allocs_.push_back({ci, ci, &finished});
-  struct Release {
-    Qcow2Node& q;
-    CoEvent& ev;
-    ~Release() {
-      for (auto it = q.allocs_.begin(); it != q.allocs_.end(); ++it)
-        if (it->done == &ev) {
-          q.allocs_.erase(it);
-          break;
-        }
-      ev.set();
-    }
-  } release{*this, finished};
+  AllocClaim claim(*this, ci, ci);
   lock_.unlock();
   locked = false;
 

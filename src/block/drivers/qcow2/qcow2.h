@@ -235,6 +235,28 @@ class Qcow2Node final : public Node {
     CoEvent* done;
   };
   std::vector<Alloc> allocs_;
+  // Claims guest clusters [first, last] for an allocating write until it goes
+  // out of scope; then the claim leaves allocs_ and its waiters wake.
+  class AllocClaim {
+   public:
+    AllocClaim(Qcow2Node& q, uint64_t first, uint64_t last) : q_(q), done_(q.loop()) {
+      q_.allocs_.push_back({first, last, &done_});
+    }
+    ~AllocClaim() {
+      for (auto it = q_.allocs_.begin(); it != q_.allocs_.end(); ++it)
+        if (it->done == &done_) {
+          q_.allocs_.erase(it);
+          break;
+        }
+      done_.set();
+    }
+    AllocClaim(const AllocClaim&) = delete;
+    AllocClaim& operator=(const AllocClaim&) = delete;
+
+   private:
+    Qcow2Node& q_;
+    CoEvent done_;
+  };
 
   // ---- snapshot.cc: internal snapshots
  public:
