@@ -28,8 +28,18 @@ class Qmp:
     """One JSON object per line; events are kept aside."""
 
     def __init__(self, path):
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.connect(path)
+        # The socket file appears at bind(), a moment before listen().
+        end = time.time() + 20
+        while True:
+            self.sock = socket.socket(socket.AF_UNIX)
+            try:
+                self.sock.connect(path)
+                break
+            except ConnectionRefusedError:
+                self.sock.close()
+                if time.time() > end:
+                    raise
+                time.sleep(0.02)
         self.buf = b""
         self.events = []
         self.line()  # greeting

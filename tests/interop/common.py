@@ -256,6 +256,22 @@ def shm_dir() -> Optional[str]:
     return None
 
 
+def connect_unix(path, timeout=20.0):
+    """A connected AF_UNIX socket. A server's socket file appears at bind(), a
+    moment before listen(): until then connect() is refused, so retry."""
+    end = time.time() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(path)
+            return s
+        except (ConnectionRefusedError, FileNotFoundError):
+            s.close()
+            if time.time() > end:
+                raise
+            time.sleep(0.02)
+
+
 def wait_for_socket(path, proc, timeout=10):
     """Waits until a server process accepts connections on a unix socket."""
     end = time.time() + timeout

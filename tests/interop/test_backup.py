@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, VBLK, rand_bytes  # noqa: E402
+from common import MiB, InteropTestCase, VBLK, connect_unix, rand_bytes  # noqa: E402
 
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
@@ -58,8 +58,7 @@ class QMP:
     """A minimal QMP client: one JSON object per line, events kept aside."""
 
     def __init__(self, path):
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.connect(path)
+        self.sock = connect_unix(path)
         self.buf = b""
         self.events = []
         json.loads(self._line(60))

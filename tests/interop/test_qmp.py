@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import (MiB, InteropTestCase, VBLK, norm_qemu_err, norm_vblk_err, qemu, rand_bytes, run)  # noqa: E402
+from common import (MiB, InteropTestCase, VBLK, connect_unix, norm_qemu_err, norm_vblk_err, qemu, rand_bytes, run)  # noqa: E402
 
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
@@ -42,19 +42,8 @@ class QMP:
     """A minimal QMP client: one JSON object per line, events kept aside."""
 
     def __init__(self, path, timeout=20):
-        # The socket file appears at bind(), a moment before listen().
-        end = time.time() + timeout
-        while True:
-            self.sock = socket.socket(socket.AF_UNIX)
-            self.sock.settimeout(timeout)
-            try:
-                self.sock.connect(path)
-                break
-            except ConnectionRefusedError:
-                self.sock.close()
-                if time.time() > end:
-                    raise
-                time.sleep(0.02)
+        self.sock = connect_unix(path, timeout)
+        self.sock.settimeout(timeout)
         self.file = self.sock.makefile("rb")
         self.events = []
         self.greeting_line = self.read_line()
