@@ -119,10 +119,10 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   if (a.bitmap_mode) return Error(EINVAL, "Cannot specify bitmap sync mode without a bitmap");
 
   if (src == tgt) return Error(EINVAL, "Source and target cannot be the same");
-  // No vblk driver writes compressed clusters through the engine yet.
-  // No vblk driver writes compressed clusters through the engine yet. The
-  // name QEMU prints is the device name, empty for a daemon's nodes.
-  if (a.compress) return Error(ENOTSUP, "Compression is not supported for this drive ");
+  // Compressed clusters are written only by drivers that store them (qcow2);
+  // the name QEMU prints is the device name, empty for a daemon's nodes.
+  if (a.compress && !tgt->caps().compressed_writes)
+    return Error(ENOTSUP, "Compression is not supported for this drive ");
   // QEMU blocks the job's filter and its target, not the source (a second
   // backup of the same source is refused by insert_filter below).
   VBLK_TRY(mgr.check_not_busy(tgt.get(), tgt->node_name()));
@@ -149,6 +149,14 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   o.copy.max_workers = static_cast<unsigned>(a.max_workers);
   o.copy.max_chunk = static_cast<uint64_t>(a.max_chunk);
   o.copy.use_copy_range = a.use_copy_range;
+  // compress=true: every data chunk (whole target clusters: the backup
+  // cluster is a multiple of the target's) is stored compressed, by the job
+  // and by the filter's copy-before-write alike. Zero ranges stay
+  // write-zeroes, as in QEMU. Copy offload would bypass compression.
+  if (a.compress) {
+    o.copy.write_flags |= kReqCompressed;
+    o.copy.use_copy_range = false;
+  }
   o.copy.skip_unallocated = sync == BackupJob::Sync::Top;
   o.copy.speed = a.speed ? static_cast<uint64_t>(*a.speed) : 0;
   if (a.max_memory) o.copy.max_memory = a.max_memory;

@@ -258,6 +258,42 @@ class BackupInteropTest(InteropTestCase):
         self.assertEqual(data, {"device": "j", "len": 32 * MiB, "offset": 32 * MiB, "speed": 0, "type": "backup"})
         self.assertEqual(st, ["created", "running", "waiting", "pending", "concluded", "null"])
 
+    def test_compress(self):
+        """compress=true stores compressed clusters in a qcow2 target (as many
+        as QEMU's), refuses a raw target with QEMU's error, and verifies."""
+        def run(q, d):
+            src = os.path.join(d, "src.raw")
+            with open(src, "wb") as f:
+                f.truncate(16 * MiB)
+                for i in range(0, 16 * MiB, 2 * MiB):  # compressible data, holes between
+                    f.seek(i)
+                    f.write((b"vblk %08d " % i) * (MiB // 14))
+            raw_tgt = os.path.join(d, "tgt.raw")
+            with open(raw_tgt, "wb") as f:
+                f.truncate(16 * MiB)
+            tq = os.path.join(d, "tgt.qcow2")
+            subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", tq, str(16 * MiB)], check=True)
+            q.ok("blockdev-add", **file_node("src", src))
+            q.ok("blockdev-add", **file_node("traw", raw_tgt))
+            q.ok("blockdev-add", **file_node("tq", tq, "qcow2"))
+            refused = q.cmd("blockdev-backup", **{"job-id": "j", "device": "src", "target": "traw",
+                                                  "sync": "full", "compress": True})
+            q.ok("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tq", "sync": "full",
+                                       "compress": True})
+            done = self.wait_done(q)
+            q.ok("blockdev-del", **{"node-name": "tq"})
+            self.assertEqual(compare(src, tq, "raw", "qcow2"), (0, "Images are identical."))
+            check = subprocess.run([QEMU_IMG, "check", "--output=json", tq], capture_output=True, text=True)
+            self.assertEqual(check.returncode, 0, check.stdout + check.stderr)
+            c = json.loads(check.stdout)
+            self.assertGreater(c["compressed-clusters"], 0)
+            return (refused, done["data"], c["compressed-clusters"], c["allocated-clusters"])
+        seen = self.each_daemon(run)
+        self.assertSame(seen)
+        refused = list(seen.values())[0][0]
+        self.assertEqual(refused["error"], {"class": "GenericError",
+                                            "desc": "Compression is not supported for this drive "})
+
     def test_pause_resume(self):
         def run(q, d):
             src, tgt = self.images(d)

@@ -341,6 +341,41 @@ TEST(BackupTest, SyncTopSkipsUnallocated) {
   EXPECT_TRUE(std::equal(e.tgt->data().begin(), e.tgt->data().begin() + (1 << 20), e.src->data().begin()));
 }
 
+TEST(BackupTest, CompressWritesEveryDataChunkCompressed) {
+  Env e;
+  e.src->extents = {{0, 1 << 20, kStatusData | kStatusAllocated},
+                    {1 << 20, 1 << 20, kStatusZero | kStatusAllocated},
+                    {2 << 20, 2 << 20, kStatusData | kStatusAllocated}};
+  e.tgt->mutable_caps().compressed_writes = true;
+  BackupArgs a = e.args();
+  a.compress = true;
+  a.use_copy_range = true;  // compression wins: offload would store plain data
+  e.src->copy_range_errno = 0;
+  const std::vector<uint8_t> before = e.src->data();
+  auto job = e.start(a);
+  ASSERT_TRUE(job);
+  // A guest write forces its cluster out first, through the same options.
+  Status st;
+  e.loop.run(write_through(*e.device, 3 * kCluster + 7, std::vector<uint8_t>(10, 0xcd), &st));
+  ASSERT_TRUE(st.ok());
+  ASSERT_TRUE(e.wait_gone(job));
+  EXPECT_EQ(e.src->copy_range_calls, 0);
+  int writes = 0;
+  for (auto& op : e.tgt->ops) {
+    if (op.op != 'w') continue;
+    ++writes;
+    EXPECT_TRUE(op.flags & kReqCompressed) << "plain write at " << op.offset;
+    EXPECT_EQ(op.offset % kCluster, 0u);
+    EXPECT_EQ(op.bytes % kCluster, 0u);
+  }
+  EXPECT_GT(writes, 0);
+  EXPECT_EQ(e.tgt->count('w', 1 << 20, 1 << 20), 0);  // the zero range stays write-zeroes
+  EXPECT_GT(e.tgt->count('z', 1 << 20, 1 << 20), 0);
+  EXPECT_TRUE(std::equal(e.tgt->data().begin(), e.tgt->data().begin() + (1 << 20), before.begin()));
+  EXPECT_TRUE(std::equal(e.tgt->data().begin() + (2 << 20), e.tgt->data().end(), before.begin() + (2 << 20)));
+  EXPECT_EQ(e.count("BLOCK_JOB_COMPLETED"), 1);
+}
+
 TEST(BackupTest, SyncNoneCopiesOnlyWhatGuestWritesForceOut) {
   Env e;
   const std::vector<uint8_t> before = e.src->data();
