@@ -18,6 +18,9 @@ Environments:
   device    fio --ioengine=io_uring --direct=1 on the raw image file (fio
             writing into a qcow2 file would break it): the device limit for
             every image, measured in the same run
+  client    fio's nbd engine against `nbdkit null` (a server that does no
+            I/O at all): the most fio's NBD client can do on this machine,
+            whatever the server; "%cli" columns divide by it
   vblk      vblk nbd -f FMT --cache=none --aio=io_uring -e 8 -t, unix socket
   qemu-nbd  qemu-nbd -f FMT --cache=none --aio=io_uring -e 8 -t, unix socket
   nbdkit    nbdkit file FILE fadvise=random (raw only; nbdkit's file plugin
@@ -81,6 +84,8 @@ def server_argv(env, vblk, fmt, image, sock):
         return ["qemu-nbd", "-f", fmt, "--cache=none", "--aio=io_uring", "-e", "8", "-t", "-k", sock, image]
     if env == "nbdkit":
         return ["nbdkit", "-f", "--exit-with-parent", "-U", sock, "file", image, "fadvise=random"]
+    if env == "client":
+        return ["nbdkit", "-f", "--exit-with-parent", "-U", sock, "null", str(os.path.getsize(image))]
     raise AssertionError(env)
 
 
@@ -131,7 +136,7 @@ def main():
     cases = [(img, rw, jobs) for img in images for rw in ("randread", "randwrite", "randrw") for jobs in (1, 4)]
     if args.only:
         cases = [c for c in cases if re.search(args.only, f"{c[0][0]}/{c[1]}/{c[2]}")]
-    envs = ["device", "vblk", "qemu-nbd", "nbdkit"]
+    envs = ["device", "client", "vblk", "qemu-nbd", "nbdkit"]
     if args.envs:
         envs = [e for e in envs if re.search(args.envs, e)]
     meta = {
@@ -207,18 +212,22 @@ def main():
             shutil.rmtree(workdir, ignore_errors=True)
     meta["elapsed_seconds"] = round(time.monotonic() - t_start, 1)
     meta["loadavg_end"] = bi.loadavg()
-    header = ["case"] + [f"{e} IOPS" for e in envs] + [f"{e} %dev" for e in envs if e != "device"] + ["vblk/qemu-nbd"]
+    servers = [e for e in envs if e not in ("device", "client")]
+    header = (["case"] + [f"{e} IOPS" for e in envs] + [f"{e} %dev" for e in servers] +
+              [f"{e} %cli" for e in servers if e != "nbdkit"] + ["vblk/qemu-nbd"])
     rows = [header]
     short = []
     for key, per in iops.items():
         dev = statistics.fmean(per["device"]) if per.get("device") else None
+        cli = statistics.fmean(per["client"]) if per.get("client") else None
         row = [key]
         for e in envs:
             row.append(bi.fmt_pm(*bi.mean_sd(per[e]), 0) if per.get(e) else "")
-        for e in envs:
-            if e == "device":
-                continue
+        for e in servers:
             row.append(f"{100 * statistics.fmean(per[e]) / dev:.0f} %" if per.get(e) and dev else "")
+        for e in servers:
+            if e != "nbdkit":
+                row.append(f"{100 * statistics.fmean(per[e]) / cli:.0f} %" if per.get(e) and cli else "")
         ratio = ""
         if per.get("vblk") and per.get("qemu-nbd"):
             ratio = f"{statistics.fmean(per['vblk']) / statistics.fmean(per['qemu-nbd']):.2f}"
@@ -227,6 +236,9 @@ def main():
         res = {"case": key, "iops": per}
         if dev:
             res["percent_of_device"] = {e: 100 * statistics.fmean(v) / dev for e, v in per.items() if e != "device"}
+        if cli:
+            res["percent_of_client"] = {e: 100 * statistics.fmean(v) / cli for e, v in per.items()
+                                        if e not in ("device", "client")}
             if per.get("vblk") and key.endswith("/1") and "randrw" not in key and res["percent_of_device"]["vblk"] < 90:
                 short.append(key)
         results.append(res)
