@@ -86,7 +86,7 @@ struct BlockCopyOptions {
 
 // The engine's own chunk limits (max_chunk = 0).
 inline constexpr uint64_t kBlockCopyDataChunk = 1 << 20;       // read+write
-inline constexpr uint64_t kBlockCopyRangeChunk = 16 << 20;     // copy_range
+inline constexpr uint64_t kBlockCopyRangeChunk = 16 << 20;     // copy_range, once it has worked
 inline constexpr uint64_t kBlockCopyZeroChunk = 1ull << 30;    // write_zeroes / skip
 
 class BlockCopyCall {
@@ -188,6 +188,7 @@ class BlockCopyState {
   BlockCopyOptions opts_;
   DirtyBitmap bitmap_;
   bool use_copy_range_;
+  bool copy_range_works_ = false;  // a copy_range request succeeded: large chunks
   uint32_t zero_flags_ = 0;
   std::unique_ptr<RateLimit> rate_;
   CoSemaphore memory_;

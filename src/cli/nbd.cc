@@ -2,18 +2,15 @@
 // (-f -r -x -k -p -b -t -e -D -B -n --cache --aio --image-opts --fork
 // --pid-file). Unlike qemu-nbd, TCP binds loopback unless -b names another
 // address. Without -t the server exits once its last client has gone.
-#include <fcntl.h>
 #include <getopt.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <thread>
 
 #include "cli/common.h"
+#include "cli/server_process.h"
 #include "nbd/server.h"
 
 namespace vblk::cli {
@@ -159,17 +156,6 @@ NbdArgs parse(int argc, char** argv) {
   return a;
 }
 
-// SIGTERM, SIGINT and SIGHUP end the server cleanly (in-flight requests
-// finish, the image is flushed and closed). They are taken by a thread in
-// sigwait so the loop only ever sees a posted stop.
-void watch_signals(Loop& loop, nbd::Server& server, sigset_t set) {
-  std::thread([&loop, &server, set] {
-    int sig = 0;
-    sigwait(&set, &sig);
-    loop.post_threadsafe([&server] { server.stop(); });
-  }).detach();
-}
-
 }  // namespace
 
 int cmd_nbd(int argc, char** argv) {
@@ -177,31 +163,14 @@ int cmd_nbd(int argc, char** argv) {
 
   // --fork: the parent waits until the child listens (or fails) and exits
   // with its verdict, as qemu-nbd does; the loop is made after the fork.
-  int ready_pipe[2] = {-1, -1};
+  Background bg;
   if (a.fork) {
-    if (::pipe(ready_pipe) < 0) nbd_fail(std::string("Failed to create pipe: ") + std::strerror(errno));
-    pid_t pid = ::fork();
-    if (pid < 0) nbd_fail(std::string("Failed to fork: ") + std::strerror(errno));
-    if (pid > 0) {
-      ::close(ready_pipe[1]);
-      char ok = 0;
-      ssize_t n = ::read(ready_pipe[0], &ok, 1);
-      if (n == 1 && ok == 1) return 0;
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      return WIFEXITED(status) && WEXITSTATUS(status) ? WEXITSTATUS(status) : 1;
-    }
-    ::close(ready_pipe[0]);
-    ::setsid();
+    int status = bg.fork_and_wait([](const std::string& m) { nbd_fail(m); });
+    if (status >= 0) return status;
   }
-
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGTERM);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGHUP);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);  // before any thread starts
-  ::signal(SIGPIPE, SIG_IGN);
+  // SIGTERM, SIGINT and SIGHUP end the server cleanly (in-flight requests
+  // finish, the image is flushed and closed).
+  sigset_t sigs = block_stop_signals();
 
   Loop loop;
   auto node = open_cli_image(loop, a.image);
@@ -226,25 +195,10 @@ int cmd_nbd(int argc, char** argv) {
     if (!a.persistent && had_client && open == 0) server.stop();
   };
 
-  if (!a.pid_file.empty()) {
-    FILE* f = std::fopen(a.pid_file.c_str(), "w");
-    if (!f || std::fprintf(f, "%d\n", static_cast<int>(::getpid())) < 0 || std::fclose(f) != 0)
-      nbd_fail("Failed to write pid file '" + a.pid_file + "': " + std::strerror(errno));
-  }
-  watch_signals(loop, server, sigs);
-  if (a.fork) {
-    char ok = 1;
-    [[maybe_unused]] ssize_t n = ::write(ready_pipe[1], &ok, 1);
-    ::close(ready_pipe[1]);
-    // The parent has gone: stdio must not hold the caller's terminal or pipes.
-    int devnull = ::open("/dev/null", O_RDWR);
-    if (devnull >= 0) {
-      ::dup2(devnull, 0);
-      ::dup2(devnull, 1);
-      ::dup2(devnull, 2);
-      ::close(devnull);
-    }
-  }
+  if (!a.pid_file.empty() && !write_pid_file(a.pid_file))
+    nbd_fail("Failed to write pid file '" + a.pid_file + "': " + std::strerror(errno));
+  on_stop_signal(loop, sigs, [&server] { server.stop(); });
+  bg.ready();
 
   loop.run(server.serve(std::move(*listener)));
   Status st = loop.run(node->flush());

@@ -9,17 +9,15 @@
 // and exports end, every node is drained and closed.
 #include <fcntl.h>
 #include <getopt.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <string>
-#include <thread>
 
 #include "cli/common.h"
+#include "cli/server_process.h"
 #include "qmp/daemon.h"
 
 namespace vblk::cli {
@@ -208,12 +206,6 @@ void do_object(const std::string& arg) {
   opt_fail("object", arg, "Parameter 'qom-type' does not accept value '" + type + "'");
 }
 
-void write_pidfile(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (!f || std::fprintf(f, "%d\n", static_cast<int>(::getpid())) < 0 || std::fclose(f) != 0)
-    serve_fail("Cannot open pid file: " + std::string(std::strerror(errno)));
-}
-
 Task<void> run_daemon(qmp::Daemon& d) {
   co_await d.quit.wait();
   co_await d.shutdown();
@@ -262,31 +254,12 @@ int cmd_serve(int argc, char** argv) {
 
   // --daemonize: the parent waits until the child is serving (or failed)
   // and exits with its verdict, as qemu-storage-daemon does.
-  int ready_pipe[2] = {-1, -1};
+  Background bg;
   if (daemonize) {
-    if (::pipe(ready_pipe) < 0) serve_fail(std::string("Failed to create pipe: ") + std::strerror(errno));
-    pid_t pid = ::fork();
-    if (pid < 0) serve_fail(std::string("Failed to fork: ") + std::strerror(errno));
-    if (pid > 0) {
-      ::close(ready_pipe[1]);
-      char ok = 0;
-      ssize_t n = ::read(ready_pipe[0], &ok, 1);
-      if (n == 1 && ok == 1) return 0;
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      return WIFEXITED(status) && WEXITSTATUS(status) ? WEXITSTATUS(status) : 1;
-    }
-    ::close(ready_pipe[0]);
-    ::setsid();
+    int status = bg.fork_and_wait([](const std::string& m) { serve_fail(m); });
+    if (status >= 0) return status;
   }
-
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGTERM);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGHUP);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);  // before any thread starts
-  ::signal(SIGPIPE, SIG_IGN);
+  sigset_t sigs = block_stop_signals();
 
   Loop loop;
   qmp::Daemon d(loop);
@@ -303,27 +276,11 @@ int cmd_serve(int argc, char** argv) {
       default: break;
     }
   }
-  if (!pidfile.empty()) write_pidfile(pidfile);
-
-  // Signals arrive in a thread (sigwait) and only post the quit request.
-  std::thread([&loop, &d, sigs] {
-    int sig = 0;
-    sigwait(&sigs, &sig);
-    loop.post_threadsafe([&d] { d.quit.set(); });
-  }).detach();
-
-  if (daemonize) {
-    char ok = 1;
-    [[maybe_unused]] ssize_t n = ::write(ready_pipe[1], &ok, 1);
-    ::close(ready_pipe[1]);
-    int devnull = ::open("/dev/null", O_RDWR);
-    if (devnull >= 0) {
-      ::dup2(devnull, 0);
-      ::dup2(devnull, 1);
-      ::dup2(devnull, 2);
-      ::close(devnull);
-    }
-  }
+  if (!pidfile.empty() && !write_pid_file(pidfile))
+    serve_fail("Cannot open pid file: " + std::string(std::strerror(errno)));
+  // A stop signal is a quit request, as QMP's quit.
+  on_stop_signal(loop, sigs, [&d] { d.quit.set(); });
+  bg.ready();
 
   loop.run(run_daemon(d));
   for (auto& [id, ch] : chardevs)

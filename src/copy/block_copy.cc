@@ -81,7 +81,12 @@ BlockCopyState::~BlockCopyState() {
 
 uint64_t BlockCopyState::data_chunk_limit() const {
   uint64_t limit = opts_.max_chunk;
-  if (!limit) limit = use_copy_range_ ? kBlockCopyRangeChunk : kBlockCopyDataChunk;
+  // Copy offload starts with read+write sized chunks and takes the large
+  // ones only once a request has worked (QEMU's COPY_RANGE_SMALL/FULL): the
+  // first wave of requests starts before any answer, and where the kernel
+  // emulates copy_file_range serially (ext4 with O_DIRECT splices) a few
+  // 16 MiB calls would leave most workers idle.
+  if (!limit) limit = use_copy_range_ && copy_range_works_ ? kBlockCopyRangeChunk : kBlockCopyDataChunk;
   return std::max(opts_.cluster_size, limit & ~(opts_.cluster_size - 1));
 }
 
@@ -300,7 +305,10 @@ Task<void> BlockCopyState::run_task(BlockCopyCall& call, uint64_t offset, uint64
 Task<Status> BlockCopyState::copy_data(uint64_t offset, uint64_t bytes, bool& error_is_read) {
   if (use_copy_range_) {
     Status st = co_await source_.copy_range(offset, target_, offset, bytes, 0);
-    if (st.ok()) co_return st;
+    if (st.ok()) {
+      copy_range_works_ = true;
+      co_return st;
+    }
     // Refused (ENOTSUP: no offload between these nodes, or the kernel said
     // EXDEV/EINVAL...) or failed: this request falls back to read+write,
     // which also reports a real I/O error from the right side; later chunks
