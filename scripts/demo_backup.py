@@ -12,70 +12,16 @@ backup's throughput.
 Usage: demo_backup.py VBLK WORKDIR [SIZE_MIB [START_SPEED_MIB_S]]
 """
 import hashlib
-import json
 import os
 import random
-import select
-import socket
 import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from qmp_driver import QMP  # noqa: E402  (the bench's QMP client)
+
 MiB = 1 << 20
-
-
-class Qmp:
-    """One JSON object per line; events are kept aside."""
-
-    def __init__(self, path):
-        # The socket file appears at bind(), a moment before listen().
-        end = time.time() + 20
-        while True:
-            self.sock = socket.socket(socket.AF_UNIX)
-            try:
-                self.sock.connect(path)
-                break
-            except ConnectionRefusedError:
-                self.sock.close()
-                if time.time() > end:
-                    raise
-                time.sleep(0.02)
-        self.buf = b""
-        self.events = []
-        self.line()  # greeting
-        self.ok("qmp_capabilities")
-
-    def line(self, timeout=120):
-        end = time.time() + timeout
-        while b"\n" not in self.buf:
-            if not select.select([self.sock], [], [], max(0, end - time.time()))[0]:
-                raise TimeoutError("QMP: nothing within %d s" % timeout)
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise EOFError("QMP connection closed")
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def ok(self, name, **args):
-        self.sock.sendall((json.dumps({"execute": name, "arguments": args}) + "\n").encode())
-        while True:
-            obj = self.line()
-            if "event" in obj:
-                self.events.append(obj)
-            elif "error" in obj:
-                raise RuntimeError("%s: %s" % (name, obj["error"]["desc"]))
-            else:
-                return obj["return"]
-
-    def event(self, name, timeout=300):
-        end = time.time() + timeout
-        while True:
-            for e in self.events:
-                if e["event"] == name:
-                    self.events.remove(e)
-                    return e
-            self.events.append(self.line(max(1, end - time.time())))
 
 
 def sha256(path):
@@ -124,7 +70,7 @@ def main():
             if daemon.poll() is not None or time.time() > end:
                 sys.exit("demo: vblk serve did not start")
             time.sleep(0.02)
-        q = Qmp(mon)
+        q = QMP(mon)
 
         # The writer: 200 writes of 4 KiB..256 KiB at random offsets, through
         # the NBD export, while the backup runs.
@@ -139,8 +85,8 @@ def main():
         # The job starts slow (32 MiB/s) so that the writer surely runs during
         # it; once the writer is done the limit is lifted (set-speed takes
         # effect at once) and the rest runs at full speed.
-        q.ok("blockdev-backup", **{"job-id": "backup0", "device": "disk", "target": "backup", "sync": "full",
-                                   "speed": start_speed})
+        q.ok("blockdev-backup", {"job-id": "backup0", "device": "disk", "target": "backup", "sync": "full",
+                                 "speed": start_speed})
         w = subprocess.run([vblk, "io", "-f", "raw"] + cmds + ["nbd+unix:///disk?socket=" + nbd],
                            capture_output=True, text=True)
         writer_done = time.monotonic() - t0
@@ -151,8 +97,8 @@ def main():
             sys.exit("demo: the backup ended before the writer did: no overlap to show")
         copied_at_lift = jobs[0]["offset"]
         t_lift = time.monotonic()
-        q.ok("block-job-set-speed", device="backup0", speed=0)
-        done = q.event("BLOCK_JOB_COMPLETED")
+        q.ok("block-job-set-speed", {"device": "backup0", "speed": 0})
+        done, _ = q.next_event({"BLOCK_JOB_COMPLETED"}, 300)
         t_end = time.monotonic()
         secs = t_end - t0
         if "error" in done["data"]:

@@ -24,6 +24,10 @@ import time
 import unittest
 from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
+# One QMP connect helper for tests, benches and the demo (bench/qmp_driver.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from qmp_driver import connect_unix  # noqa: E402,F401
+
 
 def _require_binary(env_name: str, fallback: Optional[str]) -> str:
     value = os.environ.get(env_name) or fallback
@@ -254,22 +258,6 @@ def shm_dir() -> Optional[str]:
         if os.path.isdir(cand) and os.access(cand, os.W_OK):
             return cand
     return None
-
-
-def connect_unix(path, timeout=20.0):
-    """A connected AF_UNIX socket. A server's socket file appears at bind(), a
-    moment before listen(): until then connect() is refused, so retry."""
-    end = time.time() + timeout
-    while True:
-        s = socket.socket(socket.AF_UNIX)
-        try:
-            s.connect(path)
-            return s
-        except (ConnectionRefusedError, FileNotFoundError):
-            s.close()
-            if time.time() > end:
-                raise
-            time.sleep(0.02)
 
 
 def wait_for_socket(path, proc, timeout=10):
