@@ -529,6 +529,10 @@ class QmpTest(InteropTestCase):
             out.append(c.cmd("block-export-del", {"id": "e0"}))
             out.append(c.cmd("blockdev-del", {"node-name": "f0"}))
             out.append(c.cmd("block-export-del", {"id": "e0", "mode": "hard"}))
+            # The export goes once its client is cut off, which the daemon
+            # does in the background: until BLOCK_EXPORT_DELETED,
+            # query-block-exports may still list it as shutting-down.
+            out.append(c.event("BLOCK_EXPORT_DELETED")["data"])
             out.append(c.cmd("query-block-exports"))
             out.append(c.cmd("blockdev-del", {"node-name": "f0"}))
             out.append(c.cmd("query-named-block-nodes"))
@@ -538,7 +542,6 @@ class QmpTest(InteropTestCase):
                 o, e = cl.stdout.read(), cl.stderr.read()
                 cl.wait(30)
             out.append(b"read failed" in o + e)
-            out.append(c.event("BLOCK_EXPORT_DELETED")["data"])
             c.close()
             self.assertEqual(d.stop(), 0)
             return out
