@@ -41,17 +41,28 @@ def connect_unix(path, timeout=20.0):
 
 
 class QMP:
-    def __init__(self, path, timeout=20.0):
+    """One QMP connection. `negotiate=False` stops after the greeting (for
+    tests of the handshake itself); `greeting` / `greeting_line` keep it as
+    parsed and as sent (with its line end)."""
+
+    def __init__(self, path, timeout=20.0, negotiate=True):
         self.sock = connect_unix(path, timeout)
         self.buf = b""
         self.events = []
-        greeting = self._line(timeout)
-        if greeting is None or "QMP" not in json.loads(greeting):
-            raise QMPError(f"no QMP greeting on {path}: {greeting!r}")
+        self.greeting_line = self.read_line(timeout)
+        self.greeting = json.loads(self.greeting_line)
+        if "QMP" not in self.greeting:
+            raise QMPError(f"no QMP greeting on {path}: {self.greeting_line!r}")
+        if negotiate:
+            self.negotiate()
+
+    def negotiate(self):
         self.ok("qmp_capabilities")
+        return self
 
     def _line(self, timeout):
-        """The next line, or None when nothing came within timeout seconds."""
+        """The next line with its end, or None when nothing came within
+        timeout seconds."""
         end = time.monotonic() + timeout
         while b"\n" not in self.buf:
             left = end - time.monotonic()
@@ -62,37 +73,85 @@ class QMP:
                 raise QMPError("QMP connection closed")
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
+        return line.decode() + "\n"
 
-    def send(self, name, args=None):
+    def read_line(self, timeout=120.0):
+        line = self._line(timeout)
+        if line is None:
+            raise QMPError(f"nothing from the daemon within {timeout} s")
+        return line
+
+    def send_raw(self, text):
+        self.sock.sendall(text.encode() if isinstance(text, str) else text)
+
+    def reply_line(self, timeout=120.0):
+        """The next reply line, unparsed; events meanwhile are queued."""
+        end = time.monotonic() + timeout
+        while True:
+            line = self.read_line(max(0.0, end - time.monotonic()))
+            if "event" in json.loads(line):
+                self.events.append(json.loads(line))
+                continue
+            return line
+
+    def raw(self, text, timeout=120.0):
+        """Sends text (a line end is added) and returns the next reply line."""
+        self.send_raw(text if text.endswith("\n") else text + "\n")
+        return self.reply_line(timeout)
+
+    def send(self, name, args=None, req_id=None):
         req = {"execute": name}
-        if args:
+        if args is not None:
             req["arguments"] = args
-        self.sock.sendall((json.dumps(req) + "\n").encode())
+        if req_id is not None:
+            req["id"] = req_id
+        self.send_raw(json.dumps(req) + "\n")
 
     def reply(self, name, timeout=120.0):
         """The reply to the command sent last; events meanwhile are queued."""
-        end = time.monotonic() + timeout
-        while True:
-            line = self._line(max(0.0, end - time.monotonic()))
-            if line is None:
-                raise QMPError(f"no reply to {name} within {timeout} s")
-            obj = json.loads(line)
-            if "event" in obj:
-                self.events.append(obj)
-                continue
-            return obj
+        try:
+            return json.loads(self.reply_line(timeout))
+        except QMPError as e:
+            raise QMPError(f"no reply to {name}: {e}") from None
 
-    def cmd(self, name, args=None, timeout=120.0):
-        self.send(name, args)
+    def cmd(self, name, args=None, *, timeout=120.0, req_id=None, **kw):
+        """Runs a command; its arguments as a dict, or as keywords
+        (`cmd("block-job-pause", device="j")`), or both."""
+        if kw:
+            args = dict(args or {}, **kw)
+        self.send(name, args, req_id)
         return self.reply(name, timeout)
 
-    def ok(self, name, args=None, timeout=120.0):
-        r = self.cmd(name, args, timeout)
+    def ok(self, name, args=None, *, timeout=120.0, **kw):
+        """Runs a command that must succeed; returns its "return" value."""
+        r = self.cmd(name, args, timeout=timeout, **kw)
         if "return" not in r:
             err = r.get("error", {})
             raise QMPError(f"{name}: {err.get('class', '?')}: {err.get('desc', r)}")
         return r["return"]
+
+    def _read_event(self, end, waiting_for):
+        line = self._line(max(0.0, end - time.monotonic()))
+        if line is None:
+            return None
+        obj = json.loads(line)
+        if "event" not in obj:
+            raise QMPError(f"unexpected reply while waiting for {waiting_for}: {obj}")
+        return obj
+
+    def event(self, name, timeout=60.0):
+        """The first queued or arriving `name` event; other events stay queued."""
+        end = time.monotonic() + timeout
+        while True:
+            for e in self.events:
+                if e["event"] == name:
+                    self.events.remove(e)
+                    return e
+            obj = self._read_event(end, name)
+            if obj is None:
+                raise QMPError(f"no {name} event within {timeout} s; got "
+                               f"{[e['event'] for e in self.events]}")
+            self.events.append(obj)
 
     def next_event(self, names, timeout):
         """The first queued or arriving event whose name is in `names`;
@@ -103,15 +162,19 @@ class QMP:
                 e = self.events.pop(0)
                 if e["event"] in names:
                     return e, time.monotonic()
-            line = self._line(max(0.0, end - time.monotonic()))
-            if line is None:
+            obj = self._read_event(end, "/".join(sorted(names)))
+            if obj is None:
                 raise QMPError(f"no {'/'.join(sorted(names))} event within {timeout} s")
-            obj = json.loads(line)
-            if "event" in obj:
-                if obj["event"] in names:
-                    return obj, time.monotonic()
-                continue
-            raise QMPError(f"unexpected reply while waiting for an event: {obj}")
+            if obj["event"] in names:
+                return obj, time.monotonic()
+
+    def drain_events(self, wait=0.05):
+        """Queues the events that arrive within `wait` seconds; returns the queue."""
+        while True:
+            obj = self._read_event(time.monotonic() + wait, "events")
+            if obj is None:
+                return self.events
+            self.events.append(obj)
 
     def close(self):
         self.sock.close()

@@ -18,10 +18,7 @@ Only the Python standard library is used.
 import json
 import os
 import random
-import select
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, VBLK, connect_unix, rand_bytes  # noqa: E402
+from common import MiB, InteropTestCase, VBLK, rand_bytes  # noqa: E402
+from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
 
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
@@ -52,104 +50,6 @@ if QSD:
     DAEMONS.append(("qemu-storage-daemon", [QSD]))
 if vblk_has_serve():
     DAEMONS.append(("vblk serve", [VBLK, "serve"]))
-
-
-class QMP:
-    """A minimal QMP client: one JSON object per line, events kept aside."""
-
-    def __init__(self, path):
-        self.sock = connect_unix(path)
-        self.buf = b""
-        self.events = []
-        json.loads(self._line(60))
-        assert self.cmd("qmp_capabilities") == {"return": {}}
-
-    def _line(self, timeout):
-        """The next line, or None when nothing came within timeout seconds."""
-        end = time.time() + timeout
-        while b"\n" not in self.buf:
-            left = end - time.time()
-            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
-                return None
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise EOFError("QMP connection closed")
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
-
-    def cmd(self, name, **args):
-        req = {"execute": name}
-        if args:
-            req["arguments"] = args
-        self.sock.sendall((json.dumps(req) + "\n").encode())
-        while True:
-            line = self._line(120)
-            if line is None:
-                raise AssertionError("no reply to %s" % name)
-            obj = json.loads(line)
-            if "event" in obj:
-                self.events.append(obj)
-                continue
-            return obj
-
-    def ok(self, name, **args):
-        r = self.cmd(name, **args)
-        assert "return" in r, (name, args, r)
-        return r["return"]
-
-    def event(self, name, timeout=60):
-        end = time.time() + timeout
-        while True:
-            for e in self.events:
-                if e["event"] == name:
-                    self.events.remove(e)
-                    return e
-            line = self._line(max(0.0, end - time.time()))
-            if line is None:
-                raise AssertionError("no %s event; got %r" % (name, [e["event"] for e in self.events]))
-            self.events.append(json.loads(line))
-
-    def drain_events(self, wait=0.05):
-        """Collects the events that arrive within `wait` seconds."""
-        while True:
-            line = self._line(wait)
-            if line is None:
-                return self.events
-            self.events.append(json.loads(line))
-
-    def close(self):
-        self.sock.close()
-
-
-class Daemon:
-    def __init__(self, cmd, workdir):
-        self.sock = os.path.join(workdir, "qmp.sock")
-        if os.path.exists(self.sock):
-            os.unlink(self.sock)
-        self.proc = subprocess.Popen(
-            list(cmd) + ["--chardev", "socket,path=%s,server=on,wait=off,id=mon0" % self.sock,
-                         "--monitor", "chardev=mon0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        end = time.time() + 30
-        while not os.path.exists(self.sock):
-            if self.proc.poll() is not None or time.time() > end:
-                raise AssertionError("daemon %s did not start: %r" % (cmd, self.proc.stderr.read()))
-            time.sleep(0.02)
-        self.qmp = QMP(self.sock)
-
-    def stop(self):
-        try:
-            self.qmp.cmd("quit")
-        except (OSError, EOFError):
-            pass
-        self.qmp.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-        self.proc.stderr.close()
 
 
 def compare(a, b, fmt_a="raw", fmt_b="raw"):
@@ -210,11 +110,11 @@ class BackupInteropTest(InteropTestCase):
         for name, cmd in DAEMONS:
             with self.subTest(daemon=name):
                 d = self.subdir(name.replace(" ", "_"))
-                dm = Daemon(cmd, d)
+                dm = Daemon(cmd, os.path.join(d, "qmp.sock"), os.path.join(d, "daemon.log"))
                 try:
                     seen[name] = scenario(dm.qmp, d)
                 finally:
-                    dm.stop()
+                    dm.quit()
         return seen
 
     def assertSame(self, seen):

@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import (MiB, InteropTestCase, VBLK, connect_unix, norm_qemu_err, norm_vblk_err, qemu, rand_bytes, run)  # noqa: E402
+from common import (MiB, InteropTestCase, VBLK, norm_qemu_err, norm_vblk_err, qemu, rand_bytes, run)  # noqa: E402
+import qmp_driver  # noqa: E402  (common.py puts bench/ on the path)
 
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
@@ -38,71 +39,10 @@ QSD_CMD = [QSD] if QSD else None
 VBLK_CMD = [VBLK, "serve"]
 
 
-class QMP:
-    """A minimal QMP client: one JSON object per line, events kept aside."""
-
-    def __init__(self, path, timeout=20):
-        self.sock = connect_unix(path, timeout)
-        self.sock.settimeout(timeout)
-        self.file = self.sock.makefile("rb")
-        self.events = []
-        self.greeting_line = self.read_line()
-        self.greeting = json.loads(self.greeting_line)
-
-    def read_line(self):
-        line = self.file.readline()
-        if not line:
-            raise EOFError("QMP connection closed")
-        return line.decode()
-
-    def send_raw(self, text):
-        self.sock.sendall(text.encode() if isinstance(text, str) else text)
-
-    def reply_line(self):
-        """The next reply line (events are stored in self.events)."""
-        while True:
-            line = self.read_line()
-            obj = json.loads(line)
-            if "event" in obj:
-                self.events.append(obj)
-                continue
-            return line
-
-    def raw(self, text):
-        """Sends text and returns the next reply line, unparsed."""
-        self.send_raw(text if text.endswith("\n") else text + "\n")
-        return self.reply_line()
-
-    def cmd(self, name, args=None, id=None):
-        req = {"execute": name}
-        if args is not None:
-            req["arguments"] = args
-        if id is not None:
-            req["id"] = id
-        return json.loads(self.raw(json.dumps(req)))
-
-    def negotiate(self):
-        r = self.cmd("qmp_capabilities")
-        assert r == {"return": {}}, r
-        return self
-
-    def event(self, name, timeout=10):
-        end = time.time() + timeout
-        while True:
-            for e in self.events:
-                if e["event"] == name:
-                    self.events.remove(e)
-                    return e
-            if time.time() > end:
-                raise AssertionError("no %s event" % name)
-            self.sock.settimeout(max(0.1, end - time.time()))
-            obj = json.loads(self.read_line())
-            if "event" in obj:
-                self.events.append(obj)
-
-    def close(self):
-        self.file.close()
-        self.sock.close()
+def QMP(path):
+    """A connection that stops after the greeting: the tests negotiate
+    themselves (or test what happens when they do not)."""
+    return qmp_driver.QMP(path, negotiate=False)
 
 
 class Daemon:
@@ -236,7 +176,7 @@ class QmpTest(InteropTestCase):
             out.append(c.raw('{"execute":"qmp_capabilities","arguments":{"enable":["foo"]},"id":"a"}'))
             out.append(c.raw('{"execute":"qmp_capabilities","id":{"x":[1,2]}}'))
             out.append(c.raw('{"execute":"qmp_capabilities"}'))
-            v = c.cmd("query-version", id=3)
+            v = c.cmd("query-version", req_id=3)
             out.append((sorted(v), sorted(v["return"]), v["id"]))
             c.close()
             self.assertEqual(d.stop(), 0)
