@@ -58,10 +58,7 @@ raw-raw and qcow2-qcow2.
 Python 3 standard library only.
 """
 import argparse
-import datetime
-import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -95,27 +92,7 @@ LETTER = {e[0]: chr(ord("A") + i) for i, e in enumerate(ENVS)}
 CASES = ["raw-raw", "qcow2-qcow2", "raw-nbd", "nbd-raw"]
 
 
-def drop_cache(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
-
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def rm(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def fill_ff(path, size):
@@ -142,7 +119,7 @@ class NbdServer:
     """qemu-nbd serving one raw file on a unix socket for one measurement."""
 
     def __init__(self, path, sock, log):
-        rm(sock)
+        bi.rm(sock)
         self.argv = ["qemu-nbd", "-f", "raw", "--cache=none", "--aio=native", "-t", "-k", sock, path]
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err)
@@ -179,10 +156,10 @@ def measure(env, case, files, daemon_argv0, qemu_img, size, workdir, timeout):
     src_file = files["qcow2"] if case == "qcow2-qcow2" else files["raw"]
     fmt = "qcow2" if case == "qcow2-qcow2" else "raw"
     dst_file = W("dst." + fmt)
-    rm(dst_file)
+    bi.rm(dst_file)
     subprocess.run([qemu_img, "create", "-q", "-f", fmt, dst_file, str(size)], check=True)
-    fsync_path(dst_file)
-    drop_cache(src_file)
+    bi.fsync_path(dst_file)
+    bi.drop_cache(src_file)
     nbd = None
     if case == "raw-nbd":
         nbd = NbdServer(dst_file, W("nbd.sock"), W("qemu-nbd.log"))
@@ -217,7 +194,7 @@ def measure(env, case, files, daemon_argv0, qemu_img, size, workdir, timeout):
             if data.get("offset") != data.get("len"):
                 raise QMPError(f"job ended at offset {data.get('offset')} of {data.get('len')}")
             t1 = time.monotonic()
-            fsync_path(dst_file)
+            bi.fsync_path(dst_file)
             t = (t_ev - t0) + (time.monotonic() - t1)
         except (QMPError, OSError) as e:
             tail = d.log_tail()
@@ -350,24 +327,11 @@ def main():
     workdir = tempfile.mkdtemp(prefix="vblk-bench-backup-", dir="/var/tmp") if own_dir else os.path.abspath(args.dir)
     os.makedirs(workdir, exist_ok=True)
     files = {"raw": os.path.join(workdir, "src.raw"), "qcow2": os.path.join(workdir, "src.qcow2")}
-    meta = {
-        "command": shlex.join(["python3"] + sys.argv),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "kernel": " ".join([platform.system(), platform.release(), platform.machine()]),
-        "cpu": f"{os.cpu_count()} x {bi.cpu_model()}",
-        "vblk": os.path.relpath(vblk, bi.REPO_ROOT) if vblk.startswith(bi.REPO_ROOT) else os.path.basename(vblk),
-        "vblk_version": bi.first_line([vblk, "--version"]),
-        "vblk_sha256": bi.sha256_of(vblk),
-        "qsd_version": bi.first_line([qsd, "--version"]),
-        "qemu_nbd_version": bi.first_line(["qemu-nbd", "--version"]),
-        "qemu_img_version": bi.first_line([qemu_img, "--version"]),
-        "image_fs": bi.fs_of(workdir),
-        "image_size": args.size,
-        "runs": args.runs,
-        "environments": {e[0]: {"letter": LETTER[e[0]], "daemon": e[1], "command": e[2], "arguments": e[3]}
-                         for e in envs},
-        "loadavg_start": bi.loadavg(),
-    }
+    meta = bi.run_meta(vblk, {"qsd_version": [qsd, "--version"], "qemu_nbd_version": ["qemu-nbd", "--version"],
+                              "qemu_img_version": [qemu_img, "--version"]},
+                       image_fs=bi.fs_of(workdir), image_size=args.size, runs=args.runs,
+                       environments={e[0]: {"letter": LETTER[e[0]], "daemon": e[1], "command": e[2],
+                                            "arguments": e[3]} for e in envs})
     print(f"# command:  {meta['command']}")
     print(f"# date:     {meta['date']}; kernel {meta['kernel']}; cpu {meta['cpu']}")
     print(f"# tools:    {meta['vblk_version']} ({meta['vblk']} serve); {meta['qsd_version']}; "
@@ -387,7 +351,7 @@ def main():
         if "qcow2-qcow2" in cases:
             subprocess.run([qemu_img, "convert", "-f", "raw", "-O", "qcow2", files["raw"], files["qcow2"]],
                            check=True)
-            fsync_path(files["qcow2"])
+            bi.fsync_path(files["qcow2"])
         for case in cases:
             names = [e[0] for e in envs]
             res = {"case": case, "bytes": args.size, "seconds": {n: [] for n in names},
@@ -416,13 +380,10 @@ def main():
                     print(f"run {r + 1}/{args.runs} {case:<12} {name:<23} {t:7.3f} s  (quit {tq:.3f} s)",
                           file=sys.stderr, flush=True)
             for n in ("dst.raw", "dst.qcow2"):
-                rm(os.path.join(workdir, n))
+                bi.rm(os.path.join(workdir, n))
             results.append(res)
             report(res)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"meta": meta, "results": results}, f, indent=2)
-                    f.write("\n")
+            bi.write_json(args.json, meta, results)
     finally:
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -444,10 +405,7 @@ def main():
     if bad:
         print("target differs from source: " + ", ".join(bad))
     print(f"# total wall time {meta['elapsed_seconds']:.0f} s; load {meta['loadavg_end']} at end")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
-            f.write("\n")
+    bi.write_json(args.json, meta, results)
     return 1 if failed or bad else 0
 
 

@@ -50,7 +50,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import re
 import shlex
@@ -67,30 +66,7 @@ import bench_img as bi  # noqa: E402
 MIB = 1 << 20
 
 
-def drop_cache(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
-
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def rm(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def make_sparse(path, size, seed=1):
@@ -253,20 +229,10 @@ def main():
         envs = [e for e in envs if re.search(args.envs, e)]
     fio_envs = ["fio-read", "fio-write", "fio-copy"]
     started = datetime.datetime.now().astimezone()
-    meta = {
-        "command": shlex.join(["python3"] + sys.argv),
-        "date": started.isoformat(timespec="seconds"),
-        "kernel": " ".join([platform.system(), platform.release(), platform.machine()]),
-        "cpu": f"{os.cpu_count()} x {bi.cpu_model()}",
-        "vblk": os.path.relpath(vblk, bi.REPO_ROOT) if vblk.startswith(bi.REPO_ROOT) else os.path.basename(vblk),
-        "vblk_version": bi.first_line([vblk, "--version"]),
-        "qemu_img_version": bi.first_line([qemu, "--version"]),
-        "nbdcopy_version": bi.first_line(["nbdcopy", "--version"]),
-        "fio_version": bi.first_line(["fio", "--version"]),
-        "image_fs": bi.fs_of(workdir),
-        "runs": args.runs,
-        "loadavg_start": bi.loadavg(),
-    }
+    meta = bi.run_meta(vblk, {"qemu_img_version": [qemu, "--version"], "nbdcopy_version": ["nbdcopy", "--version"],
+                              "fio_version": ["fio", "--version"]},
+                       image_fs=bi.fs_of(workdir), runs=args.runs)
+    meta["date"] = started.isoformat(timespec="seconds")
     print(f"# command:  {meta['command']}")
     print(f"# date:     {meta['date']}; kernel {meta['kernel']}; cpu {meta['cpu']}")
     print(f"# tools:    {meta['vblk_version']} ({meta['vblk']}); {meta['qemu_img_version']}; "
@@ -290,7 +256,7 @@ def main():
             if c["fmt"] == "qcow2":
                 raw = W("full.raw") if c["full"] else W("sparse.raw")
                 subprocess.run([qemu, "convert", "-f", "raw", "-O", "qcow2", raw, c["src"]], check=True)
-                fsync_path(c["src"])
+                bi.fsync_path(c["src"])
         env_vblk = dict(os.environ, VBLK_COPY_STATS="1")
         for case in cases:
             dst = W("dst." + case["fmt"])
@@ -303,8 +269,8 @@ def main():
             for r in range(args.runs):
                 k = r % len(case_envs)
                 for env in case_envs[k:] + case_envs[:k]:
-                    rm(dst)
-                    drop_cache(case["src"])
+                    bi.rm(dst)
+                    bi.drop_cache(case["src"])
                     if env.startswith("fio"):
                         jobs = {"fio-read": [("r", "read", case["src"])],
                                 "fio-write": [("w", "write", dst)],
@@ -312,7 +278,7 @@ def main():
                         t, m, _ = time_v(fio_argv(jobs, src_bytes))
                         if env != "fio-read":
                             t0 = time.monotonic()
-                            fsync_path(dst)
+                            bi.fsync_path(dst)
                             t += time.monotonic() - t0
                     else:
                         if env.startswith("nbdcopy") and case["fmt"] == "qcow2":
@@ -321,7 +287,7 @@ def main():
                             subprocess.run([qemu, "create", "-q", "-f", "qcow2", dst, str(vsize)], check=True)
                         t0 = time.monotonic()
                         _, m, err = time_v(env_argv(env, case, dst), env=env_vblk)
-                        fsync_path(dst)
+                        bi.fsync_path(dst)
                         t = time.monotonic() - t0
                         mm = re.search(r"block-copy: memory peak (\d+) of cap (\d+)", err)
                         if mm:
@@ -337,15 +303,12 @@ def main():
                     rss[env].append(m)
                     print(f"run {r + 1}/{args.runs} {case['name']:<13} {env:<16} {t:7.3f} s  {m // 1024:5d} MiB",
                           file=sys.stderr, flush=True)
-            rm(dst)
+            bi.rm(dst)
             results.append({"case": case["name"], "source_bytes": src_bytes, "seconds": times,
                             "peak_rss_kib": rss, "vblk_copy_memory_peak": mem, "verified": verified})
             # Each case's table as soon as it is done (a long run can be cut short).
             results[-1]["vblk_fastest"] = report(results[-1])
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"meta": meta, "results": results}, f, indent=2)
-                    f.write("\n")
+            bi.write_json(args.json, meta, results)
     finally:
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -356,10 +319,7 @@ def main():
     print()
     print("vblk fastest in every case" if not slower else f"vblk not fastest in: {', '.join(slower)}")
     print(f"# total wall time {meta['elapsed_seconds']:.0f} s; load {meta['loadavg_end']} at end")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
-            f.write("\n")
+    bi.write_json(args.json, meta, results)
 
 
 if __name__ == "__main__":

@@ -273,6 +273,61 @@ def render_table(rows):
     return "\n".join(out)
 
 
+# -- helpers the other bench scripts share (bench_convert, bench_nbd, bench_backup) --
+
+def drop_cache(path):
+    """Evicts a file from the page cache, so the next run reads the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rm(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def run_meta(vblk, versions, **fields):
+    """What every results file records about the run: command line, date,
+    kernel, cpu, the vblk binary (path, version, sha256), each tool's
+    version (`versions`: key -> argv printing it first) and `fields`."""
+    meta = {
+        "command": shlex.join(["python3"] + sys.argv),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "kernel": " ".join([platform.system(), platform.release(), platform.machine()]),
+        "cpu": f"{os.cpu_count()} x {cpu_model()}",
+        "vblk": os.path.relpath(vblk, REPO_ROOT) if vblk.startswith(REPO_ROOT) else os.path.basename(vblk),
+        "vblk_version": first_line([vblk, "--version"]),
+        "vblk_sha256": sha256_of(vblk),
+    }
+    meta.update({k: first_line(argv) for k, argv in versions.items()})
+    meta.update(fields)
+    meta["loadavg_start"] = loadavg()
+    return meta
+
+
+def write_json(path, meta, results):
+    if path:
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=2)
+            f.write("\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -34,10 +34,8 @@ Reported: IOPS (read + write) mean ± stdev and % of the device limit (mean
 over mean). Python 3 standard library only.
 """
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -51,13 +49,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_img as bi  # noqa: E402
 
-
-def drop_cache(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def wait_socket(path, proc, timeout=20):
@@ -139,20 +130,9 @@ def main():
     envs = ["device", "client", "vblk", "qemu-nbd", "nbdkit"]
     if args.envs:
         envs = [e for e in envs if re.search(args.envs, e)]
-    meta = {
-        "command": shlex.join(["python3"] + sys.argv),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "kernel": " ".join([platform.system(), platform.release(), platform.machine()]),
-        "cpu": f"{os.cpu_count()} x {bi.cpu_model()}",
-        "vblk": os.path.relpath(vblk, bi.REPO_ROOT) if vblk.startswith(bi.REPO_ROOT) else os.path.basename(vblk),
-        "vblk_version": bi.first_line([vblk, "--version"]),
-        "qemu_nbd_version": bi.first_line(["qemu-nbd", "--version"]),
-        "nbdkit_version": bi.first_line(["nbdkit", "--version"]),
-        "fio_version": bi.first_line(["fio", "--version"]),
-        "image_fs": bi.fs_of(workdir),
-        "runs": args.runs, "runtime": args.runtime, "ramp": args.ramp,
-        "loadavg_start": bi.loadavg(),
-    }
+    meta = bi.run_meta(vblk, {"qemu_nbd_version": ["qemu-nbd", "--version"], "nbdkit_version": ["nbdkit", "--version"],
+                              "fio_version": ["fio", "--version"]},
+                       image_fs=bi.fs_of(workdir), runs=args.runs, runtime=args.runtime, ramp=args.ramp)
     print(f"# command:  {meta['command']}")
     print(f"# date:     {meta['date']}; kernel {meta['kernel']}; cpu {meta['cpu']}")
     print(f"# tools:    {meta['vblk_version']} ({meta['vblk']}); {meta['qemu_nbd_version']}; "
@@ -185,7 +165,7 @@ def main():
                     else:
                         if os.path.exists(sock):
                             os.unlink(sock)
-                        drop_cache(image)
+                        bi.drop_cache(image)
                         proc = subprocess.Popen(server_argv(env, vblk, fmt, image, sock), stdout=subprocess.DEVNULL,
                                                 stderr=subprocess.PIPE)
                         try:
@@ -248,10 +228,7 @@ def main():
     print("vblk >= 90 % of the device limit in every 1-connection read/write case" if not short
           else f"vblk below 90 % of the device limit in: {', '.join(short)}")
     print(f"# total wall time {meta['elapsed_seconds']:.0f} s; load {meta['loadavg_end']} at end")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
-            f.write("\n")
+    bi.write_json(args.json, meta, results)
 
 
 if __name__ == "__main__":
