@@ -113,6 +113,8 @@ struct Parser {
 
   std::optional<OJson> value();
   std::optional<OJson> object();
+  std::optional<bool> opened(int closer);
+  std::optional<bool> separator(int closer, const char* container);
   std::optional<OJson> array();
   std::optional<OJson> literal(const std::pair<int, std::string>& t);
   std::optional<std::string> string(const std::string& text);
@@ -197,18 +199,40 @@ std::optional<OJson> Parser::literal(const std::pair<int, std::string>& t) {
   return OJson(std::strtod(p, nullptr));
 }
 
-std::optional<OJson> Parser::object() {
-  pop();  // {
-  OJson obj = OJson::object();
+// Just after `{` or `[`: is the container empty (its closer is taken)?
+std::optional<bool> Parser::opened(int closer) {
   auto* t = peek();
   if (!t) {
     error("premature EOI");
     return std::nullopt;
   }
-  if (t->first == kRCurly) {
-    pop();
-    return obj;
+  if (t->first != closer) return false;
+  pop();
+  return true;
+}
+
+// The token after a member: `closer` ends the container (true), a comma asks
+// for another member (false); anything else is an error in QEMU's words.
+std::optional<bool> Parser::separator(int closer, const char* container) {
+  auto* sep = pop();
+  if (!sep) {
+    error("premature EOI");
+    return std::nullopt;
   }
+  if (sep->first == closer) return true;
+  if (sep->first != kComma) {
+    error(std::string("expected separator in ") + container);
+    return std::nullopt;
+  }
+  return false;
+}
+
+std::optional<OJson> Parser::object() {
+  pop();  // {
+  OJson obj = OJson::object();
+  auto empty = opened(kRCurly);
+  if (!empty) return std::nullopt;
+  if (*empty) return obj;
   for (;;) {
     auto* kt = peek();
     if (!kt) {
@@ -240,31 +264,18 @@ std::optional<OJson> Parser::object() {
       return std::nullopt;
     }
     obj[k] = std::move(*v);
-    auto* sep = pop();
-    if (!sep) {
-      error("premature EOI");
-      return std::nullopt;
-    }
-    if (sep->first == kRCurly) return obj;
-    if (sep->first != kComma) {
-      error("expected separator in dict");
-      return std::nullopt;
-    }
+    auto closed = separator(kRCurly, "dict");
+    if (!closed) return std::nullopt;
+    if (*closed) return obj;
   }
 }
 
 std::optional<OJson> Parser::array() {
   pop();  // [
   OJson arr = OJson::array();
-  auto* t = peek();
-  if (!t) {
-    error("premature EOI");
-    return std::nullopt;
-  }
-  if (t->first == kRSquare) {
-    pop();
-    return arr;
-  }
+  auto empty = opened(kRSquare);
+  if (!empty) return std::nullopt;
+  if (*empty) return arr;
   for (;;) {
     auto v = value();
     if (!v) {
@@ -272,16 +283,9 @@ std::optional<OJson> Parser::array() {
       return std::nullopt;
     }
     arr.push_back(std::move(*v));
-    auto* sep = pop();
-    if (!sep) {
-      error("premature EOI");
-      return std::nullopt;
-    }
-    if (sep->first == kRSquare) return arr;
-    if (sep->first != kComma) {
-      error("expected separator in list");
-      return std::nullopt;
-    }
+    auto closed = separator(kRSquare, "list");
+    if (!closed) return std::nullopt;
+    if (*closed) return arr;
   }
 }
 
