@@ -76,14 +76,25 @@ class CoMutex {
   class Guard {
    public:
     explicit Guard(CoMutex* m) : m_(m) {}
-    Guard(Guard&& o) noexcept : m_(std::exchange(o.m_, nullptr)) {}
+    Guard(Guard&& o) noexcept : m_(std::exchange(o.m_, nullptr)), held_(o.held_) {}
     Guard& operator=(Guard&&) = delete;
     ~Guard() {
-      if (m_) m_->unlock();
+      if (m_ && held_) m_->unlock();
+    }
+    // Lets the mutex go for a while (around I/O it need not cover); relock()
+    // takes it again. The destructor unlocks only what is held.
+    void unlock() {
+      held_ = false;
+      m_->unlock();
+    }
+    Task<void> relock() {
+      co_await m_->lock();
+      held_ = true;
     }
 
    private:
     CoMutex* m_;
+    bool held_ = true;
   };
   Task<Guard> scoped() {
     co_await lock();

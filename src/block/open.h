@@ -17,10 +17,12 @@
 namespace vblk {
 
 class Graph;
+class ThrottleGroups;
 
 struct OpenContext {
   Loop& loop;
   Graph* graph = nullptr;   // for child references by node name (may be null)
+  ThrottleGroups* throttle_groups = nullptr;  // the `throttle` driver's groups (vblk serve)
   bool read_only = false;   // default for nodes that do not say
   // Generic cache options, inherited by children unless they set their own.
   bool cache_direct = false;

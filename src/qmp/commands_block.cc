@@ -229,7 +229,7 @@ Result<std::shared_ptr<Node>> Daemon::blockdev_add(const Json& in) {
     if (c.contains("no-flush")) st.no_flush = truthy(c["no-flush"]);
   }
   if (opts.contains("detect-zeroes") && opts["detect-zeroes"].is_string()) st.detect_zeroes = opts["detect-zeroes"];
-  OpenContext ctx{.loop = loop, .graph = &graph};
+  OpenContext ctx{.loop = loop, .graph = &graph, .throttle_groups = &throttle_groups};
   auto n = open_node(ctx, std::move(opts));
   if (!n) {
     // open_node registers children as it goes: forget the half-built tree.

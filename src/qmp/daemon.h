@@ -24,6 +24,7 @@
 #include "qmp/registry.h"
 #include "vblk/graph.h"
 #include "vblk/job.h"
+#include "vblk/throttle.h"
 
 namespace vblk::qmp {
 
@@ -47,6 +48,9 @@ struct Daemon {
 
   Loop& loop;
   Graph graph;
+  // throttle-group objects (object-add / --object), used by `throttle` nodes.
+  ThrottleGroups throttle_groups{loop};
+  std::set<std::string> iothreads;  // accepted iothread objects (one loop runs everything)
   // Jobs (blockdev-backup, job-*, block-job-*): see src/qmp/commands_job.cc.
   JobManager jobs{loop};
   Registry registry;
@@ -88,11 +92,13 @@ void register_core_commands(Daemon& d);
 void register_block_commands(Daemon& d);
 void register_nbd_commands(Daemon& d);
 void register_job_commands(Daemon& d);
+void register_object_commands(Daemon& d);
 inline void register_all_commands(Daemon& d) {
   register_core_commands(d);
   register_block_commands(d);
   register_nbd_commands(d);
   register_job_commands(d);
+  register_object_commands(d);
 }
 
 // QEMU's SocketAddress (flat: {"type":"unix","path":...} or
@@ -102,5 +108,7 @@ Result<Fd> listen_socket_address(Loop& loop, const OJson& addr, std::string* uni
 Status start_nbd_server(Daemon& d, const OJson& addr, unsigned max_connections);
 // block-export-add for QMP and --export (options already type-checked).
 Status add_block_export(Daemon& d, const OJson& opts);
+// object-add for QMP and --object: {"qom-type", "id", properties...}.
+Status add_object(Daemon& d, const OJson& opts);
 
 }  // namespace vblk::qmp

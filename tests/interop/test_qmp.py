@@ -549,6 +549,59 @@ class QmpTest(InteropTestCase):
             return out
         self.assertBoth(scenario)
 
+    def test_throttle_group(self):
+        """throttle-group objects (--object and object-add) and the throttle
+        filter: QEMU's validation, in-use refusal, and writes held to the rate."""
+        raw = os.path.join(self.tmp, "a.raw")
+
+        def scenario(cmd):
+            self.images()
+            d = self.start(cmd, ["--object", "throttle-group,id=tg0,x-bps-write=524288",
+                                 "--blockdev", "driver=file,node-name=f0,filename=%s" % raw,
+                                 "--blockdev", "driver=throttle,node-name=t0,throttle-group=tg0,file=f0",
+                                 "--nbd-server", "addr.type=unix,addr.path=%s" % self.nbd,
+                                 "--export", "type=nbd,id=e0,node-name=t0,name=x,writable=on"])
+            c = d.qmp().negotiate()
+            tg = {"qom-type": "throttle-group"}
+            out = [c.cmd("object-add", a) for a in (
+                dict(tg), {"id": "x"}, dict(tg, id="a", foo=1), dict(tg, id="a", limits={"foo": 1}),
+                dict(tg, id="a", limits={"bps-total": "x"}), dict(tg, id="a", limits=5),
+                dict(tg, id="a", **{"x-bps-total": -5}), dict(tg, id="a", **{"x-bps-total": "5"}),
+                dict(tg, id="a", limits={"iops-size": 4096}), dict(tg, id="a", limits={"bps-total-max-length": 2}),
+                dict(tg, id="a", limits={"bps-total": 10, "bps-total-max": 5}),
+                dict(tg, id="a", limits={"bps-total": 100, "bps-read": 5}),
+                dict(tg, id="a", limits={"iops-total": -1}), dict(tg, id="1bad"),
+                {"qom-type": "nosuch", "id": "a"}, dict(tg, id="tg0"),
+                dict(tg, id="tg1", limits={"iops-total": 100, "iops-total-max": 200}),
+                {"qom-type": "iothread", "id": "io0"}, {"qom-type": "iothread", "id": "tg1"})]
+            out.append(c.cmd("object-del", {"id": "tg0"}))
+            out.append(c.cmd("object-del", {"id": "nosuch"}))
+            for args in ({"driver": "throttle", "node-name": "t1", "throttle-group": "nosuch", "file": "f0"},
+                         {"driver": "throttle", "node-name": "t1", "file": "f0"},
+                         {"driver": "throttle", "node-name": "t1", "throttle-group": 5, "file": "f0"},
+                         {"driver": "throttle", "node-name": "t1", "throttle-group": "tg1",
+                          "file": {"driver": "null-co"}}):
+                out.append(c.cmd("blockdev-add", args))
+            out.append(c.cmd("object-del", {"id": "tg1"}))
+            out.append(c.cmd("blockdev-del", {"node-name": "t1"}))
+            out.append(c.cmd("object-del", {"id": "tg1"}))
+            out.append(c.cmd("object-del", {"id": "io0"}))
+            out.append(sorted((n["node-name"], n["drv"]) for n in c.cmd("query-named-block-nodes")["return"]))
+            # 1 MiB in four requests at 512 KiB/s: the last goes once the
+            # bucket has drained to a tenth of the rate, after about 1.4 s.
+            uri = "nbd+unix:///x?socket=%s" % self.nbd
+            t0 = time.monotonic()
+            r = run([QEMU_IO, "-f", "raw"] + sum((["-c", "write -P 0x3c %dk 256k" % (i * 256)] for i in range(4)), [])
+                    + [uri])
+            took = time.monotonic() - t0
+            out.append(("write", r.rc, took >= 1.2, took < 20))
+            r = run([QEMU_IO, "-f", "raw", "-c", "read -P 0x3c 0 1M", uri])
+            out.append(("read back", r.rc))
+            c.close()
+            self.assertEqual(d.stop(), 0)
+            return out
+        self.assertBoth(scenario)
+
     def test_command_line_errors(self):
         raw = os.path.join(self.tmp, "a.raw")
         cases = [

@@ -93,27 +93,9 @@ Task<Status> Qcow2Node::write_compressed(uint64_t offset, std::span<const uint8_
 }
 
 Task<Status> Qcow2Node::write_compressed_cluster(uint64_t guest, std::span<const uint8_t> data) {
-  co_await lock_.lock();
-  bool locked = true;
-  struct Unlock {
-    CoMutex& m;
-    bool& locked;
-    ~Unlock() {
-      if (locked) m.unlock();
-    }
-  } unlock_guard{lock_, locked};
+  auto guard = co_await lock_.scoped();
   const uint64_t ci = guest / cs_;
-  for (;;) {  // an allocating write into this cluster goes first
-    CoEvent* busy = nullptr;
-    for (auto& a : allocs_)
-      if (a.first <= ci && ci <= a.last) busy = a.done;
-    if (!busy) break;
-    lock_.unlock();
-    locked = false;
-    co_await busy->wait();
-    co_await lock_.lock();
-    locked = true;
-  }
+  co_await wait_allocs(ci, ci);  // an allocating write into this cluster goes first
   const uint64_t l2i = ci & (l2_entries_ - 1);
   {
     auto t = co_await l2_for_write(guest);
@@ -126,12 +108,10 @@ Task<Status> Qcow2Node::write_compressed_cluster(uint64_t guest, std::span<const
   if (!host) co_return host.take_error();
 
   AllocClaim claim(*this, ci, ci);
-  lock_.unlock();
-  locked = false;
+  guard.unlock();
   VBLK_CO_TRY(co_await file_->write(*host, data));
 
-  co_await lock_.lock();
-  locked = true;
+  co_await guard.relock();
   // The data and the refcounts reach the disk before the entry does.
   l2_cache_->depends_on_flush();
   // Lazy refcounts: the dirty bit instead of the refcount-before-L2 order.

@@ -116,15 +116,7 @@ Task<Result<bool>> Qcow2Node::reads_as_zero(uint64_t offset, uint64_t bytes) {
 // or the allocation of a run of new clusters filled with the new data and
 // the old data around it (copy-on-write). *done is how far it got.
 Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done) {
-  co_await lock_.lock();
-  bool locked = true;
-  struct Unlock {
-    CoMutex& m;
-    bool& locked;
-    ~Unlock() {
-      if (locked) m.unlock();
-    }
-  } unlock_guard{lock_, locked};
+  auto guard = co_await lock_.scoped();
 
   Mapping m;
   uint64_t first = 0, last = 0;
@@ -135,29 +127,20 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
     uint64_t n = std::min<uint64_t>(m.bytes, buf.size());
     first = offset / cs_;
     last = (offset + n - 1) / cs_;
-    // Another write filling any of these clusters goes first.
-    CoEvent* busy = nullptr;
-    for (auto& a : allocs_)
-      if (a.first <= last && first <= a.last) busy = a.done;
-    if (!busy) break;
-    lock_.unlock();
-    locked = false;
-    co_await busy->wait();
-    co_await lock_.lock();
-    locked = true;
+    // Another write filling any of these clusters goes first; then look again.
+    const bool waited = co_await wait_allocs(first, last);
+    if (!waited) break;
   }
   const uint64_t n = std::min<uint64_t>(m.bytes, buf.size());
   if (m.type == ClusterType::Normal && m.copied) {
-    lock_.unlock();
-    locked = false;
+    guard.unlock();
     VBLK_CO_TRY(co_await file_->write(m.host, buf.subspan(0, n)));
     *done = n;
     co_return Status{};
   }
   if (l2_entry_size_ == 16) {
     // Subclusters: one cluster at a time, only the covered subclusters.
-    lock_.unlock();
-    locked = false;
+    guard.unlock();
     co_return co_await write_subclusters(offset, buf, done);
   }
 
@@ -191,8 +174,7 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   auto host = co_await alloc_clusters(count);
   if (!host) co_return host.take_error();
   AllocClaim claim(*this, first, last);
-  lock_.unlock();
-  locked = false;
+  guard.unlock();
 
   bool data_only = head == 0 && tail == 0;
   if (zero_cow) {
@@ -220,8 +202,7 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
 
   // Link the new clusters into the L2 table; free what they replace. The
   // data and the refcounts reach the disk before these entries do.
-  co_await lock_.lock();
-  locked = true;
+  co_await guard.relock();
   l2_cache_->depends_on_flush();
   // Lazy refcounts: the image is marked dirty instead, and L2 entries may
   // reach the disk before their clusters' refcounts (a crash leaves errors
@@ -260,20 +241,12 @@ Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, 
 // unallocated or zero. A new host cluster copies what the old cluster had
 // allocated (compressed: all of it).
 Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done) {
-  co_await lock_.lock();
-  bool locked = true;
-  struct Unlock {
-    CoMutex& m;
-    bool& locked;
-    ~Unlock() {
-      if (locked) m.unlock();
-    }
-  } unlock_guard{lock_, locked};
+  auto guard = co_await lock_.scoped();
   const uint64_t ci = offset / cs_, guest = ci * cs_, in = offset % cs_;
   const uint64_t n = std::min<uint64_t>(buf.size(), cs_ - in);
   const uint64_t sc = cs_ / kSubclusters;
   const uint64_t l2i = ci & (l2_entries_ - 1);
-  co_await wait_allocs(ci);
+  co_await wait_allocs(ci, ci);
   uint64_t e, bm;
   {
     auto t = co_await l2_for_write(guest);
@@ -309,8 +282,7 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
     target = *h;
   }
   AllocClaim claim(*this, ci, ci);
-  lock_.unlock();
-  locked = false;
+  guard.unlock();
 
   if (from == in && to == in + n) {
     VBLK_CO_TRY(co_await file_->write(target + in, buf.subspan(0, n)));
@@ -322,8 +294,7 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
     VBLK_CO_TRY(co_await file_->write(target + from, cow.span()));
   }
 
-  co_await lock_.lock();
-  locked = true;
+  co_await guard.relock();
   l2_cache_->depends_on_flush();
   // Lazy refcounts: the dirty bit instead of the refcount-before-L2 order.
   if (lazy_refcounts_) VBLK_CO_TRY(co_await mark_dirty());

@@ -192,7 +192,9 @@ class Qcow2Node final : public Node {
   Task<Status> write_subclusters(uint64_t offset, std::span<const uint8_t> buf, uint64_t* done);
 
   // ---- zero.cc
-  Task<void> wait_allocs(uint64_t cluster_index);  // lock held
+  // Waits (lock held; let go while waiting) until no allocating write claims
+  // a cluster of [first, last]; true if it had to wait (lookups are stale).
+  Task<bool> wait_allocs(uint64_t first, uint64_t last);
   // QEMU's is_zero: the range reads as zeroes by metadata alone (lock held).
   Task<Result<bool>> is_zero_fast(uint64_t offset, uint64_t bytes);
   Task<Status> zero_clusters(uint64_t a, uint64_t e, bool may_unmap);

@@ -21,15 +21,17 @@ constexpr uint64_t kAllZeroes = 0xffffffff00000000ull;  // extended L2: every su
 
 // Waits (lock held, released while waiting) for allocating writes into the
 // guest cluster ci.
-Task<void> Qcow2Node::wait_allocs(uint64_t ci) {
+Task<bool> Qcow2Node::wait_allocs(uint64_t first, uint64_t last) {
+  bool waited = false;
   for (;;) {
     CoEvent* busy = nullptr;
     for (auto& a : allocs_)
-      if (a.first <= ci && ci <= a.last) busy = a.done;
-    if (!busy) co_return;
+      if (a.first <= last && first <= a.last) busy = a.done;
+    if (!busy) co_return waited;
     lock_.unlock();
     co_await busy->wait();
     co_await lock_.lock();
+    waited = true;
   }
 }
 
@@ -71,7 +73,7 @@ Task<Result<bool>> Qcow2Node::is_zero_fast(uint64_t offset, uint64_t bytes) {
 // or the image end). Lock held.
 Task<Status> Qcow2Node::zero_clusters(uint64_t a, uint64_t e, bool may_unmap) {
   for (uint64_t guest = a; guest < e; guest += cs_) {
-    co_await wait_allocs(guest / cs_);
+    co_await wait_allocs(guest / cs_, guest / cs_);
     auto t = co_await l2_for_write(guest);
     if (!t) co_return t.take_error();
     uint64_t l2i = (guest >> h_.cluster_bits) & (l2_entries_ - 1);
@@ -92,7 +94,7 @@ Task<Status> Qcow2Node::zero_clusters(uint64_t a, uint64_t e, bool may_unmap) {
 // Extended L2: makes `count` subclusters from `first` of the cluster at
 // guest read as zero. false: the cluster is compressed (write zeroes).
 Task<Result<bool>> Qcow2Node::zero_subclusters(uint64_t guest, uint32_t first, uint32_t count) {
-  co_await wait_allocs(guest / cs_);
+  co_await wait_allocs(guest / cs_, guest / cs_);
   auto t = co_await l2_for_write(guest);
   if (!t) co_return t.take_error();
   uint64_t l2i = (guest >> h_.cluster_bits) & (l2_entries_ - 1);
@@ -156,7 +158,7 @@ Task<Status> Qcow2Node::zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) 
     bool done = false;
     {
       auto g = co_await lock_.scoped();
-      co_await wait_allocs(pos / cs_);
+      co_await wait_allocs(pos / cs_, pos / cs_);
       bool ok = true;
       if (pos != u0 || tail) {
         // A partial unit: only if the rest reads as zero and it holds no data.
@@ -201,7 +203,7 @@ Task<Status> Qcow2Node::discard_range(uint64_t offset, uint64_t bytes, bool full
 
 Task<Status> Qcow2Node::discard_clusters(uint64_t a, uint64_t e, bool full) {
   for (uint64_t guest = a; guest < e; guest += cs_) {
-    co_await wait_allocs(guest / cs_);
+    co_await wait_allocs(guest / cs_, guest / cs_);
     const uint64_t l1i = guest >> (h_.cluster_bits + l2_bits_);
     if (l1i >= l1_.size()) break;
     if (full && !(l1_[l1i] & kL1OffsetMask)) continue;  // nothing there
