@@ -26,6 +26,20 @@ class ThrottleNode final : public Node {
   }
 
   bool reports_dirty_flag() const override { return file_child()->reports_dirty_flag(); }
+  // The group is a strong option, so QEMU names the node by its options:
+  // json:{"throttle-group": "tg", "driver": "throttle", "file": {...}}, the
+  // child as its own json: name or {"driver": ..., "filename": ...}.
+  std::string filename() const override {
+    std::string child = file_->filename();
+    if (child.rfind("json:", 0) == 0) {
+      child = child.substr(5);
+    } else {
+      child = "{\"driver\": " + nlohmann::json(file_->driver()).dump() + ", \"filename\": " +
+              nlohmann::json(child).dump() + "}";
+    }
+    return "json:{\"throttle-group\": " + nlohmann::json(group_->id()).dump() +
+           ", \"driver\": \"throttle\", \"file\": " + child + "}";
+  }
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override {
