@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "vblk/block_copy.h"
+#include "vblk/filter_node.h"
 #include "vblk/node.h"
 #include "vblk/sync.h"
 
@@ -37,13 +38,13 @@ struct CbwOptions {
   uint32_t timeout_s = 0;
 };
 
-class CopyBeforeWrite : public Node {
+class CopyBeforeWrite : public FilterNode {
  public:
   CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::shared_ptr<Node> target, CbwOptions opts);
   ~CopyBeforeWrite() override;
 
   BlockCopyState& bcs() { return *bcs_; }
-  Node& source() const { return *file_; }
+  Node& source() const { return filtered(); }
   Node& target() const { return *target_; }
   // The first copy error under break-snapshot (ok while the snapshot holds).
   const Status& snapshot_error() const { return snapshot_error_; }
@@ -52,19 +53,15 @@ class CopyBeforeWrite : public Node {
   // Copies the old data under [offset, offset+bytes) if still needed.
   Task<Status> copy_before_write(uint64_t offset, uint64_t bytes);
 
-  std::string filename() const override { return file_->filename(); }
+  std::string filename() const override { return filtered().filename(); }
 
  protected:
-  Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override;
   Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) override;
   Task<Status> do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) override;
   Task<Status> do_discard(uint64_t offset, uint64_t bytes) override;
-  Task<Status> do_flush() override;
-  Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_truncate(uint64_t length, bool exact) override;
 
  private:
-  Node* file_;
   Node* target_;
   OnCbwError on_error_;
   uint64_t timeout_ns_;

@@ -15,6 +15,7 @@
 #include <algorithm>
 
 #include "block/drivers/drivers.h"
+#include "vblk/filter_node.h"
 
 namespace vblk {
 namespace {
@@ -45,52 +46,35 @@ struct Rule {
   uint32_t iotypes = ~0u;
 };
 
-class BlkdebugNode final : public Node {
+class BlkdebugNode final : public FilterNode {
  public:
   BlkdebugNode(Loop& loop, std::shared_ptr<Node> image, uint32_t align, std::vector<Rule> inject,
                std::vector<Rule> set_state)
-      : Node(loop, "blkdebug"), image_(image.get()), inject_(std::move(inject)), set_state_(std::move(set_state)) {
-    limits_ = image_->limits();
+      : FilterNode(loop, "blkdebug", std::move(image)), inject_(std::move(inject)), set_state_(std::move(set_state)) {
     if (align) limits_.request_alignment = std::max(limits_.request_alignment, align);
-    caps_ = image_->caps();
-    caps_.native_fua = true;
-    caps_.copy_range = false;
-    set_length(image_->length());
-    add_child("file", std::move(image));
   }
 
   // QEMU's name for it; and like QEMU's blkdebug it does not know the
   // allocated size of what it filters.
-  std::string filename() const override { return "blkdebug::" + image_->filename(); }
+  std::string filename() const override { return "blkdebug::" + filtered().filename(); }
   Result<uint64_t> allocated_size() const override { return Error(ENOTSUP); }
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override {
     VBLK_CO_TRY(fire("read_aio", Io::Read, offset, buf.size()));
-    co_return co_await image_->read(offset, buf, flags);
+    co_return co_await FilterNode::do_read(offset, buf, flags);
   }
   Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) override {
     VBLK_CO_TRY(fire("write_aio", Io::Write, offset, buf.size()));
-    co_return co_await image_->write(offset, buf, flags);
+    co_return co_await FilterNode::do_write(offset, buf, flags);
   }
   Task<Status> do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) override {
     VBLK_CO_TRY(fire("write_aio", Io::WriteZeroes, offset, bytes));
-    co_return co_await image_->write_zeroes(offset, bytes, flags | kReqNoFallback);
-  }
-  Task<Status> do_discard(uint64_t offset, uint64_t bytes) override {
-    co_return co_await image_->discard(offset, bytes);
+    co_return co_await FilterNode::do_write_zeroes(offset, bytes, flags);
   }
   Task<Status> do_flush() override {
     VBLK_CO_TRY(fire("flush_to_disk", Io::Flush, 0, 0));
-    co_return co_await image_->flush();
-  }
-  Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override {
-    co_return BlockStatus{.flags = kStatusRaw | kStatusOffsetValid, .bytes = bytes, .map = offset, .file = image_};
-  }
-  Task<Status> do_truncate(uint64_t length, bool exact) override {
-    VBLK_CO_TRY(co_await image_->truncate(length, exact));
-    set_length(image_->length());
-    co_return Status{};
+    co_return co_await FilterNode::do_flush();
   }
 
  private:
@@ -117,7 +101,6 @@ class BlkdebugNode final : public Node {
     return result;
   }
 
-  Node* image_;
   std::vector<Rule> inject_;
   std::vector<Rule> set_state_;
   int64_t state_ = 1;

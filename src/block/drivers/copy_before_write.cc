@@ -15,23 +15,14 @@ uint64_t cbw_cluster_size(const Node& target) { return std::max<uint64_t>(64 << 
 
 CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::shared_ptr<Node> target,
                                  CbwOptions opts)
-    : Node(loop, "copy-before-write"),
-      file_(file.get()),
+    : FilterNode(loop, "copy-before-write", std::move(file)),
       target_(target.get()),
       on_error_(opts.on_error),
       timeout_ns_(uint64_t{opts.timeout_s} * 1000000000ull),
       orphans_(loop) {
-  limits_ = file_->limits();
-  caps_ = file_->caps();
-  caps_.native_fua = true;    // passed down; the child emulates it
-  caps_.copy_range = false;   // never a copy source: reads go to `file`
-  caps_.supports_backing = false;
-  set_length(file_->length());
-  set_read_only(file_->read_only());
   if (!opts.copy.cluster_size) opts.copy.cluster_size = cbw_cluster_size(*target_);
-  add_child("file", std::move(file));
   add_child("target", std::move(target));
-  bcs_ = std::make_unique<BlockCopyState>(*file_, *target_, opts.copy);
+  bcs_ = std::make_unique<BlockCopyState>(filtered(), *target_, opts.copy);
   // Without a bitmap option every cluster is still to be copied: the
   // snapshot is the whole disk as of now.
   bcs_->bitmap().set_all();
@@ -77,29 +68,19 @@ Task<Status> CopyBeforeWrite::copy_before_write(uint64_t offset, uint64_t bytes)
   co_return Status{};
 }
 
-Task<Status> CopyBeforeWrite::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) {
-  co_return co_await file_->read(offset, buf, flags);
-}
-
 Task<Status> CopyBeforeWrite::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
   VBLK_CO_TRY(co_await copy_before_write(offset, buf.size()));
-  co_return co_await file_->write(offset, buf, flags);
+  co_return co_await filtered().write(offset, buf, flags);
 }
 
 Task<Status> CopyBeforeWrite::do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) {
   VBLK_CO_TRY(co_await copy_before_write(offset, bytes));
-  co_return co_await file_->write_zeroes(offset, bytes, flags);
+  co_return co_await filtered().write_zeroes(offset, bytes, flags);
 }
 
 Task<Status> CopyBeforeWrite::do_discard(uint64_t offset, uint64_t bytes) {
   VBLK_CO_TRY(co_await copy_before_write(offset, bytes));
-  co_return co_await file_->discard(offset, bytes);
-}
-
-Task<Status> CopyBeforeWrite::do_flush() { co_return co_await file_->flush(); }
-
-Task<Result<BlockStatus>> CopyBeforeWrite::do_block_status(uint64_t offset, uint64_t bytes) {
-  co_return BlockStatus{.flags = kStatusRaw | kStatusOffsetValid, .bytes = bytes, .map = offset, .file = file_};
+  co_return co_await filtered().discard(offset, bytes);
 }
 
 Task<Status> CopyBeforeWrite::do_truncate(uint64_t, bool) {

@@ -6,35 +6,26 @@
 #include <cerrno>
 
 #include "block/drivers/drivers.h"
+#include "vblk/filter_node.h"
 #include "vblk/throttle.h"
 
 namespace vblk {
 namespace {
 
-class ThrottleNode final : public Node {
+class ThrottleNode final : public FilterNode {
  public:
   ThrottleNode(Loop& loop, std::shared_ptr<Node> file, std::shared_ptr<ThrottleGroup> group)
-      : Node(loop, "throttle"), file_(file.get()), group_(std::move(group)) {
-    limits_ = file_->limits();
-    caps_ = file_->caps();
-    caps_.native_fua = true;   // passed down; the child emulates it
-    caps_.copy_range = false;  // an offloaded copy would bypass the limits
-    caps_.supports_backing = false;
-    set_length(file_->length());
-    set_read_only(file_->read_only());
-    add_child("file", std::move(file));
-  }
+      : FilterNode(loop, "throttle", std::move(file)), group_(std::move(group)) {}
 
-  bool reports_dirty_flag() const override { return file_child()->reports_dirty_flag(); }
   // The group is a strong option, so QEMU names the node by its options:
   // json:{"throttle-group": "tg", "driver": "throttle", "file": {...}}, the
   // child as its own json: name or {"driver": ..., "filename": ...}.
   std::string filename() const override {
-    std::string child = file_->filename();
+    std::string child = filtered().filename();
     if (child.rfind("json:", 0) == 0) {
       child = child.substr(5);
     } else {
-      child = "{\"driver\": " + nlohmann::json(file_->driver()).dump() + ", \"filename\": " +
+      child = "{\"driver\": " + nlohmann::json(filtered().driver()).dump() + ", \"filename\": " +
               nlohmann::json(child).dump() + "}";
     }
     return "json:{\"throttle-group\": " + nlohmann::json(group_->id()).dump() +
@@ -44,32 +35,22 @@ class ThrottleNode final : public Node {
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override {
     co_await group_->intercept(false, buf.size());
-    co_return co_await file_->read(offset, buf, flags);
+    co_return co_await FilterNode::do_read(offset, buf, flags);
   }
   Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) override {
     co_await group_->intercept(true, buf.size());
-    co_return co_await file_->write(offset, buf, flags);
+    co_return co_await FilterNode::do_write(offset, buf, flags);
   }
   Task<Status> do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) override {
     co_await group_->intercept(true, bytes);
-    co_return co_await file_->write_zeroes(offset, bytes, flags | kReqNoFallback);
+    co_return co_await FilterNode::do_write_zeroes(offset, bytes, flags);
   }
   Task<Status> do_discard(uint64_t offset, uint64_t bytes) override {
     co_await group_->intercept(true, bytes);
-    co_return co_await file_->discard(offset, bytes);
-  }
-  Task<Status> do_flush() override { co_return co_await file_->flush(); }
-  Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override {
-    co_return BlockStatus{.flags = kStatusRaw | kStatusOffsetValid, .bytes = bytes, .map = offset, .file = file_};
-  }
-  Task<Status> do_truncate(uint64_t length, bool exact) override {
-    VBLK_CO_TRY(co_await file_->truncate(length, exact));
-    set_length(file_->length());
-    co_return Status{};
+    co_return co_await FilterNode::do_discard(offset, bytes);
   }
 
  private:
-  Node* file_;
   std::shared_ptr<ThrottleGroup> group_;
 };
 
