@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Interop: named dirty bitmaps, vblk serve beside qemu-storage-daemon.
+
+Every scenario runs against qemu-storage-daemon (QEMU 7.2) and `vblk serve`
+with the same QMP commands on images made the same way at the same paths, and
+asserts the same outcomes: every reply (error class and text included), the
+`dirty-bitmaps` of query-named-block-nodes for the nodes the scenario named,
+and the bitmaps' contents through x-debug-block-dirty-bitmap-sha256 after
+writes through an NBD export.
+
+Only the Python standard library is used.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import unittest  # noqa: E402
+
+from common import MiB, InteropTestCase, VBLK, qemu, rand_bytes  # noqa: E402
+from qmp_driver import Daemon  # noqa: E402  (bench/, on the path through common)
+
+QSD = shutil.which("qemu-storage-daemon")
+QEMU_IO = shutil.which("qemu-io")
+
+DAEMONS = [("qemu-storage-daemon", [QSD])] if QSD else []
+DAEMONS.append(("vblk serve", [VBLK, "serve"]))
+
+
+def file_node(name, path, fmt="raw", **extra):
+    n = {"driver": fmt, "node-name": name, "file": {"driver": "file", "filename": path}}
+    n.update(extra)
+    return n
+
+
+@unittest.skipUnless(QSD and QEMU_IO, "needs qemu-storage-daemon and qemu-io")
+class BitmapInteropTest(InteropTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.daemons = []
+
+    def tearDown(self):
+        for d in self.daemons:
+            d.kill()
+        super().tearDown()
+
+    # -- helpers ----------------------------------------------------------
+    def start(self, argv0):
+        for p in ("qmp.sock", "nbd.sock"):
+            if os.path.exists(os.path.join(self.tmp, p)):
+                os.unlink(os.path.join(self.tmp, p))
+        d = Daemon(argv0, os.path.join(self.tmp, "qmp.sock"), os.path.join(self.tmp, "daemon.log"))
+        self.daemons.append(d)
+        return d
+
+    def stop(self, d):
+        d.quit()
+        self.daemons.remove(d)
+
+    def images(self):
+        """Fresh images at the same paths for each daemon."""
+        paths = {}
+        for name, fmt, size, opts in (("a", "raw", 4 * MiB, None), ("c", "raw", 8 * MiB, None),
+                                      ("q", "qcow2", 4 * MiB, None), ("q512", "qcow2", 4 * MiB, "cluster_size=512"),
+                                      ("q2m", "qcow2", 8 * MiB, "cluster_size=2M")):
+            p = os.path.join(self.tmp, "%s.%s" % (name, fmt))
+            if os.path.exists(p):
+                os.unlink(p)
+            args = ["create", "-q", "-f", fmt] + (["-o", opts] if opts else []) + [p, str(size)]
+            r = qemu(*args)
+            self.assertEqual(r.rc, 0, r)
+            paths[name] = (p, fmt)
+        with open(paths["a"][0], "r+b") as f:
+            f.write(rand_bytes(MiB, "bitmaps"))
+        return paths
+
+    def bitmaps(self, d, names):
+        """{node-name: dirty-bitmaps or None} for the named nodes."""
+        out = {}
+        for n in d.qmp.ok("query-named-block-nodes", {"flat": True}):
+            if n["node-name"] in names:
+                out[n["node-name"]] = n.get("dirty-bitmaps")
+        return out
+
+    def both(self, scenario):
+        """Runs scenario(daemon) for each daemon; asserts equal outcomes."""
+        results = []
+        for label, argv0 in DAEMONS:
+            self.images()
+            d = self.start(argv0)
+            try:
+                results.append((label, scenario(d)))
+            finally:
+                if d in self.daemons:
+                    self.stop(d)
+        if len(results) == 2:
+            self.assertEqual(results[1][1], results[0][1], "vblk serve differs from qemu-storage-daemon")
+        return results[0][1]
+
+    def io(self, *cmds):
+        """qemu-io commands against the NBD export `exp`."""
+        argv = [QEMU_IO, "-f", "raw"]
+        for c in cmds:
+            argv += ["-c", c]
+        argv.append("nbd+unix:///exp?socket=%s" % os.path.join(self.tmp, "nbd.sock"))
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r)
+        self.assertNotIn("error", r.stdout + r.stderr, r)
+
+    # -- scenarios --------------------------------------------------------
+    def test_add_remove_and_errors(self):
+        def scenario(d):
+            out = []
+
+            def c(command, **args):
+                out.append((command, args, d.qmp.cmd(command, args)))
+
+            for name, (path, fmt) in sorted(self.images().items()):
+                c("blockdev-add", **file_node(name, path, fmt))
+            c("block-dirty-bitmap-add", node="a", name="b0")
+            c("block-dirty-bitmap-add", node="a", name="b0")
+            c("block-dirty-bitmap-add", node="a", name="")
+            c("block-dirty-bitmap-add", node="nope", name="x")
+            c("block-dirty-bitmap-add", node="a", name="g", granularity=100)
+            c("block-dirty-bitmap-add", node="a", name="g", granularity=256)
+            c("block-dirty-bitmap-add", node="a", name="g", granularity=2 ** 32)
+            c("block-dirty-bitmap-add", node="a", name="g", granularity=-1)
+            c("block-dirty-bitmap-add", node="a", name="g", granularity=2 ** 31)
+            c("block-dirty-bitmap-add", node="a", name="s", granularity=512, disabled=True)
+            c("block-dirty-bitmap-add", node="a", name="x" * 1024)
+            c("block-dirty-bitmap-add", node="a", name="y" * 1023)
+            c("block-dirty-bitmap-add", node="a", name="p", persistent=True)
+            c("block-dirty-bitmap-add", node="a", name="z", foo=1)
+            c("block-dirty-bitmap-add", node="a")
+            c("block-dirty-bitmap-add", node="a", name=5)
+            c("block-dirty-bitmap-add", node="a", name="d", disabled="yes")
+            # Default granularity: the cluster size (at least 4 KiB), 64 KiB without one.
+            c("block-dirty-bitmap-add", node="q", name="dq")
+            c("block-dirty-bitmap-add", node="q512", name="dq")
+            c("block-dirty-bitmap-add", node="q2m", name="dq")
+            c("block-dirty-bitmap-add", node="c", name="dc", disabled=False, persistent=False)
+            for verb in ("remove", "clear", "enable", "disable"):
+                c("block-dirty-bitmap-" + verb, node="a", name="zz")
+                c("block-dirty-bitmap-" + verb, node="zz", name="zz")
+                c("block-dirty-bitmap-" + verb, node="a")
+            c("block-dirty-bitmap-disable", node="a", name="b0")
+            c("block-dirty-bitmap-disable", node="a", name="b0")
+            c("block-dirty-bitmap-enable", node="a", name="s")
+            c("block-dirty-bitmap-enable", node="a", name="s")
+            c("block-dirty-bitmap-clear", node="a", name="s")
+            out.append(self.bitmaps(d, {"a", "c", "q", "q512", "q2m"}))
+            c("block-dirty-bitmap-remove", node="a", name="y" * 1023)
+            c("block-dirty-bitmap-remove", node="a", name="g")
+            c("block-dirty-bitmap-remove", node="a", name="g")
+            c("block-dirty-bitmap-remove", node="c", name="dc")
+            out.append(self.bitmaps(d, {"a", "c"}))
+            c("x-debug-block-dirty-bitmap-sha256", node="a", name="b0")
+            c("x-debug-block-dirty-bitmap-sha256", node="a", name="s")
+            c("x-debug-block-dirty-bitmap-sha256", node="a", name="zz")
+            return out
+
+        self.both(scenario)
+
+    def test_merge_validation(self):
+        def scenario(d):
+            out = []
+
+            def c(command, **args):
+                out.append((command, args, d.qmp.cmd(command, args)))
+
+            for name, (path, fmt) in sorted(self.images().items()):
+                c("blockdev-add", **file_node(name, path, fmt))
+            c("block-dirty-bitmap-add", node="a", name="b0")
+            c("block-dirty-bitmap-add", node="q", name="qb")
+            c("block-dirty-bitmap-add", node="c", name="cb")
+            c("block-dirty-bitmap-merge", node="a", target="zz", bitmaps=["b0"])
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps=["zz"])
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps=[{"node": "q", "name": "zz"}])
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps=[{"node": "qq", "name": "zz"}])
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps=[{"node": "q", "name": "qb"}])
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps=[{"node": "c", "name": "cb"}])
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps=[{"node": "q"}])
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps=[{"node": "q", "name": "qb", "x": 1}])
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps=["b0", 5])
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps="b0")
+            c("block-dirty-bitmap-merge", node="a", target="b0", bitmaps=["b0"])
+            c("block-dirty-bitmap-merge", node="a", target="b0")
+            return out
+
+        self.both(scenario)
+
+    def test_writes_through_nbd_export_mark(self):
+        """Writes, write-zeroes and discards through an NBD export mark the
+        node's enabled bitmaps; clear, disable, enable and merge act on them."""
+        def scenario(d):
+            out = []
+            paths = self.images()
+            q = d.qmp
+            q.ok("blockdev-add", file_node("a", paths["a"][0], discard="unmap"))
+            q.ok("blockdev-add", file_node("c", paths["c"][0]))
+            q.ok("nbd-server-start", {"addr": {"type": "unix", "data": {"path": os.path.join(self.tmp, "nbd.sock")}}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "node-name": "a", "name": "exp", "writable": True})
+            q.ok("block-dirty-bitmap-add", {"node": "a", "name": "b64k"})
+            q.ok("block-dirty-bitmap-add", {"node": "a", "name": "b512", "granularity": 512})
+            q.ok("block-dirty-bitmap-add", {"node": "a", "name": "off", "disabled": True})
+            q.ok("block-dirty-bitmap-add", {"node": "c", "name": "other"})
+
+            def snap(label):
+                hashes = {n: q.ok("x-debug-block-dirty-bitmap-sha256", {"node": "a", "name": n})["sha256"]
+                          for n in ("b64k", "b512", "off")}
+                out.append((label, self.bitmaps(d, {"a", "c"}), hashes))
+
+            snap("clean")
+            self.io("write -P 1 0 4k", "write -P 2 70000 100", "write -P 3 1M 1M",
+                    "write -z 3M 64k", "write -z 2M 1000", "discard 3276800 66000", "read 2M 64k")
+            snap("written")
+            q.ok("block-dirty-bitmap-clear", {"node": "a", "name": "b64k"})
+            q.ok("block-dirty-bitmap-disable", {"node": "a", "name": "b512"})
+            q.ok("block-dirty-bitmap-enable", {"node": "a", "name": "off"})
+            self.io("write -P 4 512k 8k", "write -P 5 4194000 304")
+            snap("after clear/disable/enable")
+            q.ok("block-dirty-bitmap-merge", {"node": "a", "target": "off", "bitmaps": ["b512", "b64k"]})
+            q.ok("block-dirty-bitmap-add", {"node": "a", "name": "fine", "granularity": 4096})
+            q.ok("block-dirty-bitmap-merge", {"node": "a", "target": "fine", "bitmaps": [{"node": "a", "name": "off"}]})
+            out.append(q.ok("x-debug-block-dirty-bitmap-sha256", {"node": "a", "name": "fine"}))
+            snap("merged")
+            q.ok("block-export-del", {"id": "e"})
+            return out
+
+        self.both(scenario)
+
+
+if __name__ == "__main__":
+    unittest.main()
