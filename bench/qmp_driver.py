@@ -81,6 +81,11 @@ class QMP:
             if "event" in obj:
                 self.events.append(obj)
                 continue
+            if "QMP" in obj:
+                # qemu-storage-daemon 7.2 sometimes greets a client that
+                # connected while it was starting twice; a reply never has
+                # this member.
+                continue
             return obj
 
     def cmd(self, name, args=None, timeout=120.0):
