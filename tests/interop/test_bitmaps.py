@@ -11,6 +11,7 @@ writes through an NBD export.
 Only the Python standard library is used.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, VBLK, qemu, rand_bytes  # noqa: E402
+from common import MiB, InteropTestCase, VBLK, both, qemu, rand_bytes  # noqa: E402
 from qmp_driver import Daemon  # noqa: E402  (bench/, on the path through common)
 
 QSD = shutil.which("qemu-storage-daemon")
@@ -233,6 +234,135 @@ class BitmapInteropTest(InteropTestCase):
             return out
 
         self.both(scenario)
+
+    # -- persistent bitmaps in qcow2 ---------------------------------------
+    def qcow2_info(self, path):
+        r = qemu("info", "--output=json", "-f", "qcow2", path)
+        self.assertEqual(r.rc, 0, r)
+        return json.loads(r.stdout)["format-specific"]["data"].get("bitmaps")
+
+    def qcow2_check(self, path):
+        r = qemu("check", "--output=json", "-f", "qcow2", path)
+        self.assertEqual(r.rc, 0, r)
+        c = json.loads(r.stdout)
+        return {k: c.get(k, 0) for k in ("corruptions", "leaks", "check-errors")}
+
+    def test_persistent_bitmaps_stored_on_close(self):
+        """Persistent bitmaps are stored at quit, show in qemu-img info, pass
+        qemu-img check and load again with the same contents."""
+        def scenario(d):
+            out = []
+            q = d.qmp
+            path = self.images()["q"][0]
+            v2 = os.path.join(self.tmp, "v2.qcow2")
+            if os.path.exists(v2):
+                os.unlink(v2)
+            self.assertEqual(qemu("create", "-q", "-f", "qcow2", "-o", "compat=0.10", v2, "4M").rc, 0)
+
+            def c(command, **args):
+                out.append((command, args, q.cmd(command, args)))
+
+            c("blockdev-add", **file_node("q", path, "qcow2"))
+            c("blockdev-add", **file_node("v2", v2, "qcow2"))
+            c("block-dirty-bitmap-add", node="v2", name="p", persistent=True)
+            c("block-dirty-bitmap-add", node="q", name="p1", persistent=True)
+            c("block-dirty-bitmap-add", node="q", name="p2", persistent=True, granularity=4096, disabled=True)
+            c("block-dirty-bitmap-add", node="q", name="p3", persistent=True, granularity=2 ** 31)
+            c("block-dirty-bitmap-add", node="q", name="gone", persistent=True)
+            c("block-dirty-bitmap-add", node="q", name="t")
+            c("block-dirty-bitmap-add", node="q", name="x" * 1024, persistent=True)
+            q.ok("nbd-server-start", {"addr": {"type": "unix", "data": {"path": os.path.join(self.tmp, "nbd.sock")}}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "node-name": "q", "name": "exp", "writable": True})
+            self.io("write -P 1 0 4k", "write -P 2 1M 100k", "write -z 3M 64k")
+            c("block-dirty-bitmap-enable", node="q", name="p2")
+            self.io("write -P 3 2M 8k")
+            c("block-dirty-bitmap-remove", node="q", name="gone")
+            hashes = {n: q.ok("x-debug-block-dirty-bitmap-sha256", {"node": "q", "name": n})["sha256"]
+                      for n in ("p1", "p2", "p3")}
+            out.append(("before", self.bitmaps(d, {"q"}), hashes))
+            q.ok("block-export-del", {"id": "e"})
+            self.stop(d)
+            out.append(("info", self.qcow2_info(path)))
+            out.append(("check", self.qcow2_check(path)))
+            # Loaded again: the same bitmaps, contents and flags.
+            d2 = self.start(d.argv[:len(d.argv) - 4])
+            q2 = d2.qmp
+            q2.ok("blockdev-add", file_node("q", path, "qcow2"))
+            out.append(("info while open", self.qcow2_info_shared(path)))
+            hashes2 = {n: q2.ok("x-debug-block-dirty-bitmap-sha256", {"node": "q", "name": n})["sha256"]
+                       for n in ("p1", "p2", "p3")}
+            out.append(("loaded", self.bitmaps(d2, {"q"}), hashes2 == hashes))
+            out.append(q2.cmd("block-dirty-bitmap-add", {"node": "q", "name": "p1", "persistent": True}))
+            out.append(q2.cmd("block-dirty-bitmap-remove", {"node": "q", "name": "p3"}))
+            self.stop(d2)
+            out.append(("info after remove", self.qcow2_info(path)))
+            out.append(("check after remove", self.qcow2_check(path)))
+            self.daemons.append(d)  # both() stops it: already gone
+            return out
+
+        self.both(scenario)
+
+    def qcow2_info_shared(self, path):
+        r = qemu("info", "-U", "--output=json", "-f", "qcow2", path)
+        self.assertEqual(r.rc, 0, r)
+        return json.loads(r.stdout)["format-specific"]["data"].get("bitmaps")
+
+    def test_bitmaps_from_qemu_img_and_qemu_io_load(self):
+        """Bitmaps made by qemu-img bitmap and dirtied by qemu-io load with the
+        same extents; an in-use bitmap (a daemon killed) is inconsistent."""
+        src = os.path.join(self.tmp, "src.qcow2")
+        self.assertEqual(qemu("create", "-q", "-f", "qcow2", src, "8M").rc, 0)
+        for args in (["--add", src, "b0"], ["--add", "-g", "4096", src, "b1"], ["--add", "--disable", src, "b2"],
+                     ["--add", "-g", "512", src, "b3"]):
+            r = qemu("bitmap", *args)
+            self.assertEqual(r.rc, 0, r)
+        r = subprocess.run([QEMU_IO, "-f", "qcow2", "-c", "write -P 1 100k 300k", "-c", "write -z 5M 1M",
+                            "-c", "write -P 2 8388000 100", src], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r)
+        # The same image with b0 left in use: a daemon killed while it was open.
+        crashed = os.path.join(self.tmp, "crashed.qcow2")
+        shutil.copy(src, crashed)
+        d = self.start([QSD])
+        d.qmp.ok("blockdev-add", file_node("c", crashed, "qcow2"))
+        d.kill()
+        self.daemons.remove(d)
+        self.assertEqual([b["flags"] for b in self.qcow2_info(crashed)].count(["in-use", "auto"]), 3)
+
+        def scenario(d):
+            out = []
+            work = os.path.join(self.tmp, "work.qcow2")
+            work_c = os.path.join(self.tmp, "work-crashed.qcow2")
+            shutil.copy(src, work)
+            shutil.copy(crashed, work_c)
+            q = d.qmp
+            q.ok("blockdev-add", file_node("w", work, "qcow2"))
+            q.ok("blockdev-add", file_node("c", work_c, "qcow2"))
+            out.append(self.bitmaps(d, {"w", "c"}))
+            out.append({n: q.cmd("x-debug-block-dirty-bitmap-sha256", {"node": "w", "name": n})
+                        for n in ("b0", "b1", "b2", "b3")})
+            out.append(("info while open", self.qcow2_info_shared(work)))
+            for verb in ("clear", "enable", "disable"):
+                out.append(q.cmd("block-dirty-bitmap-" + verb, {"node": "c", "name": "b0"}))
+            q.ok("block-dirty-bitmap-add", {"node": "c", "name": "m"})
+            out.append(q.cmd("block-dirty-bitmap-merge", {"node": "c", "target": "m", "bitmaps": ["b0"]}))
+            out.append(q.cmd("block-dirty-bitmap-merge", {"node": "c", "target": "b0", "bitmaps": ["m"]}))
+            out.append(q.cmd("block-dirty-bitmap-remove", {"node": "c", "name": "b0"}))
+            self.stop(d)
+            self.daemons.append(d)
+            out.append(("info", self.qcow2_info(work), self.qcow2_info(work_c)))
+            out.append(("check", self.qcow2_check(work), self.qcow2_check(work_c)))
+            return out
+
+        self.both(scenario)
+
+    def test_info_shows_bitmaps_like_qemu_img(self):
+        img = os.path.join(self.tmp, "i.qcow2")
+        self.assertEqual(qemu("create", "-q", "-f", "qcow2", img, "8M").rc, 0)
+        for args in (["--add", img, "b0"], ["--add", "-g", "4096", "--disable", img, "second"]):
+            self.assertEqual(qemu("bitmap", *args).rc, 0)
+        for fmt in ("human", "json"):
+            v, q = both("info", "--output=" + fmt, "-f", "qcow2", img)
+            self.assertSameResult(v, q)
 
 
 if __name__ == "__main__":
