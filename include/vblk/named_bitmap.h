@@ -37,9 +37,16 @@ struct NamedBitmap {
   bool busy = false;          // an operation (a backup job) uses it
   bool readonly = false;      // loaded from an image opened read-only
   bool inconsistent = false;  // stored with in_use set: the image was not closed cleanly
+  // While an operation (a backup with a bitmap) owns the bitmap: it is busy
+  // and disabled, and this anonymous bitmap of the same set records writes
+  // instead (QEMU's successor). The operation ends with abdicate_successor
+  // or reclaim_successor.
+  NamedBitmap* successor = nullptr;
 
-  bool recording() const { return enabled; }
+  bool recording() const { return enabled || (successor && successor->enabled); }
 };
+
+
 
 // What an operation needs of a bitmap (QEMU's BdrvDirtyBitmap flags for
 // bdrv_dirty_bitmap_check).
@@ -58,10 +65,13 @@ Status check_bitmap(const NamedBitmap& b, unsigned flags);
 class BitmapSet {
  public:
   // Newest first (QEMU inserts at the head of its list, and queries list
-  // them in that order).
+  // them in that order). Anonymous bitmaps (successors) have an empty name.
   const std::vector<std::unique_ptr<NamedBitmap>>& list() const { return list_; }
   bool empty() const { return list_.empty(); }
+  // By name; never an anonymous bitmap.
   NamedBitmap* find(std::string_view name) const;
+  // Whether the set has a named bitmap.
+  bool has_named() const;
 
   // A new enabled, clean bitmap over `size` bytes. QEMU's
   // bdrv_create_dirty_bitmap errors: "Bitmap already exists: x",
@@ -71,6 +81,18 @@ class BitmapSet {
   NamedBitmap* adopt(std::unique_ptr<NamedBitmap> b);
   // false if there is no such bitmap.
   bool remove(std::string_view name);
+
+  // QEMU's bdrv_dirty_bitmap_create_successor: `b` becomes busy and
+  // disabled; a new anonymous bitmap (the newest of the set) records as `b`
+  // did. Fails if `b` is busy.
+  Status create_successor(NamedBitmap& b);
+  // The operation succeeded: the successor takes `b`'s name and settings
+  // and `b` goes (bdrv_dirty_bitmap_abdicate). Returns the bitmap now
+  // carrying the name.
+  NamedBitmap& abdicate_successor(NamedBitmap& b);
+  // The operation failed or never meant to touch `b`: the successor's bits
+  // are merged back into `b` and the successor goes (bdrv_reclaim_dirty_bitmap).
+  NamedBitmap& reclaim_successor(NamedBitmap& b);
 
   // Marks [offset, offset+bytes) in every enabled bitmap.
   void mark(uint64_t offset, uint64_t bytes) {

@@ -21,9 +21,14 @@ Status check_bitmap(const NamedBitmap& b, unsigned flags) {
 }
 
 NamedBitmap* BitmapSet::find(std::string_view name) const {
+  if (name.empty()) return nullptr;
   for (auto& b : list_)
     if (b->name == name) return b.get();
   return nullptr;
+}
+
+bool BitmapSet::has_named() const {
+  return std::any_of(list_.begin(), list_.end(), [](auto& b) { return !b->name.empty(); });
 }
 
 Result<NamedBitmap*> BitmapSet::create(std::string name, uint64_t size, uint64_t granularity) {
@@ -44,17 +49,56 @@ bool BitmapSet::remove(std::string_view name) {
   return true;
 }
 
-void BitmapSet::resize(uint64_t size) {
-  for (auto& b : list_) {
-    if (b->bits.size() == size) continue;
-    DirtyBitmap nb(size, b->bits.granularity());
-    uint64_t pos = 0, off = 0, len = 0;
-    while (b->bits.next_dirty_area(pos, b->bits.size(), 0, off, len)) {
-      nb.set(off, len);
-      pos = off + len;
-    }
-    b->bits = std::move(nb);
+namespace {
+void resize_bits(DirtyBitmap& bits, uint64_t size) {
+  if (bits.size() == size) return;
+  DirtyBitmap nb(size, bits.granularity());
+  uint64_t pos = 0, off = 0, len = 0;
+  while (bits.next_dirty_area(pos, bits.size(), 0, off, len)) {
+    nb.set(off, len);
+    pos = off + len;
   }
+  bits = std::move(nb);
+}
+}  // namespace
+
+void BitmapSet::resize(uint64_t size) {
+  for (auto& b : list_) resize_bits(b->bits, size);
+}
+
+Status BitmapSet::create_successor(NamedBitmap& b) {
+  VBLK_TRY(check_bitmap(b, kBitmapBusy));
+  if (b.successor) return Error(EBUSY, "Cannot create a successor for a bitmap that already has one");
+  NamedBitmap* child = adopt(std::make_unique<NamedBitmap>(std::string(), b.bits.size(), b.bits.granularity()));
+  child->enabled = b.enabled;
+  b.successor = child;
+  b.busy = true;
+  b.enabled = false;
+  return {};
+}
+
+NamedBitmap& BitmapSet::abdicate_successor(NamedBitmap& b) {
+  NamedBitmap* child = b.successor;
+  if (!child) return b;
+  child->name = b.name;
+  child->persistent = b.persistent;
+  child->readonly = b.readonly;
+  b.successor = nullptr;
+  auto it = std::find_if(list_.begin(), list_.end(), [&](auto& p) { return p.get() == &b; });
+  if (it != list_.end()) list_.erase(it);
+  return *child;
+}
+
+NamedBitmap& BitmapSet::reclaim_successor(NamedBitmap& b) {
+  NamedBitmap* child = b.successor;
+  if (!child) return b;
+  b.bits.merge_from(child->bits);
+  b.enabled = child->enabled;
+  b.successor = nullptr;
+  b.busy = false;
+  auto it = std::find_if(list_.begin(), list_.end(), [&](auto& p) { return p.get() == child; });
+  if (it != list_.end()) list_.erase(it);
+  return b;
 }
 
 std::string bitmap_sha256(const DirtyBitmap& b) {

@@ -136,6 +136,9 @@ Task<Reply> bitmap_sha256(Daemon& d, const OJson& a) {
 OJson dirty_bitmaps_info(const Node& n) {
   OJson list = OJson::array();
   for (const auto& b : n.bitmaps().list()) {
+    // QEMU lists its anonymous bitmaps too (a backup's successor, block-copy's
+    // bitmap); vblk has only some of them, so none are listed.
+    if (b->name.empty()) continue;
     OJson o = OJson::object();
     o["name"] = b->name;
     o["recording"] = b->recording();

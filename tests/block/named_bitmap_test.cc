@@ -147,3 +147,46 @@ TEST(NamedBitmapTest, Sha256MatchesQemu) {
   DirtyBitmap b(4 << 20, 65536);
   EXPECT_EQ(bitmap_sha256(b), "af5570f5a1810b7af78caf4bc70a660f0df51e42baf91d4de5b2328de0e83dfc");
 }
+
+TEST(NamedBitmapTest, SuccessorRecordsWhileBusyThenAbdicatesOrIsReclaimed) {
+  BitmapSet s;
+  auto b = s.create("b", 1 << 20, 65536);
+  ASSERT_TRUE(b.ok());
+  NamedBitmap* bm = *b;
+  bm->bits.set(0, 1);
+  ASSERT_TRUE(s.create_successor(*bm).ok());
+  EXPECT_TRUE(bm->busy);
+  EXPECT_TRUE(bm->recording());
+  EXPECT_FALSE(s.create_successor(*bm).ok());
+  EXPECT_EQ(s.list().size(), 2u);
+  EXPECT_EQ(s.find(""), nullptr);  // the successor is anonymous
+  s.mark(524288, 1);                // goes to the successor only
+  EXPECT_EQ(bm->bits.dirty_clusters(), 1u);
+  EXPECT_EQ(bm->successor->bits.dirty_clusters(), 1u);
+  bm = &s.reclaim_successor(*bm);  // failure: old bits and new writes
+  EXPECT_EQ(s.list().size(), 1u);
+  EXPECT_FALSE(bm->busy);
+  EXPECT_TRUE(bm->enabled);
+  EXPECT_EQ(bm->bits.dirty_clusters(), 2u);
+  // Success: only what was written meanwhile, and the bitmap is now the
+  // newest of the set (the successor's place, as in QEMU).
+  auto other = s.create("other", 1 << 20, 65536);
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE(s.create_successor(*bm).ok());
+  s.mark(917504, 1);
+  bm = &s.abdicate_successor(*bm);
+  EXPECT_EQ(s.list().size(), 2u);
+  EXPECT_EQ(s.list()[0]->name, "b");
+  EXPECT_EQ(s.find("b"), bm);
+  EXPECT_EQ(bm->bits.dirty_clusters(), 1u);
+  EXPECT_TRUE(bm->bits.get(917504));
+  EXPECT_FALSE(bm->busy);
+  // A disabled bitmap's successor does not record either.
+  bm->enabled = false;
+  ASSERT_TRUE(s.create_successor(*bm).ok());
+  EXPECT_FALSE(bm->recording());
+  s.mark(0, 1);
+  bm = &s.abdicate_successor(*bm);
+  EXPECT_EQ(bm->bits.dirty_clusters(), 0u);
+  EXPECT_FALSE(bm->enabled);
+}
