@@ -89,8 +89,14 @@ class QMP:
         end = time.monotonic() + timeout
         while True:
             line = self.read_line(max(0.0, end - time.monotonic()))
-            if "event" in json.loads(line):
-                self.events.append(json.loads(line))
+            obj = json.loads(line)
+            if "event" in obj:
+                self.events.append(obj)
+                continue
+            if "QMP" in obj:
+                # qemu-storage-daemon 7.2 sometimes greets a client that
+                # connected while it was starting twice; a reply never has
+                # this member.
                 continue
             return line
 

@@ -15,6 +15,13 @@
 //     report ends the job with the error, ignore retries, stop pauses the
 //     job (io-status failed/nospace, BLOCK_JOB_ERROR) until resumed;
 //     enospc/auto stop on ENOSPC and report otherwise.
+//   - with a named bitmap of the source (QEMU's sync=bitmap / incremental,
+//     bitmap-mode on-success / never / always): sync=bitmap copies only the
+//     clusters the bitmap has dirty; the bitmap is frozen (busy) for the
+//     job while a successor records new writes; when the job ends the
+//     successor replaces it (success, or `always`) or is merged back
+//     (failure, cancel, or `never`), and a failed `always` job adds back
+//     what it did not copy.
 // When the job ends (completed, failed or cancelled) the filter is removed
 // and the NodeRefs point at the source again.
 //
@@ -30,6 +37,7 @@
 #include "vblk/copy_before_write.h"
 #include "vblk/graph.h"
 #include "vblk/job.h"
+#include "vblk/named_bitmap.h"
 
 namespace vblk {
 
@@ -70,16 +78,22 @@ class BackupJob : public BlockJob {
   void on_pause() override;
   bool on_cancel(bool force) override;
   void on_set_speed(uint64_t speed) override;
+  void commit() override;
+  void abort() override;
   void clean() override;
 
  private:
   friend Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, const BackupArgs& args);
   Task<Status> copy_loop();
+  // QEMU's backup_cleanup_sync_bitmap.
+  void cleanup_sync_bitmap(bool ok);
 
   Graph* graph_ = nullptr;
   std::shared_ptr<Node> source_, target_;
   std::shared_ptr<CopyBeforeWrite> cbw_;
-  enum class Sync { Full, Top, None } sync_ = Sync::Full;
+  enum class Sync { Full, Top, None, Bitmap } sync_ = Sync::Full;
+  NamedBitmap* sync_bitmap_ = nullptr;  // on source_; busy while the job has it
+  std::string bitmap_mode_;             // on-success | never | always
   OnError on_source_error_ = OnError::Report, on_target_error_ = OnError::Report;
   std::shared_ptr<BlockCopyCall> call_;  // the background call, if any
   bool cleaned_ = false;

@@ -58,6 +58,16 @@ class DirtyBitmap {
   // Dirty bytes in [offset, offset+bytes), counted by whole clusters clamped
   // to the range's cluster-aligned hull and to size.
   uint64_t count(uint64_t offset, uint64_t bytes) const;
+  // Dirty clusters (whole bits; QEMU's hbitmap counts `count << granularity`).
+  uint64_t dirty_clusters() const { return dirty_bits_; }
+
+  // The leaf level: bit i of word i/64 is cluster i (QEMU's HBitmap keeps
+  // the same layout, which x-debug-block-dirty-bitmap-sha256 hashes).
+  const std::vector<uint64_t>& leaf_words() const { return levels_[0]; }
+
+  // Marks every cluster of `this` that a dirty area of `src` touches (QEMU's
+  // hbitmap_merge: sizes should match; granularities may differ).
+  void merge_from(const DirtyBitmap& src);
 
  private:
   static constexpr uint64_t kNone = ~0ull;

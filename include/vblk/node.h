@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "vblk/loop.h"
+#include "vblk/named_bitmap.h"
 #include "vblk/result.h"
 #include "vblk/sync.h"
 #include "vblk/task.h"
@@ -221,6 +222,20 @@ class Node {
   // report errors, then its image handle closing) succeed without I/O.
   Task<Status> close();
 
+  // Named dirty bitmaps (named_bitmap.h). Every write, write-zeroes,
+  // discard and copy-offload write that reaches this node marks its enabled
+  // bitmaps, whether or not the driver succeeded (QEMU's
+  // bdrv_co_write_req_finish: a failed write may still have changed data).
+  BitmapSet& bitmaps() { return bitmaps_; }
+  const BitmapSet& bitmaps() const { return bitmaps_; }
+  // Whether a new persistent bitmap `name` could be stored in this image
+  // (QEMU's bdrv_can_store_new_dirty_bitmap, with its messages). The
+  // default: "Can't store persistent bitmaps to NODE: Operation not supported".
+  virtual Status can_store_new_bitmap(const std::string& name, uint64_t granularity) const;
+  // Drops the stored copy of persistent bitmap `name` (block-dirty-bitmap-
+  // remove); the caller then removes it from bitmaps(). The default: nothing stored.
+  virtual Task<Status> remove_persistent_bitmap(const std::string& name);
+
   // Internal snapshots (qemu-img snapshot). The defaults: none, ENOTSUP.
   virtual bool supports_snapshots() const { return false; }
   virtual std::vector<SnapshotInfo> snapshots() const { return {}; }
@@ -298,6 +313,7 @@ class Node {
   friend class NodeRef;
   std::vector<NodeRef*> refs_;
   CoEvent idle_;
+  BitmapSet bitmaps_;
 };
 
 }  // namespace vblk

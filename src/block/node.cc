@@ -163,6 +163,7 @@ Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t
   } else {
     st = co_await write_padded(offset, buf, flags);
   }
+  bitmaps_.mark(offset, buf.size());
   untrack(t);
   co_return st;
 }
@@ -236,6 +237,8 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
     } else {
       st = Error(ENOTSUP);
     }
+    // The fallback below writes zero buffers through write(), which marks.
+    if (caps_.zeroes) bitmaps_.mark(head_end, mid_end - head_end);
     untrack(t);
     if (!st.ok()) {
       if (st.error().code != ENOTSUP || (flags & kReqNoFallback)) co_return st;
@@ -265,6 +268,9 @@ Task<Status> Node::zeroes_by_writing(uint64_t offset, uint64_t bytes, uint32_t f
 Task<Status> Node::discard(uint64_t offset, uint64_t bytes) {
   VBLK_CO_TRY(check_range(offset, bytes, true));
   if (!caps_.discard) co_return Status{};  // discard is advisory
+  // Like QEMU, a discard the driver takes marks the whole request, edges
+  // included, even where only whole aligned blocks are discarded.
+  bitmaps_.mark(offset, bytes);
   // Only whole aligned blocks can be discarded.
   uint64_t a = align_up(offset, limits_.request_alignment);
   uint64_t e = align_down(offset + bytes, limits_.request_alignment);
@@ -294,6 +300,7 @@ Task<Status> Node::truncate(uint64_t length, bool exact, Prealloc prealloc) {
   } else {
     VBLK_CO_TRY(co_await do_truncate_prealloc(length, exact, prealloc));
   }
+  bitmaps_.resize(length_);
   co_return Status{};
 }
 
@@ -416,6 +423,7 @@ Task<Status> Node::copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, u
   if (dst.find_conflict(t2)) co_await dst.wait_conflicts(t2);
   dst.link(t2);
   Status st = co_await do_copy_range_to(offset, dst, dst_offset, bytes, flags);
+  dst.bitmaps_.mark(dst_offset, bytes);
   if (st.ok() && dst.growable_ && dst_offset + bytes > dst.length_) dst.length_ = dst_offset + bytes;
   dst.untrack(t2);
   untrack(t1);
@@ -449,6 +457,11 @@ Task<Status> Node::do_close() {
   for (auto& c : children_) VBLK_CO_TRY(co_await c.node->close());
   co_return Status{};
 }
+
+Status Node::can_store_new_bitmap(const std::string&, uint64_t) const {
+  return Error(ENOTSUP, "Can't store persistent bitmaps to " + node_name_ + ": " + std::strerror(ENOTSUP));
+}
+Task<Status> Node::remove_persistent_bitmap(const std::string&) { co_return Status{}; }
 
 Task<Result<CheckResult>> Node::check(uint32_t) { co_return Error(ENOTSUP, "This image format does not support checks"); }
 

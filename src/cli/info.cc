@@ -41,19 +41,28 @@ std::string human_key(std::string k) {
   return k;
 }
 
-void dump_specific(const nlohmann::ordered_json& data, int indent) {
-  for (auto it = data.begin(); it != data.end(); ++it) {
-    std::string pad(static_cast<size_t>(indent) * 4, ' ');
-    const auto& v = it.value();
-    if (v.is_object() || v.is_array()) {
-      std::printf("%s%s:\n", pad.c_str(), human_key(it.key()).c_str());
-      dump_specific(v, indent + 1);
-    } else if (v.is_string()) {
-      std::printf("%s%s: %s\n", pad.c_str(), human_key(it.key()).c_str(), v.get<std::string>().c_str());
-    } else {
-      std::printf("%s%s: %s\n", pad.c_str(), human_key(it.key()).c_str(), v.dump().c_str());
-    }
+// QEMU's dump_qobject: "key: value", or "key:" and the members indented;
+// list elements are labelled "[i]".
+void dump_specific(const nlohmann::ordered_json& data, int indent);
+
+void dump_entry(const std::string& label, const nlohmann::ordered_json& v, int indent) {
+  std::string pad(static_cast<size_t>(indent) * 4, ' ');
+  if (v.is_object() || v.is_array()) {
+    std::printf("%s%s:\n", pad.c_str(), label.c_str());
+    dump_specific(v, indent + 1);
+  } else if (v.is_string()) {
+    std::printf("%s%s: %s\n", pad.c_str(), label.c_str(), v.get<std::string>().c_str());
+  } else {
+    std::printf("%s%s: %s\n", pad.c_str(), label.c_str(), v.dump().c_str());
   }
+}
+
+void dump_specific(const nlohmann::ordered_json& data, int indent) {
+  if (data.is_array()) {
+    for (size_t i = 0; i < data.size(); ++i) dump_entry("[" + std::to_string(i) + "]", data[i], indent);
+    return;
+  }
+  for (auto it = data.begin(); it != data.end(); ++it) dump_entry(human_key(it.key()), it.value(), indent);
 }
 
 void info_human(Node& top) {

@@ -180,4 +180,25 @@ uint64_t DirtyBitmap::count(uint64_t offset, uint64_t bytes) const {
   return out;
 }
 
+void DirtyBitmap::merge_from(const DirtyBitmap& src) {
+  if (src.gran_ == gran_ && src.size_ == size_) {
+    // Same layout: OR the leaf words, counting the new bits, and rebuild the
+    // summary levels above the words that changed.
+    const auto& sw = src.levels_[0];
+    for (uint64_t i = 0; i < sw.size(); ++i) {
+      uint64_t add = sw[i] & ~levels_[0][i];
+      if (!add) continue;
+      dirty_bits_ += static_cast<uint64_t>(std::popcount(add));
+      levels_[0][i] |= add;
+      if (levels_.size() > 1) set_bits(1, i, i);
+    }
+    return;
+  }
+  uint64_t pos = 0, off = 0, len = 0;
+  while (src.next_dirty_area(pos, src.size_, 0, off, len)) {
+    set(off, len);
+    pos = off + len;
+  }
+}
+
 }  // namespace vblk

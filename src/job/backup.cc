@@ -69,6 +69,22 @@ bool BackupJob::on_cancel(bool force) {
   return true;
 }
 
+void BackupJob::cleanup_sync_bitmap(bool ok) {
+  if (!sync_bitmap_) return;
+  NamedBitmap& parent = *sync_bitmap_;
+  sync_bitmap_ = nullptr;
+  BitmapSet& set = source_->bitmaps();
+  const bool sync = (ok || bitmap_mode_ == "always") && bitmap_mode_ != "never";
+  // Abdicate: the successor (the writes since the job started) carries the
+  // name on; reclaim: nothing lost, old bits and new writes.
+  NamedBitmap& bm = sync ? set.abdicate_successor(parent) : set.reclaim_successor(parent);
+  // A failed `always` job: what it did not copy is still to be backed up.
+  if (!ok && bitmap_mode_ == "always") bm.bits.merge_from(cbw_->bcs().bitmap());
+}
+
+void BackupJob::commit() { cleanup_sync_bitmap(true); }
+void BackupJob::abort() { cleanup_sync_bitmap(false); }
+
 void BackupJob::on_set_speed(uint64_t speed) {
   if (cbw_) cbw_->bcs().set_speed(speed);
 }
@@ -99,7 +115,10 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   auto tgt = graph.find(a.target);
   if (!tgt) return not_found(a.target);
 
+  // QEMU's do_backup_common: 'incremental' is 'bitmap' with on-success.
   BackupJob::Sync sync;
+  std::string sync_name = a.sync;
+  std::optional<std::string> mode = a.bitmap_mode;
   if (a.sync == "full") {
     sync = BackupJob::Sync::Full;
   } else if (a.sync == "top") {
@@ -108,15 +127,29 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
     sync = BackupJob::Sync::None;
   } else if (a.sync == "bitmap" || a.sync == "incremental") {
     if (!a.bitmap) return Error(EINVAL, "must provide a valid bitmap name for '" + a.sync + "' sync mode");
-    if (a.sync == "incremental" && a.bitmap_mode && *a.bitmap_mode != "on-success")
-      return Error(EINVAL, "Bitmap sync mode must be 'on-success' when using sync mode 'incremental'");
-    sync = BackupJob::Sync::Full;  // not reached: no named bitmaps yet
+    if (a.sync == "incremental") {
+      if (mode && *mode != "on-success")
+        return Error(EINVAL, "Bitmap sync mode must be 'on-success' when using sync mode 'incremental'");
+      mode = "on-success";
+      sync_name = "bitmap";
+    }
+    sync = BackupJob::Sync::Bitmap;
   } else {
     return Error(EINVAL, "Parameter 'sync' does not accept value '" + a.sync + "'");
   }
-  // vblk has no named dirty bitmaps yet, so every bitmap is unknown.
-  if (a.bitmap) return Error(ENOENT, "Bitmap '" + *a.bitmap + "' could not be found");
-  if (a.bitmap_mode) return Error(EINVAL, "Cannot specify bitmap sync mode without a bitmap");
+  NamedBitmap* bm = nullptr;
+  if (a.bitmap) {
+    bm = src->bitmaps().find(*a.bitmap);
+    if (!bm) return Error(ENOENT, "Bitmap '" + *a.bitmap + "' could not be found");
+    if (!mode) return Error(EINVAL, "Bitmap sync mode must be given when providing a bitmap");
+    VBLK_TRY(check_bitmap(*bm, kBitmapAllowRo));
+    if (sync == BackupJob::Sync::None)
+      return Error(EINVAL, "sync mode 'none' does not produce meaningful bitmap outputs");
+    if (*mode == "never" && sync != BackupJob::Sync::Bitmap)
+      return Error(EINVAL, "Bitmap sync mode 'never' has no meaningful effect when combined with sync mode '" +
+                               sync_name + "'");
+  }
+  if (!a.bitmap && a.bitmap_mode) return Error(EINVAL, "Cannot specify bitmap sync mode without a bitmap");
 
   if (src == tgt) return Error(EINVAL, "Source and target cannot be the same");
   // Compressed clusters are written only by drivers that store them (qcow2);
@@ -129,6 +162,8 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   if (a.max_workers < 1 || a.max_workers > INT_MAX)
     return Error(EINVAL, "max-workers must be between 1 and " + std::to_string(INT_MAX));
   if (a.max_chunk < 0) return Error(EINVAL, "max-chunk must be zero (which means no limit) or positive");
+  // backup_job_create: a bitmap the job will write to must be writable.
+  if (bm && *mode != "never") VBLK_TRY(check_bitmap(*bm, kBitmapDefault));
   if (src->length() != tgt->length()) return Error(EINVAL, "Source and target image have different sizes");
   const uint64_t cs = cbw_cluster_size(*tgt);
   if (a.max_chunk && static_cast<uint64_t>(a.max_chunk) < cs)
@@ -162,11 +197,26 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   if (a.max_memory) o.copy.max_memory = a.max_memory;
   auto cbw = std::make_shared<CopyBeforeWrite>(src->loop(), src, tgt, o);
   cbw->set_node_name(fname);
-  VBLK_TRY(graph.insert_filter(src, cbw));
+  // The point in time, for the bitmap too: from here the successor records
+  // new writes, and sync=bitmap copies only what the bitmap has dirty
+  // (backup_init_bcs_bitmap; done before any guest write can reach the
+  // filter).
+  if (bm) {
+    VBLK_TRY(src->bitmaps().create_successor(*bm));
+    if (sync == BackupJob::Sync::Bitmap) {
+      cbw->bcs().bitmap().reset_all();
+      cbw->bcs().bitmap().merge_from(bm->bits);
+    }
+  }
+  if (auto st = graph.insert_filter(src, cbw); !st) {
+    if (bm) src->bitmaps().reclaim_successor(*bm);
+    return st.take_error();
+  }
 
   auto created = mgr.create<BackupJob>(id, a.auto_finalize, a.auto_dismiss);
   if (!created.ok()) {
     graph.remove_filter(cbw, src);
+    if (bm) src->bitmaps().reclaim_successor(*bm);
     return created.take_error();
   }
   std::shared_ptr<BackupJob> job = *created;
@@ -175,6 +225,8 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   job->target_ = tgt;
   job->cbw_ = cbw;
   job->sync_ = sync;
+  job->sync_bitmap_ = bm;
+  job->bitmap_mode_ = mode.value_or(std::string());
   job->on_source_error_ = a.on_source_error;
   job->on_target_error_ = a.on_target_error;
   job->speed_ = o.copy.speed;

@@ -196,6 +196,7 @@ OJson node_info(Daemon& d, Node& n, bool flat) {
   o["image"] = image_info(d, n, flat);
   o["cache"] = {{"writeback", true}, {"direct", st.direct}, {"no-flush", st.no_flush}};
   o["write_threshold"] = 0;
+  if (n.bitmaps().has_named()) o["dirty-bitmaps"] = dirty_bitmaps_info(n);
   return o;
 }
 

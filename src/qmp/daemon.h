@@ -93,13 +93,19 @@ void register_block_commands(Daemon& d);
 void register_nbd_commands(Daemon& d);
 void register_job_commands(Daemon& d);
 void register_object_commands(Daemon& d);
+void register_bitmap_commands(Daemon& d);
 inline void register_all_commands(Daemon& d) {
   register_core_commands(d);
   register_block_commands(d);
   register_nbd_commands(d);
   register_job_commands(d);
   register_object_commands(d);
+  register_bitmap_commands(d);
 }
+
+// query-named-block-nodes' "dirty-bitmaps" of a node (QEMU's BlockDirtyInfo
+// list, newest first); empty if the node has none.
+OJson dirty_bitmaps_info(const Node& n);
 
 // QEMU's SocketAddress (flat: {"type":"unix","path":...} or
 // {"type":"inet","host":...,"port":...}) -> listening socket.

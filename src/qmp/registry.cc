@@ -54,7 +54,9 @@ std::optional<std::string> check_args(const std::vector<Arg>& members, bool open
     // QEMU's unsigned visitor words its errors differently.
     if (m.type == ArgType::UInt32) {
       if (!it->is_number_integer()) return "Parameter '" + full + "' expects uint64";
-      if (it->is_number_unsigned() ? it->get<uint64_t>() > UINT32_MAX : it->get<int64_t>() < 0)
+      // (QEMU takes a negative number as the uint64 it casts to: too big.)
+      if (it->is_number_unsigned() ? it->get<uint64_t>() > UINT32_MAX
+                                   : it->get<int64_t>() < 0 || it->get<int64_t>() > int64_t{UINT32_MAX})
         return "Parameter '" + full + "' expects uint32_t";
       continue;
     }

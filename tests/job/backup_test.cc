@@ -577,5 +577,60 @@ TEST(GraphFilterTest, InsertAndRemoveRepointsRefs) {
   EXPECT_EQ(st.error().what(), "Cannot insert a filter above node 'src': it is a child of node 'g'");
 }
 
+TEST(BackupTest, SyncBitmapCopiesOnlyDirtyClustersAndAbdicates) {
+  Env e(4 << 20);
+  auto b = e.src->bitmaps().create("b", e.src->length(), 4096);
+  ASSERT_TRUE(b.ok());
+  (*b)->bits.set(100, 1);                  // cluster 0
+  (*b)->bits.set(3 * kCluster + 5000, 10);  // cluster 3
+  BackupArgs a = e.args("incremental");
+  a.bitmap = "b";
+  auto job = e.start(a);
+  ASSERT_TRUE(job);
+  NamedBitmap* bm = e.src->bitmaps().find("b");
+  EXPECT_TRUE(bm->busy);
+  // A guest write during the job goes to the successor.
+  Status st;
+  spawn_detached(write_through(*e.device.get(), 2 * kCluster, std::vector<uint8_t>(10, 0x5a), &st));
+  ASSERT_TRUE(e.wait_gone(job));
+  ASSERT_TRUE(st.ok());
+  for (uint64_t c = 0; c < e.tgt->length(); c += kCluster) {
+    const bool dirty = c == 0 || c == 3 * kCluster;
+    EXPECT_EQ(e.tgt->count('w', c, kCluster) > 0, dirty) << c;
+  }
+  // Success: the bitmap holds the writes made while the job ran.
+  bm = e.src->bitmaps().find("b");
+  ASSERT_TRUE(bm);
+  EXPECT_FALSE(bm->busy);
+  EXPECT_EQ(e.src->bitmaps().list().size(), 1u);
+  EXPECT_EQ(bm->bits.dirty_clusters(), 1u);
+  EXPECT_TRUE(bm->bits.get(2 * kCluster));
+}
+
+TEST(BackupTest, BitmapArgumentsCheckedInQemuOrder) {
+  Env e;
+  ASSERT_TRUE(e.src->bitmaps().create("b", e.src->length(), kCluster).ok());
+  auto err = [&](const BackupArgs& a) {
+    auto r = start_backup(e.mgr, e.graph, a);
+    return r.ok() ? std::string("ok") : r.error().what();
+  };
+  BackupArgs a = e.args("bitmap");
+  a.bitmap = "b";
+  EXPECT_EQ(err(a), "Bitmap sync mode must be given when providing a bitmap");
+  a = e.args("none");
+  a.bitmap = "b";
+  a.bitmap_mode = "always";
+  EXPECT_EQ(err(a), "sync mode 'none' does not produce meaningful bitmap outputs");
+  a = e.args("full");
+  a.bitmap = "b";
+  a.bitmap_mode = "never";
+  EXPECT_EQ(err(a), "Bitmap sync mode 'never' has no meaningful effect when combined with sync mode 'full'");
+  e.src->bitmaps().find("b")->busy = true;
+  a = e.args("incremental");
+  a.bitmap = "b";
+  EXPECT_EQ(err(a), "Bitmap 'b' is currently in use by another operation and cannot be used");
+  EXPECT_TRUE(e.mgr.jobs().empty());
+}
+
 }  // namespace
 }  // namespace vblk

@@ -211,6 +211,12 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
     int err = !r ? r.error().code : (r->check_errors ? EIO : 0);
     if (err) return Error(err, std::string("Could not repair dirty image: ") + std::strerror(err));
   }
+  // Persistent dirty bitmaps, after the repair (marking them in_use may
+  // allocate clusters). `info` (no_io) loads them too, as QEMU does.
+  if (!ctx.check) {
+    auto bst = ctx.loop.run(node->load_bitmaps(read_only));
+    VBLK_TRY(bst);
+  }
   // Backing file: relative to this image's directory; format from the
   // header, or probed.
   if (!node->h_.backing_file.empty() && !no_backing) {
@@ -249,6 +255,10 @@ Task<Status> Qcow2Node::do_close() {
   // A fatal corruption during a repair is QEMU's bs->drv = NULL: the close
   // writes nothing back (the caches' repairs are lost, as in qemu-img).
   if (read_only() || check_dead_) co_return Status{};
+  if (!corrupt()) {
+    auto g = co_await lock_.scoped();
+    VBLK_CO_TRY(co_await store_bitmaps());
+  }
   VBLK_CO_TRY(co_await flush());
   // QEMU clears the dirty bit on close only if the caches made it to disk.
   if (!corrupt()) VBLK_CO_TRY(co_await mark_clean());
@@ -280,6 +290,7 @@ nlohmann::ordered_json Qcow2Node::format_specific() const {
     d["corrupt"] = corrupt();
   }
   d["refcount-bits"] = refcount_bits_;
+  if (!stored_bitmaps_.empty()) d["bitmaps"] = bitmaps_info();
   d["compression-type"] = h_.compression_type == kCompressionZstd ? "zstd" : "zlib";
   if (h_.version >= 3) d["extended-l2"] = h_.extended_l2();
   nlohmann::ordered_json j;

@@ -13,6 +13,7 @@
 //   create.cc        image creation
 //   check.cc         consistency check and repair (qemu-img check)
 //   snapshot.cc      internal snapshots: table, create, apply, delete
+//   bitmap.cc        persistent dirty bitmaps (the `bitmaps` extension)
 //
 // Metadata (L1, L2 and refcount caches, the allocation state) is guarded by
 // `lock_`, a coroutine mutex held across metadata I/O but never across guest
@@ -64,6 +65,17 @@ struct Snapshot {
   uint64_t disk_size = 0;
   uint64_t icount = UINT64_MAX;
   std::vector<uint8_t> unknown_extra;  // extra data past what we know, kept
+};
+
+// One entry of the bitmap directory (QEMU's Qcow2BitmapDirEntry).
+struct BitmapDirEntry {
+  uint64_t table_offset = 0;
+  uint32_t table_size = 0;  // entries
+  uint32_t flags = 0;       // in_use, auto
+  uint8_t type = 1;         // dirty tracking
+  uint8_t granularity_bits = 16;
+  std::string name;
+  std::vector<uint8_t> extra;
 };
 
 class Qcow2Node final : public Node {
@@ -298,6 +310,28 @@ class Qcow2Node final : public Node {
   int find_snapshot(const std::string& id, const std::string& name) const;
   std::vector<Snapshot> snapshots_;
   uint64_t snapshots_size_ = 0;
+
+  // ---- bitmap.cc: persistent dirty bitmaps
+ public:
+  Status can_store_new_bitmap(const std::string& name, uint64_t granularity) const override;
+  Task<Status> remove_persistent_bitmap(const std::string& name) override;
+  // Loads the stored bitmaps into bitmaps() and, read-write, marks them
+  // in_use on disk (at open, after any repair).
+  Task<Status> load_bitmaps(bool read_only);
+  // Stores every persistent bitmap (close, lock held).
+  Task<Status> store_bitmaps();
+  const std::vector<BitmapDirEntry>& stored_bitmaps() const { return stored_bitmaps_; }
+
+ private:
+  // format-specific "bitmaps": the directory as on disk (QEMU reads it there).
+  nlohmann::ordered_json bitmaps_info() const;
+  std::vector<uint8_t> serialize_bitmap_directory(const std::vector<BitmapDirEntry>& dir) const;
+  // Writes `dir` to new clusters, points the header at it (autoclear bit set,
+  // or the extension dropped when empty), frees the old directory (lock held).
+  Task<Status> write_bitmap_directory(std::vector<BitmapDirEntry> dir);
+  // Frees a bitmap table and the data clusters it references (lock held).
+  Task<Status> free_bitmap_clusters(uint64_t table_offset, uint32_t table_size);
+  std::vector<BitmapDirEntry> stored_bitmaps_;  // the directory on disk, in order
 
   // ---- check.cc: qemu-img check and repair (QEMU's qcow2_co_check)
  public:
