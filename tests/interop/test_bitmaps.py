@@ -11,6 +11,7 @@ writes through an NBD export.
 Only the Python standard library is used.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -514,6 +515,43 @@ class BitmapInteropTest(InteropTestCase):
             return out
 
         self.both(scenario)
+
+    def test_copy_before_write_filter_with_bitmap(self):
+        """A copy-before-write filter with `bitmap` copies old data only for
+        the clusters that bitmap has dirty."""
+        def scenario(d):
+            out = []
+            p = self.backup_images()
+            q = d.qmp
+            for n in ("s", "t", "t2"):
+                q.ok("blockdev-add", file_node(n, p[n]))
+            q.ok("block-dirty-bitmap-add", {"node": "s", "name": "b", "disabled": True})
+            q.ok("block-dirty-bitmap-add", {"node": "t2", "name": "small"})
+            cbw = {"driver": "copy-before-write", "node-name": "f", "file": "s", "target": "t"}
+            for bad in ({"node": "zz", "name": "b"}, {"node": "s", "name": "zz"}, {"node": "t2", "name": "small"}):
+                out.append(q.cmd("blockdev-add", dict(cbw, bitmap=bad)))
+            # Clusters 1 and 5 (and part of 9) are to be copied before writes.
+            q.ok("nbd-server-start", {"addr": {"type": "unix", "data": {"path": os.path.join(self.tmp, "nbd.sock")}}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e0", "node-name": "s", "name": "exp", "writable": True})
+            q.ok("block-dirty-bitmap-enable", {"node": "s", "name": "b"})
+            self.io("write -P 1 64k 4k", "write -P 2 320k 64k", "write -P 3 589824 1")
+            q.ok("block-dirty-bitmap-disable", {"node": "s", "name": "b"})
+            q.ok("block-export-del", {"id": "e0"})
+            q.next_event({"BLOCK_EXPORT_DELETED"}, 30)
+            out.append(q.cmd("blockdev-add", dict(cbw, bitmap={"node": "s", "name": "b"})))
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "node-name": "f", "name": "exp", "writable": True})
+            self.io("write -P 4 0 1M")
+            q.ok("block-export-del", {"id": "e"})
+            q.next_event({"BLOCK_EXPORT_DELETED"}, 30)
+            self.stop(d)
+            r = qemu("map", "--output=json", "-f", "raw", p["t"])
+            out.append([(m["start"], m["length"], m["data"]) for m in json.loads(r.stdout)])
+            with open(p["t"], "rb") as f:
+                out.append(hashlib.sha256(f.read()).hexdigest())
+            return out
+
+        self.both(scenario)
+
 
 
 if __name__ == "__main__":
