@@ -336,6 +336,7 @@ class BitmapInteropTest(InteropTestCase):
         d = self.start([QSD])
         d.qmp.ok("blockdev-add", file_node("c", crashed, "qcow2"))
         d.kill()
+        d.qmp.close()
         self.daemons.remove(d)
         self.assertEqual([b["flags"] for b in self.qcow2_info(crashed)].count(["in-use", "auto"]), 3)
 
@@ -548,6 +549,43 @@ class BitmapInteropTest(InteropTestCase):
             out.append([(m["start"], m["length"], m["data"]) for m in json.loads(r.stdout)])
             with open(p["t"], "rb") as f:
                 out.append(hashlib.sha256(f.read()).hexdigest())
+            return out
+
+        self.both(scenario)
+
+
+    def test_killed_daemon_leaves_bitmaps_in_use_and_image_clean(self):
+        """kill -9 while a qcow2 with bitmaps is open read-write: the stored
+        bitmaps stay in_use (inconsistent next time), bitmaps added since are
+        not stored, and qemu-img check finds the image clean; vblk check
+        agrees with qemu-img check."""
+        src = os.path.join(self.tmp, "src.qcow2")
+        self.assertEqual(qemu("create", "-q", "-f", "qcow2", src, "8M").rc, 0)
+        self.assertEqual(qemu("bitmap", "--add", src, "b0").rc, 0)
+        r = subprocess.run([QEMU_IO, "-f", "qcow2", "-c", "write -P 1 1M 64k", src], capture_output=True)
+        self.assertEqual(r.returncode, 0, r)
+
+        def scenario(d):
+            out = []
+            img = os.path.join(self.tmp, "k.qcow2")
+            shutil.copy(src, img)
+            q = d.qmp
+            q.ok("blockdev-add", file_node("k", img, "qcow2"))
+            q.ok("block-dirty-bitmap-add", {"node": "k", "name": "new", "persistent": True})
+            q.ok("nbd-server-start", {"addr": {"type": "unix", "data": {"path": os.path.join(self.tmp, "nbd.sock")}}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "node-name": "k", "name": "exp", "writable": True})
+            self.io("write -P 2 3M 128k", "flush")
+            d.kill()
+            d.qmp.close()
+            self.daemons.remove(d)
+            out.append(("info", self.qcow2_info(img)))
+            out.append(("check", self.qcow2_check(img)))
+            v, qi = both("check", "--output=json", "-f", "qcow2", img)
+            out.append(("vblk check", v.rc == qi.rc, v.stdout == qi.stdout))
+            d2 = self.start(d.argv[:len(d.argv) - 4])
+            d2.qmp.ok("blockdev-add", file_node("k", img, "qcow2"))
+            out.append(("reopened", self.bitmaps(d2, {"k"})))
+            self.stop(d2)
             return out
 
         self.both(scenario)
