@@ -29,6 +29,7 @@ from qmp_driver import Daemon  # noqa: E402  (bench/, on the path through common
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
 QEMU_IMG = shutil.which("qemu-img")
+NBDINFO = shutil.which("nbdinfo")
 
 DAEMONS = [("qemu-storage-daemon", [QSD])] if QSD else []
 DAEMONS.append(("vblk serve", [VBLK, "serve"]))
@@ -586,6 +587,50 @@ class BitmapInteropTest(InteropTestCase):
             d2.qmp.ok("blockdev-add", file_node("k", img, "qcow2"))
             out.append(("reopened", self.bitmaps(d2, {"k"})))
             self.stop(d2)
+            return out
+
+        self.both(scenario)
+
+
+    @unittest.skipUnless(NBDINFO, "needs nbdinfo")
+    def test_nbd_export_offers_dirty_bitmap_context(self):
+        """block-export-add `bitmaps`: the qemu:dirty-bitmap:NAME context
+        lists and maps the bitmap's dirty extents (nbdinfo reads both)."""
+        def scenario(d):
+            out = []
+            p = self.backup_images()
+            q = d.qmp
+            sock = os.path.join(self.tmp, "nbd.sock")
+            q.ok("blockdev-add", file_node("s", p["s"]))
+            q.ok("nbd-server-start", {"addr": {"type": "unix", "data": {"path": sock}}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "node-name": "s", "name": "exp", "writable": True})
+            q.ok("block-dirty-bitmap-add", {"node": "s", "name": "b", "granularity": 4096})
+            q.ok("block-dirty-bitmap-add", {"node": "s", "name": "c"})
+            self.io("write -P 1 0 4k", "write -P 2 1M 100k", "write -P 3 16773120 4096")
+            ro = {"type": "nbd", "id": "r", "node-name": "s", "name": "ro"}
+            for bad in (["zz"], ["b", 5], [{"node": "s"}], [{"node": "zz", "name": "b"}], [{"node": "s", "name": "zz"}],
+                        ["b"]):
+                out.append(q.cmd("block-export-add", dict(ro, bitmaps=bad)))
+            q.ok("block-dirty-bitmap-disable", {"node": "s", "name": "b"})
+            out.append(q.cmd("block-export-add", dict(ro, bitmaps=["b"])))
+            out.append(q.cmd("block-export-add", {"type": "nbd", "id": "w", "node-name": "s", "name": "rw",
+                                                  "writable": True, "bitmaps": ["c", "b"]}))
+            out.append(q.cmd("block-export-add", {"type": "nbd", "id": "w2", "node-name": "s", "name": "rw2",
+                                                  "writable": True, "bitmaps": [{"node": "s", "name": "c"}]}))
+            for exp, ctx in (("ro", "qemu:dirty-bitmap:b"), ("rw", "qemu:dirty-bitmap:c"),
+                             ("rw2", "qemu:dirty-bitmap:c"), ("rw2", "base:allocation"), ("rw2", "qemu:dirty-bitmap:b")):
+                uri = "nbd+unix:///%s?socket=%s" % (exp, sock)
+                r = subprocess.run([NBDINFO, "--map=" + ctx, uri], capture_output=True, text=True, timeout=60)
+                out.append((exp, ctx, r.returncode, r.stdout))
+            r = subprocess.run([NBDINFO, "--list", "--json", "nbd+unix:///?socket=%s" % sock],
+                               capture_output=True, text=True, timeout=60)
+            out.append(sorted((e["export-name"], sorted(e.get("contexts", [])))
+                              for e in json.loads(r.stdout)["exports"]))
+            out.append(self.bitmaps(d, {"s"}))
+            for e in ("e", "r", "w", "w2"):
+                if "return" in q.cmd("block-export-del", {"id": e}):
+                    q.next_event({"BLOCK_EXPORT_DELETED"}, 30)
+            out.append(self.bitmaps(d, {"s"}))  # no longer busy
             return out
 
         self.both(scenario)
