@@ -208,7 +208,11 @@ class Daemon:
                 self.kill()
                 raise QMPError(f"{self.argv[0]} did not start: {self.log_tail()}")
             time.sleep(0.01)
-        self.qmp = QMP(sock)
+        try:
+            self.qmp = QMP(sock)
+        except BaseException:
+            self.kill()  # not left running when the handshake fails
+            raise
 
     def log_tail(self, n=2000):
         try:

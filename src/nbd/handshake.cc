@@ -4,6 +4,7 @@
 // kMaxOptionSize are refused (and the connection closed when they are too
 // large to skip), names above kMaxStringSize get NBD_REP_ERR_INVALID, and
 // every length inside a payload is checked against what is left of it.
+#include <algorithm>
 #include <fmt/format.h>
 
 #include <array>
@@ -93,8 +94,8 @@ Task<Result<bool>> info_or_go(Session& s, uint32_t opt, std::span<const uint8_t>
   co_return true;
 }
 
-// NBD_OPT_LIST_META_CONTEXT and NBD_OPT_SET_META_CONTEXT. The only context
-// is base:allocation.
+// NBD_OPT_LIST_META_CONTEXT and NBD_OPT_SET_META_CONTEXT: base:allocation
+// and the export's qemu:dirty-bitmap:NAME contexts.
 Task<Status> meta_context(Session& s, uint32_t opt, std::span<const uint8_t> data) {
   const bool set = opt == kOptSetMetaContext;
   if (set && !s.structured)
@@ -116,14 +117,36 @@ Task<Status> meta_context(Session& s, uint32_t opt, std::span<const uint8_t> dat
   if (!r.ok() || r.left()) co_return co_await send_error(s, opt, kRepErrInvalid, "request data length mismatch");
   auto exp = s.server.find_export(name);
   if (!exp) co_return co_await send_error(s, opt, kRepErrUnknown, fmt::format("export '{}' not present", name));
+  static const std::string kBitmapPrefix = "qemu:dirty-bitmap:";
   bool match = !set && queries.empty();  // LIST with no query lists everything
+  std::vector<uint32_t> bitmaps;
+  auto pick = [&](uint32_t i) {
+    if (std::find(bitmaps.begin(), bitmaps.end(), i) == bitmaps.end()) bitmaps.push_back(i);
+  };
+  const auto& offered = exp->bitmaps;
+  if (match)
+    for (uint32_t i = 0; i < offered.size(); ++i) pick(i);
   for (const auto& q : queries) {
     if (q == kMetaBaseAllocation || (!set && (q == "base:"))) match = true;
+    if (!set && (q == "qemu:" || q == kBitmapPrefix)) {
+      for (uint32_t i = 0; i < offered.size(); ++i) pick(i);
+    } else if (q.rfind(kBitmapPrefix, 0) == 0) {
+      for (uint32_t i = 0; i < offered.size(); ++i)
+        if (offered[i].second == q.substr(kBitmapPrefix.size())) pick(i);
+    }
   }
-  if (set) s.base_allocation = match;
+  if (set) {
+    s.base_allocation = match;
+    s.bitmap_contexts = bitmaps;
+  }
   if (match) {
     Writer w;
     w.u32(Session::kBaseAllocationId).str(kMetaBaseAllocation);
+    VBLK_CO_TRY(co_await send_reply(s, opt, kRepMetaContext, w.bytes()));
+  }
+  for (uint32_t i : bitmaps) {
+    Writer w;
+    w.u32(Session::kFirstBitmapId + i).str(kBitmapPrefix + offered[i].second);
     VBLK_CO_TRY(co_await send_reply(s, opt, kRepMetaContext, w.bytes()));
   }
   co_return co_await send_reply(s, opt, kRepAck);

@@ -27,6 +27,10 @@ struct Export {
   // node takes the export's writes from then on.
   NodeRef node;
   bool writable = false;
+  // Named dirty bitmaps offered as "qemu:dirty-bitmap:NAME" contexts: the
+  // node that has each one, and its name (looked up per request, so a
+  // removed bitmap answers an error rather than dangling).
+  std::vector<std::pair<std::shared_ptr<Node>, std::string>> bitmaps;
 };
 
 struct Session;

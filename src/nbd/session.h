@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "nbd/protocol.h"
 #include "nbd/server.h"
@@ -18,7 +19,11 @@ struct Session {
   bool no_zeroes = false;             // client flag: skip the 124 padding bytes
   bool structured = false;            // NBD_OPT_STRUCTURED_REPLY agreed
   bool base_allocation = false;       // "base:allocation" selected by SET_META_CONTEXT
+  // "qemu:dirty-bitmap:NAME" contexts selected: indices into exp->bitmaps;
+  // context id kFirstBitmapId + index.
+  std::vector<uint32_t> bitmap_contexts;
   static constexpr uint32_t kBaseAllocationId = 1;
+  static constexpr uint32_t kFirstBitmapId = 2;
 };
 
 // Runs option haggling. Returns true when the client chose an export and

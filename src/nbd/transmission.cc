@@ -181,7 +181,8 @@ class Connection {
       default: return Error(EINVAL, fmt::format("unsupported command {}", r.type));
     }
     if (r.flags & ~allowed) return Error(EINVAL, fmt::format("unsupported flags 0x{:x}", r.flags));
-    if (r.type == kCmdBlockStatus && !s_.base_allocation) return Error(EINVAL, "no meta context negotiated");
+    if (r.type == kCmdBlockStatus && !s_.base_allocation && s_.bitmap_contexts.empty())
+      return Error(EINVAL, "no meta context negotiated");
     if (r.type == kCmdRead && r.length > kMaxBufferSize)
       return Error(EINVAL, fmt::format("len ({}) is larger than max len ({})", r.length, kMaxBufferSize));
     bool writes = r.type == kCmdWrite || r.type == kCmdWriteZeroes || r.type == kCmdTrim;
@@ -266,40 +267,79 @@ class Connection {
     queue(std::move(rep));
   }
 
-  // base:allocation extents from the node's status through its backing chain.
+  // One block-status chunk per negotiated context (base:allocation first,
+  // then the dirty bitmaps), all in one Reply so the request holds one slot:
+  // the first chunk's header is the reply head, the rest follows in `extra`.
   Task<void> block_status(Request& r) {
-    Node& n = *s_.exp->node;
     const size_t max_extents = (r.flags & kCmdFlagReqOne) ? 1 : 2048;
-    std::vector<std::pair<uint32_t, uint32_t>> ext;  // length, flags
-    uint64_t off = r.offset, end = r.offset + r.length;
-    while (off < end && ext.size() <= max_extents) {
-      auto bs = co_await n.block_status_above(off, end - off);
-      if (!bs) {
-        reply_error(r, bs.error());
+    std::vector<std::pair<uint32_t, std::vector<std::pair<uint32_t, uint32_t>>>> chunks;  // id, (length, flags)
+    if (s_.base_allocation) {
+      Node& n = *s_.exp->node;
+      std::vector<std::pair<uint32_t, uint32_t>> ext;  // length, flags
+      uint64_t off = r.offset, end = r.offset + r.length;
+      while (off < end && ext.size() <= max_extents) {
+        auto bs = co_await n.block_status_above(off, end - off);
+        if (!bs) {
+          reply_error(r, bs.error());
+          co_return;
+        }
+        uint64_t len = std::min<uint64_t>(bs->bytes, end - off);
+        if (len == 0) break;
+        uint32_t f = ((bs->flags & kStatusData) ? 0 : kStateHole) | ((bs->flags & kStatusZero) ? kStateZero : 0);
+        if (!ext.empty() && ext.back().second == f) {
+          ext.back().first += static_cast<uint32_t>(len);
+        } else {
+          if (ext.size() == max_extents) break;
+          ext.push_back({static_cast<uint32_t>(len), f});
+        }
+        off += len;
+      }
+      if (ext.empty()) {
+        reply_error(r, Error(EINVAL, "empty block status request"));
         co_return;
       }
-      uint64_t len = std::min<uint64_t>(bs->bytes, end - off);
-      if (len == 0) break;
-      uint32_t f = ((bs->flags & kStatusData) ? 0 : kStateHole) | ((bs->flags & kStatusZero) ? kStateZero : 0);
-      if (!ext.empty() && ext.back().second == f) {
-        ext.back().first += static_cast<uint32_t>(len);
-      } else {
-        if (ext.size() == max_extents) break;
-        ext.push_back({static_cast<uint32_t>(len), f});
-      }
-      off += len;
+      chunks.push_back({Session::kBaseAllocationId, std::move(ext)});
     }
-    if (ext.empty()) {
-      reply_error(r, Error(EINVAL, "empty block status request"));
-      co_return;
+    for (uint32_t i : s_.bitmap_contexts) {
+      const auto& [owner, name] = s_.exp->bitmaps[i];
+      const NamedBitmap* b = owner->bitmaps().find(name);
+      if (!b) {
+        reply_error(r, Error(EINVAL, "Bitmap '" + name + "' is gone"));
+        co_return;
+      }
+      // NBD_STATE_DIRTY (1) where the bitmap is dirty; extents end where
+      // the bitmap changes, at most 4 GiB - 512 each.
+      constexpr uint64_t kMaxLen = 0xfffffe00ull;
+      std::vector<std::pair<uint32_t, uint32_t>> ext;
+      uint64_t off = r.offset, end = std::min<uint64_t>(r.offset + r.length, b->bits.size());
+      while (off < end && ext.size() < max_extents) {
+        const bool dirty = b->bits.get(off);
+        std::optional<uint64_t> next = dirty ? b->bits.next_clean(off, end) : b->bits.next_dirty(off, end);
+        uint64_t stop = next && *next > off ? *next : end;
+        uint64_t len = std::min(stop - off, kMaxLen);
+        ext.push_back({static_cast<uint32_t>(len), dirty ? 1u : 0u});
+        off += len;
+      }
+      if (ext.empty()) ext.push_back({r.length, 0});
+      chunks.push_back({Session::kFirstBitmapId + i, std::move(ext)});
     }
     Reply rep;
-    put_structured(rep.head.data(), kReplyFlagDone, kReplyBlockStatus, r.cookie,
-                   4 + 8 * static_cast<uint32_t>(ext.size()));
-    rep.head_len = kStructuredReplySize;
     Writer w;
-    w.u32(Session::kBaseAllocationId);
-    for (auto [len, f] : ext) w.u32(len).u32(f);
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const auto& [id, ext] = chunks[c];
+      const uint16_t flags = c + 1 == chunks.size() ? kReplyFlagDone : 0;
+      const uint32_t len = 4 + 8 * static_cast<uint32_t>(ext.size());
+      if (c == 0) {
+        put_structured(rep.head.data(), flags, kReplyBlockStatus, r.cookie, len);
+        rep.head_len = kStructuredReplySize;
+      } else {
+        std::array<uint8_t, kStructuredReplySize> h{};
+        put_structured(h.data(), flags, kReplyBlockStatus, r.cookie, len);
+        w.bytes().insert(w.bytes().end(), h.begin(), h.end());
+      }
+      w.u32(id);
+      for (auto [l, f] : ext) w.u32(l).u32(f);
+    }
     rep.extra = std::move(w.bytes());
     queue(std::move(rep));
   }

@@ -74,6 +74,10 @@ Task<void> delete_export(Daemon& d, std::string id) {
   std::erase(d.export_order, id);
   if (d.nbd) {
     std::weak_ptr<const nbd::Export> held = d.nbd->find_export(name);
+    // Its bitmaps are free again (QEMU clears busy when the export goes).
+    if (auto e = held.lock())
+      for (const auto& [owner, bname] : e->bitmaps)
+        if (NamedBitmap* bm = owner->bitmaps().find(bname)) bm->busy = false;
     d.nbd->remove_export(name);
     d.nbd->disconnect_clients(name);
     for (int i = 0; i < 10000 && !held.expired(); ++i) co_await d.loop.sleep(std::chrono::milliseconds(1));
@@ -166,11 +170,53 @@ Status add_block_export(Daemon& d, const OJson& o) {
   std::string desc = o.contains("description") ? o.at("description").get<std::string>() : "";
   if (desc.size() > 4096) return Error(EINVAL, "description '" + desc + "' too long");
   if (d.nbd->find_export(name)) return Error(EEXIST, "NBD server already has export named '" + name + "'");
-  if (o.contains("bitmaps") && !o.at("bitmaps").empty())
-    return Error(ENOENT, "Bitmap '" + o.at("bitmaps")[0].get<std::string>() + "' is not found");
   bool writable = o.contains("writable") && o.at("writable").get<bool>();
+  // qemu:dirty-bitmap:NAME contexts: the bitmap of the node or of a node
+  // down its backing chain (QEMU's nbd_export_create).
+  std::vector<std::pair<std::shared_ptr<Node>, std::string>> bitmaps;
+  if (o.contains("bitmaps")) {
+    // A list of BlockDirtyBitmapOrStr: a name, or {node, name} anywhere.
+    const OJson& list = o.at("bitmaps");
+    static const std::vector<Arg> kExternal = {{"node", ArgType::Str, true}, {"name", ArgType::Str, true}};
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (list[i].is_string()) continue;
+      // QEMU 7.2 names the alternate 'null' here.
+      if (!list[i].is_object()) return Error(EINVAL, "Invalid parameter type for 'null', expected: BlockDirtyBitmapOrStr");
+      if (auto e = check_args(kExternal, false, list[i], "bitmaps[" + std::to_string(i) + "]")) return Error(EINVAL, *e);
+    }
+    for (const auto& v : list) {
+      std::shared_ptr<Node> owner = node;
+      NamedBitmap* bm = nullptr;
+      std::string bname;
+      if (v.is_object()) {
+        bname = v.at("name").get<std::string>();
+        std::string bnode = v.at("node").get<std::string>();
+        owner = d.graph.find(bnode);
+        if (!owner) return Error(ENOENT, "Node '" + bnode + "' not found");
+        bm = owner->bitmaps().find(bname);
+        if (!bm) return Error(ENOENT, "Dirty bitmap '" + bname + "' not found");
+      } else {
+        bname = v.get<std::string>();
+        while (owner && !(bm = owner->bitmaps().find(bname))) {
+          std::shared_ptr<Node> next;
+          for (const auto& c : owner->children())
+            if (c.role == "backing") next = c.node;
+          owner = next;
+        }
+        if (!bm) return Error(ENOENT, "Bitmap '" + bname + "' is not found");
+      }
+      if (!writable && !owner->read_only() && bm->enabled)
+        return Error(EINVAL, "Enabled bitmap '" + bname + "' incompatible with readonly export");
+      VBLK_TRY(check_bitmap(*bm, kBitmapAllowRo));
+      bitmaps.push_back({owner, bname});
+    }
+  }
   if (writable && node->read_only()) return Error(EACCES, "Block node is read-only");
-  VBLK_TRY(d.nbd->add_export(nbd::Export{name, desc, node, writable}));
+  // Exported bitmaps are busy while the export lives (QEMU's nbd_export_create).
+  std::vector<NamedBitmap*> busy;
+  for (const auto& [owner, bname] : bitmaps) busy.push_back(owner->bitmaps().find(bname));
+  VBLK_TRY(d.nbd->add_export(nbd::Export{name, desc, node, writable, std::move(bitmaps)}));
+  for (NamedBitmap* bm : busy) bm->busy = true;
   d.exports[id] = BlockExport{id, "nbd", node_name, name};
   d.export_order.push_back(id);
   return {};

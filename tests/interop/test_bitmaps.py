@@ -11,6 +11,7 @@ writes through an NBD export.
 Only the Python standard library is used.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from qmp_driver import Daemon  # noqa: E402  (bench/, on the path through common
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
 QEMU_IMG = shutil.which("qemu-img")
+NBDINFO = shutil.which("nbdinfo")
 
 DAEMONS = [("qemu-storage-daemon", [QSD])] if QSD else []
 DAEMONS.append(("vblk serve", [VBLK, "serve"]))
@@ -335,6 +337,7 @@ class BitmapInteropTest(InteropTestCase):
         d = self.start([QSD])
         d.qmp.ok("blockdev-add", file_node("c", crashed, "qcow2"))
         d.kill()
+        d.qmp.close()
         self.daemons.remove(d)
         self.assertEqual([b["flags"] for b in self.qcow2_info(crashed)].count(["in-use", "auto"]), 3)
 
@@ -514,6 +517,124 @@ class BitmapInteropTest(InteropTestCase):
             return out
 
         self.both(scenario)
+
+    def test_copy_before_write_filter_with_bitmap(self):
+        """A copy-before-write filter with `bitmap` copies old data only for
+        the clusters that bitmap has dirty."""
+        def scenario(d):
+            out = []
+            p = self.backup_images()
+            q = d.qmp
+            for n in ("s", "t", "t2"):
+                q.ok("blockdev-add", file_node(n, p[n]))
+            q.ok("block-dirty-bitmap-add", {"node": "s", "name": "b", "disabled": True})
+            q.ok("block-dirty-bitmap-add", {"node": "t2", "name": "small"})
+            cbw = {"driver": "copy-before-write", "node-name": "f", "file": "s", "target": "t"}
+            for bad in ({"node": "zz", "name": "b"}, {"node": "s", "name": "zz"}, {"node": "t2", "name": "small"}):
+                out.append(q.cmd("blockdev-add", dict(cbw, bitmap=bad)))
+            # Clusters 1 and 5 (and part of 9) are to be copied before writes.
+            q.ok("nbd-server-start", {"addr": {"type": "unix", "data": {"path": os.path.join(self.tmp, "nbd.sock")}}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e0", "node-name": "s", "name": "exp", "writable": True})
+            q.ok("block-dirty-bitmap-enable", {"node": "s", "name": "b"})
+            self.io("write -P 1 64k 4k", "write -P 2 320k 64k", "write -P 3 589824 1")
+            q.ok("block-dirty-bitmap-disable", {"node": "s", "name": "b"})
+            q.ok("block-export-del", {"id": "e0"})
+            q.next_event({"BLOCK_EXPORT_DELETED"}, 30)
+            out.append(q.cmd("blockdev-add", dict(cbw, bitmap={"node": "s", "name": "b"})))
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "node-name": "f", "name": "exp", "writable": True})
+            self.io("write -P 4 0 1M")
+            q.ok("block-export-del", {"id": "e"})
+            q.next_event({"BLOCK_EXPORT_DELETED"}, 30)
+            self.stop(d)
+            r = qemu("map", "--output=json", "-f", "raw", p["t"])
+            out.append([(m["start"], m["length"], m["data"]) for m in json.loads(r.stdout)])
+            with open(p["t"], "rb") as f:
+                out.append(hashlib.sha256(f.read()).hexdigest())
+            return out
+
+        self.both(scenario)
+
+
+    def test_killed_daemon_leaves_bitmaps_in_use_and_image_clean(self):
+        """kill -9 while a qcow2 with bitmaps is open read-write: the stored
+        bitmaps stay in_use (inconsistent next time), bitmaps added since are
+        not stored, and qemu-img check finds the image clean; vblk check
+        agrees with qemu-img check."""
+        src = os.path.join(self.tmp, "src.qcow2")
+        self.assertEqual(qemu("create", "-q", "-f", "qcow2", src, "8M").rc, 0)
+        self.assertEqual(qemu("bitmap", "--add", src, "b0").rc, 0)
+        r = subprocess.run([QEMU_IO, "-f", "qcow2", "-c", "write -P 1 1M 64k", src], capture_output=True)
+        self.assertEqual(r.returncode, 0, r)
+
+        def scenario(d):
+            out = []
+            img = os.path.join(self.tmp, "k.qcow2")
+            shutil.copy(src, img)
+            q = d.qmp
+            q.ok("blockdev-add", file_node("k", img, "qcow2"))
+            q.ok("block-dirty-bitmap-add", {"node": "k", "name": "new", "persistent": True})
+            q.ok("nbd-server-start", {"addr": {"type": "unix", "data": {"path": os.path.join(self.tmp, "nbd.sock")}}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "node-name": "k", "name": "exp", "writable": True})
+            self.io("write -P 2 3M 128k", "flush")
+            d.kill()
+            d.qmp.close()
+            self.daemons.remove(d)
+            out.append(("info", self.qcow2_info(img)))
+            out.append(("check", self.qcow2_check(img)))
+            v, qi = both("check", "--output=json", "-f", "qcow2", img)
+            out.append(("vblk check", v.rc == qi.rc, v.stdout == qi.stdout))
+            d2 = self.start(d.argv[:len(d.argv) - 4])
+            d2.qmp.ok("blockdev-add", file_node("k", img, "qcow2"))
+            out.append(("reopened", self.bitmaps(d2, {"k"})))
+            self.stop(d2)
+            return out
+
+        self.both(scenario)
+
+
+    @unittest.skipUnless(NBDINFO, "needs nbdinfo")
+    def test_nbd_export_offers_dirty_bitmap_context(self):
+        """block-export-add `bitmaps`: the qemu:dirty-bitmap:NAME context
+        lists and maps the bitmap's dirty extents (nbdinfo reads both)."""
+        def scenario(d):
+            out = []
+            p = self.backup_images()
+            q = d.qmp
+            sock = os.path.join(self.tmp, "nbd.sock")
+            q.ok("blockdev-add", file_node("s", p["s"]))
+            q.ok("nbd-server-start", {"addr": {"type": "unix", "data": {"path": sock}}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "node-name": "s", "name": "exp", "writable": True})
+            q.ok("block-dirty-bitmap-add", {"node": "s", "name": "b", "granularity": 4096})
+            q.ok("block-dirty-bitmap-add", {"node": "s", "name": "c"})
+            self.io("write -P 1 0 4k", "write -P 2 1M 100k", "write -P 3 16773120 4096")
+            ro = {"type": "nbd", "id": "r", "node-name": "s", "name": "ro"}
+            for bad in (["zz"], ["b", 5], [{"node": "s"}], [{"node": "zz", "name": "b"}], [{"node": "s", "name": "zz"}],
+                        ["b"]):
+                out.append(q.cmd("block-export-add", dict(ro, bitmaps=bad)))
+            q.ok("block-dirty-bitmap-disable", {"node": "s", "name": "b"})
+            out.append(q.cmd("block-export-add", dict(ro, bitmaps=["b"])))
+            out.append(q.cmd("block-export-add", {"type": "nbd", "id": "w", "node-name": "s", "name": "rw",
+                                                  "writable": True, "bitmaps": ["c", "b"]}))
+            out.append(q.cmd("block-export-add", {"type": "nbd", "id": "w2", "node-name": "s", "name": "rw2",
+                                                  "writable": True, "bitmaps": [{"node": "s", "name": "c"}]}))
+            for exp, ctx in (("ro", "qemu:dirty-bitmap:b"), ("rw", "qemu:dirty-bitmap:c"),
+                             ("rw2", "qemu:dirty-bitmap:c"), ("rw2", "base:allocation"), ("rw2", "qemu:dirty-bitmap:b")):
+                uri = "nbd+unix:///%s?socket=%s" % (exp, sock)
+                r = subprocess.run([NBDINFO, "--map=" + ctx, uri], capture_output=True, text=True, timeout=60)
+                out.append((exp, ctx, r.returncode, r.stdout))
+            r = subprocess.run([NBDINFO, "--list", "--json", "nbd+unix:///?socket=%s" % sock],
+                               capture_output=True, text=True, timeout=60)
+            out.append(sorted((e["export-name"], sorted(e.get("contexts", [])))
+                              for e in json.loads(r.stdout)["exports"]))
+            out.append(self.bitmaps(d, {"s"}))
+            for e in ("e", "r", "w", "w2"):
+                if "return" in q.cmd("block-export-del", {"id": e}):
+                    q.next_event({"BLOCK_EXPORT_DELETED"}, 30)
+            out.append(self.bitmaps(d, {"s"}))  # no longer busy
+            return out
+
+        self.both(scenario)
+
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 // its blockdev options, as QEMU 7.2 names them: file, target, bitmap,
 // on-cbw-error, cbw-timeout.
 #include "vblk/copy_before_write.h"
+#include "vblk/graph.h"
 
 #include <algorithm>
 #include <stop_token>
@@ -95,14 +96,19 @@ Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opt
   auto target = open_child(ctx, opts, "target", true);
   VBLK_TRY(target);
   CbwOptions o;
+  // `bitmap`: only the clusters this named bitmap has dirty are copied
+  // before writes (QEMU's block_dirty_bitmap_lookup, then the bitmap merged
+  // into block-copy's own).
+  NamedBitmap* sync_bitmap = nullptr;
   if (auto bitmap = take_dict(opts, "bitmap")) {
-    // vblk has no named dirty bitmaps yet: any bitmap is one that does not
-    // exist (QEMU's block_dirty_bitmap_lookup wording).
     auto node = take_string(*bitmap, "node");
     VBLK_TRY(node);
     auto name = take_string(*bitmap, "name");
     VBLK_TRY(name);
-    return Error(ENOENT, "Dirty bitmap '" + name->value_or("") + "' not found");
+    std::shared_ptr<Node> owner = ctx.graph ? ctx.graph->find(node->value_or("")) : nullptr;
+    if (!owner) return Error(ENOENT, "Node '" + node->value_or("") + "' not found");
+    sync_bitmap = owner->bitmaps().find(name->value_or(""));
+    if (!sync_bitmap) return Error(ENOENT, "Dirty bitmap '" + name->value_or("") + "' not found");
   }
   auto on_err = take_string(opts, "on-cbw-error");
   VBLK_TRY(on_err);
@@ -123,7 +129,21 @@ Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opt
   }
   if ((*file)->length() != (*target)->length())
     return Error(EINVAL, "Source and target image have different sizes");
-  return std::shared_ptr<Node>(std::make_shared<CopyBeforeWrite>(ctx.loop, *file, *target, o));
+  auto cbw = std::make_shared<CopyBeforeWrite>(ctx.loop, *file, *target, o);
+  if (sync_bitmap) {
+    // block_copy_state_new: bdrv_merge_dirty_bitmap's checks, with its prefix.
+    const std::string prefix =
+        "Cannot create block-copy-state: Failed to merge bitmap '" + sync_bitmap->name + "' to internal copy-bitmap: ";
+    if (auto st = check_bitmap(*sync_bitmap, kBitmapAllowRo); !st) return Error(EINVAL, prefix + st.error().what());
+    DirtyBitmap& bits = cbw->bcs().bitmap();
+    if (sync_bitmap->bits.size() != bits.size())
+      return Error(EINVAL, prefix + "Bitmaps are of different sizes (destination size is " +
+                               std::to_string(bits.size()) + ", source size is " +
+                               std::to_string(sync_bitmap->bits.size()) + ") and can't be merged");
+    bits.reset_all();
+    bits.merge_from(sync_bitmap->bits);
+  }
+  return std::shared_ptr<Node>(cbw);
 }
 
 }  // namespace drivers
