@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cli/common.h"
 #include "cli/server_process.h"
@@ -66,7 +67,8 @@ enum { kOptCache = 256, kOptAio, kOptImageOpts, kOptFork, kOptPidFile };
 
 struct NbdArgs {
   ImageArgs image;
-  std::string port, bind = "127.0.0.1", socket, name, description, bitmap, pid_file;
+  std::string port, bind = "127.0.0.1", socket, name, description, pid_file;
+  std::vector<std::string> bitmaps;  // -B, last given first
   unsigned shared = 1;
   bool persistent = false, fork = false;
 };
@@ -138,7 +140,8 @@ NbdArgs parse(int argc, char** argv) {
         a.image.aio = optarg;
         break;
       case kOptImageOpts: a.image.image_opts = true; break;
-      case 'B': a.bitmap = optarg; break;
+      // qemu-nbd prepends each -B: the last one given is the first context.
+      case 'B': a.bitmaps.insert(a.bitmaps.begin(), optarg); break;
       case kOptFork: a.fork = true; break;
       case kOptPidFile: a.pid_file = optarg; break;
       case ':':
@@ -175,7 +178,21 @@ int cmd_nbd(int argc, char** argv) {
   Loop loop;
   auto node = open_cli_image(loop, a.image);
   if (!node) return 1;
-  if (!a.bitmap.empty()) nbd_fail("Bitmap '" + a.bitmap + "' is not found");
+  // -B: a bitmap of the image or of a backing file (QEMU's nbd_export_create).
+  std::vector<std::pair<std::shared_ptr<Node>, std::string>> bitmaps;
+  for (const auto& name : a.bitmaps) {
+    std::shared_ptr<Node> owner = node;
+    NamedBitmap* bm = nullptr;
+    while (owner && !(bm = owner->bitmaps().find(name))) {
+      std::shared_ptr<Node> next;
+      for (const auto& c : owner->children())
+        if (c.role == "backing") next = c.node;
+      owner = next;
+    }
+    if (!bm) nbd_fail("Bitmap '" + name + "' is not found");
+    if (auto st = check_bitmap(*bm, kBitmapAllowRo); !st) nbd_fail(st.error().what());
+    bitmaps.push_back({owner, name});
+  }
 
   Result<Fd> listener = Error(EINVAL);
   if (!a.socket.empty()) {
@@ -187,7 +204,7 @@ int cmd_nbd(int argc, char** argv) {
   if (!listener) nbd_fail(listener.error().what());
 
   nbd::Server server(loop, nbd::Server::Options{.max_connections = a.shared});
-  nbd::Export e{a.name, a.description, node, !a.image.read_only};
+  nbd::Export e{a.name, a.description, node, !a.image.read_only, std::move(bitmaps)};
   if (auto st = server.add_export(std::move(e)); !st) nbd_fail(st.error().what());
   bool had_client = false;
   server.on_connect = [&] { had_client = true; };
