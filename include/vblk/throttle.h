@@ -71,9 +71,6 @@ class ThrottleGroup {
   // Waits until a request of `bytes` may go, then accounts it.
   Task<void> intercept(bool write, uint64_t bytes);
 
-  // Requests currently waiting (tests, query).
-  unsigned waiting() const { return waiting_; }
-
  private:
   struct Level {
     double level = 0;        // units in the bucket
@@ -89,7 +86,6 @@ class ThrottleGroup {
   std::array<Level, kThrottleBuckets> levels_{};
   uint64_t last_leak_ns_ = 0;
   CoMutex queue_[2];  // [0] reads, [1] writes: one request at a time in the check
-  unsigned waiting_ = 0;
 };
 
 // The daemon's throttle-group objects by id.

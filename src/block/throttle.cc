@@ -5,7 +5,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 
 namespace vblk {
 
@@ -60,18 +59,9 @@ void set_limit(ThrottleLimits& l, const LimitName& n, uint64_t v) {
   else b.max_length = v;
 }
 
-// An integer from QMP (a JSON number) or from --object (keyval: a string).
+// An integer (QMP's and, after vblk serve's keyval conversion, --object's).
 std::optional<int64_t> int_value(const nlohmann::ordered_json& v) {
   if (v.is_number_integer()) return v.get<int64_t>();
-  if (v.is_string()) {
-    const std::string& s = v.get_ref<const std::string&>();
-    if (s.empty()) return std::nullopt;
-    errno = 0;
-    char* end = nullptr;
-    long long x = std::strtoll(s.c_str(), &end, 0);
-    if (errno || *end) return std::nullopt;
-    return x;
-  }
   return std::nullopt;
 }
 
@@ -217,18 +207,14 @@ void ThrottleGroup::account(bool write, uint64_t bytes) {
 
 Task<void> ThrottleGroup::intercept(bool write, uint64_t bytes) {
   if (!limits_.enabled()) co_return;
-  ++waiting_;
-  {
-    auto turn = co_await queue_[write].scoped();
-    for (;;) {
-      leak(Loop::now_ns());
-      const uint64_t w = wait_ns(write);
-      if (w == 0) break;
-      co_await loop_.sleep(std::chrono::nanoseconds(w));
-    }
-    account(write, bytes);
+  auto turn = co_await queue_[write].scoped();
+  for (;;) {
+    leak(Loop::now_ns());
+    const uint64_t w = wait_ns(write);
+    if (w == 0) break;
+    co_await loop_.sleep(std::chrono::nanoseconds(w));
   }
-  --waiting_;
+  account(write, bytes);
 }
 
 Status ThrottleGroups::add(const std::string& id, const ThrottleLimits& limits) {

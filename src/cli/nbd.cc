@@ -182,13 +182,7 @@ int cmd_nbd(int argc, char** argv) {
   std::vector<std::pair<std::shared_ptr<Node>, std::string>> bitmaps;
   for (const auto& name : a.bitmaps) {
     std::shared_ptr<Node> owner = node;
-    NamedBitmap* bm = nullptr;
-    while (owner && !(bm = owner->bitmaps().find(name))) {
-      std::shared_ptr<Node> next;
-      for (const auto& c : owner->children())
-        if (c.role == "backing") next = c.node;
-      owner = next;
-    }
+    NamedBitmap* bm = nbd::find_bitmap_in_chain(owner, name);
     if (!bm) nbd_fail("Bitmap '" + name + "' is not found");
     if (auto st = check_bitmap(*bm, kBitmapAllowRo); !st) nbd_fail(st.error().what());
     bitmaps.push_back({owner, name});

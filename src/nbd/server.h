@@ -33,6 +33,11 @@ struct Export {
   std::vector<std::pair<std::shared_ptr<Node>, std::string>> bitmaps;
 };
 
+// The bitmap `name` on `node` or the nearest backing file that has one (how
+// QEMU's nbd_export_create finds a bitmap given by name, for qemu-nbd -B and
+// block-export-add); `node` is left at the node that has it. nullptr if none.
+NamedBitmap* find_bitmap_in_chain(std::shared_ptr<Node>& node, const std::string& name);
+
 struct Session;
 
 class Server {

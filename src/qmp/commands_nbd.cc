@@ -156,10 +156,7 @@ Task<void> Daemon::nbd_stop() {
 
 Status add_block_export(Daemon& d, const OJson& o) {
   std::string id = o.at("id");
-  // QEMU's id_wellformed: a letter, then letters, digits, '-', '.', '_'.
-  bool good = !id.empty() && std::isalpha(static_cast<unsigned char>(id[0]));
-  for (char c : id) good = good && (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_');
-  if (!good) return Error(EINVAL, "Invalid block export id");
+  if (!id_wellformed(id)) return Error(EINVAL, "Invalid block export id");
   if (d.exports.count(id)) return Error(EEXIST, "Block export id '" + id + "' is already in use");
   std::string node_name = o.at("node-name");
   auto node = d.graph.find(node_name);
@@ -197,12 +194,7 @@ Status add_block_export(Daemon& d, const OJson& o) {
         if (!bm) return Error(ENOENT, "Dirty bitmap '" + bname + "' not found");
       } else {
         bname = v.get<std::string>();
-        while (owner && !(bm = owner->bitmaps().find(bname))) {
-          std::shared_ptr<Node> next;
-          for (const auto& c : owner->children())
-            if (c.role == "backing") next = c.node;
-          owner = next;
-        }
+        bm = nbd::find_bitmap_in_chain(owner, bname);
         if (!bm) return Error(ENOENT, "Bitmap '" + bname + "' is not found");
       }
       if (!writable && !owner->read_only() && bm->enabled)

@@ -22,14 +22,6 @@ const std::vector<std::string>& object_types() {
   return kTypes;
 }
 
-// QEMU's id_wellformed: a letter, then letters, digits, '-', '.', '_'.
-bool id_wellformed(const std::string& id) {
-  if (id.empty() || !std::isalpha(static_cast<unsigned char>(id[0]))) return false;
-  for (char c : id)
-    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' && c != '_') return false;
-  return true;
-}
-
 // throttle-group's properties: `limits` (ThrottleLimits) and the legacy
 // "x-" spelling of each limit.
 const std::vector<Arg>& throttle_group_schema() {
@@ -58,6 +50,13 @@ Task<Reply> object_del(Daemon& d, const OJson& args) {
 }
 
 }  // namespace
+
+bool id_wellformed(const std::string& id) {
+  if (id.empty() || !std::isalpha(static_cast<unsigned char>(id[0]))) return false;
+  for (char c : id)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' && c != '_') return false;
+  return true;
+}
 
 Status add_object(Daemon& d, const OJson& opts) {
   static const std::vector<Arg> kBase = {{"qom-type", ArgType::Enum, true, object_types()}, {"id", ArgType::Str, true}};

@@ -114,6 +114,9 @@ Result<Fd> listen_socket_address(Loop& loop, const OJson& addr, std::string* uni
 Status start_nbd_server(Daemon& d, const OJson& addr, unsigned max_connections);
 // block-export-add for QMP and --export (options already type-checked).
 Status add_block_export(Daemon& d, const OJson& opts);
+// QEMU's id_wellformed (export and object ids): a letter, then letters,
+// digits, '-', '.', '_'.
+bool id_wellformed(const std::string& id);
 // object-add for QMP and --object: {"qom-type", "id", properties...}.
 Status add_object(Daemon& d, const OJson& opts);
 

@@ -40,6 +40,14 @@ def compare(a, b):
     return r.returncode, r.stdout.strip()
 
 
+def recorder(qmp, out):
+    """c(command, **args): runs a QMP command and appends (command, args,
+    reply) to `out`, the scenario's record of what the daemon answered."""
+    def c(command, **args):
+        out.append((command, args, qmp.cmd(command, args)))
+    return c
+
+
 def file_node(name, path, fmt="raw", **extra):
     n = {"driver": fmt, "node-name": name, "file": {"driver": "file", "filename": path}}
     n.update(extra)
@@ -130,8 +138,7 @@ class BitmapInteropTest(InteropTestCase):
         def scenario(d):
             out = []
 
-            def c(command, **args):
-                out.append((command, args, d.qmp.cmd(command, args)))
+            c = recorder(d.qmp, out)
 
             for name, (path, fmt) in sorted(self.images().items()):
                 c("blockdev-add", **file_node(name, path, fmt))
@@ -183,8 +190,7 @@ class BitmapInteropTest(InteropTestCase):
         def scenario(d):
             out = []
 
-            def c(command, **args):
-                out.append((command, args, d.qmp.cmd(command, args)))
+            c = recorder(d.qmp, out)
 
             for name, (path, fmt) in sorted(self.images().items()):
                 c("blockdev-add", **file_node(name, path, fmt))
@@ -271,8 +277,7 @@ class BitmapInteropTest(InteropTestCase):
                 os.unlink(v2)
             self.assertEqual(qemu("create", "-q", "-f", "qcow2", "-o", "compat=0.10", v2, "4M").rc, 0)
 
-            def c(command, **args):
-                out.append((command, args, q.cmd(command, args)))
+            c = recorder(q, out)
 
             c("blockdev-add", **file_node("q", path, "qcow2"))
             c("blockdev-add", **file_node("v2", v2, "qcow2"))
@@ -396,8 +401,7 @@ class BitmapInteropTest(InteropTestCase):
             out = []
             p = self.backup_images()
 
-            def c(command, **args):
-                out.append((command, args, d.qmp.cmd(command, args)))
+            c = recorder(d.qmp, out)
 
             for n in ("s", "t", "t2"):
                 c("blockdev-add", **file_node(n, p[n]))
