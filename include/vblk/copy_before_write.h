@@ -54,6 +54,10 @@ class CopyBeforeWrite : public FilterNode {
   Task<Status> copy_before_write(uint64_t offset, uint64_t bytes);
 
   std::string filename() const override { return filtered().filename(); }
+  // The target is written by the filter alone and must keep its size; the
+  // source, once the filter has users that write, is read consistently
+  // and written by nobody else (QEMU's cbw_child_perm).
+  PermPair child_perm(const Child& c, PermPair self) const override;
 
  protected:
   Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) override;

@@ -26,6 +26,7 @@
 
 #include "vblk/loop.h"
 #include "vblk/named_bitmap.h"
+#include "vblk/perm.h"
 #include "vblk/result.h"
 #include "vblk/sync.h"
 #include "vblk/task.h"
@@ -165,6 +166,25 @@ class Node {
   void set_growable(bool on) { growable_ = on; }
   bool growable() const { return growable_; }
 
+  // ---- permissions and image locks (perm.h)
+  // The node's cumulative pair: what its users need, what they share.
+  const PermPair& perms() const { return perms_; }
+  // The claim of whoever opened this node and uses it directly, not
+  // through a parent or a NodeRef (a CLI command: qemu-img's BlockBackend).
+  void set_claim(PermPair c) { claim_ = c; }
+  // force-share=on (read-only nodes): whatever the users say, the node
+  // shares everything with others (QEMU's force_share, qemu-img -U).
+  void set_force_share(bool on) { force_share_ = on; }
+  bool force_share() const { return force_share_; }
+  // Recomputes the pair from the node's users, applies it (a file node
+  // takes or drops its OFD locks), then does the same for its children.
+  // On a refusal ("Failed to get \"write\" lock") the node and its children
+  // keep the pairs and locks they had.
+  Status refresh_perms();
+  // What this node needs of its child `c` when its own pair is `self`.
+  // The default is a filter's: everything passes through.
+  virtual PermPair child_perm(const Child& c, PermPair self) const;
+
   // ---- I/O (validated, aligned, tracked)
   Task<Status> read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags = kReqNone);
   Task<Status> write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags = kReqNone);
@@ -266,7 +286,18 @@ class Node {
   virtual Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc);
 
   // For drivers: set during open.
-  void add_child(std::string role, std::shared_ptr<Node> n) { children_.push_back({std::move(role), std::move(n)}); }
+  // The child learns its new parent; its permissions follow at the next
+  // refresh_perms() (open_node runs one for every node it opens).
+  void add_child(std::string role, std::shared_ptr<Node> n) {
+    n->parents_.push_back(this);
+    children_.push_back({std::move(role), std::move(n)});
+  }
+  // Takes or drops what `p` asks of the world (a file: its OFD locks), or
+  // fails changing nothing. The default has nothing to take.
+  virtual Status apply_perms(PermPair p) {
+    (void)p;
+    return {};
+  }
   void set_length(uint64_t len) { length_ = len; }
   BlockLimits limits_;
   NodeCaps caps_;
@@ -302,6 +333,10 @@ class Node {
   std::string driver_;
   std::string node_name_;
   std::vector<Child> children_;
+  std::vector<Node*> parents_;  // nodes that hold this one as a child (not owned)
+  PermPair perms_;
+  PermPair claim_;
+  bool force_share_ = false;
   uint64_t length_ = 0;
   bool read_only_ = false;
   bool writethrough_ = false;

@@ -22,11 +22,11 @@ class NodeRef {
   // Implicit: an export's options take a node like a shared_ptr.
   NodeRef(std::shared_ptr<Node> n) { reset(std::move(n)); }  // NOLINT
   ~NodeRef() { reset(); }
-  NodeRef(NodeRef&& o) noexcept { reset(o.node_); o.reset(); }
+  NodeRef(NodeRef&& o) noexcept { take(o); }
   NodeRef& operator=(NodeRef&& o) noexcept {
     if (this != &o) {
-      reset(o.node_);
-      o.reset();
+      reset();
+      take(o);
     }
     return *this;
   }
@@ -39,15 +39,48 @@ class NodeRef {
   explicit operator bool() const { return bool(node_); }
   const std::shared_ptr<Node>& shared() const { return node_; }
 
-  // Points this reference at n (or nowhere).
+  // Points this reference at n (or nowhere); its permissions go along.
+  // Re-pointing keeps what the graph below needs (a filter inserted above
+  // a node passes the same needs down), so no lock is refused here.
   void reset(std::shared_ptr<Node> n = {}) {
-    if (node_) std::erase(node_->refs_, this);
+    std::shared_ptr<Node> old = std::move(node_);
+    if (old) std::erase(old->refs_, this);
+    node_ = std::move(n);
+    if (node_) node_->refs_.push_back(this);
+    if (perms_ != PermPair{}) {
+      if (node_) (void)node_->refresh_perms();
+      if (old) (void)old->refresh_perms();
+    }
+  }
+
+  // What this user needs of the node and shares (perm.h); refused with
+  // QEMU's "Failed to get ... lock", keeping the previous pair.
+  Status set_perms(PermPair p) {
+    PermPair old = perms_;
+    perms_ = p;
+    if (!node_) return {};
+    Status st = node_->refresh_perms();
+    if (!st) {
+      perms_ = old;
+      (void)node_->refresh_perms();
+    }
+    return st;
+  }
+  const PermPair& perms() const { return perms_; }
+
+ private:
+  // Moves o's node and pair here (the node's needs do not change).
+  void take(NodeRef& o) {
+    perms_ = o.perms_;
+    o.perms_ = {};
+    std::shared_ptr<Node> n = o.node_;
+    o.reset();
     node_ = std::move(n);
     if (node_) node_->refs_.push_back(this);
   }
 
- private:
   std::shared_ptr<Node> node_;
+  PermPair perms_;
 };
 
 }  // namespace vblk

@@ -20,6 +20,9 @@ namespace vblk {
 struct Error {
   int code = EIO;       // positive errno value
   std::string message;  // empty: strerror(code) is the whole message
+  // QEMU's error_append_hint: a second line the command-line tools print
+  // ("Is another process using the image [x]?"); QMP replies leave it out.
+  std::string hint;
 
   Error() = default;
   explicit Error(int c, std::string msg = {}) : code(c), message(std::move(msg)) {}
@@ -28,7 +31,11 @@ struct Error {
   std::string what() const { return message.empty() ? std::string(std::strerror(code)) : message; }
 
   // "context: <what()>" — adds one level of context on the way up.
-  Error prefixed(const std::string& context) const { return Error(code, context + ": " + what()); }
+  Error prefixed(const std::string& context) const {
+    Error e(code, context + ": " + what());
+    e.hint = hint;
+    return e;
+  }
 };
 
 template <class T>

@@ -17,7 +17,16 @@ constexpr uint64_t kBounceChunk = 1 << 20;
 }  // namespace
 
 Node::Node(Loop& loop, std::string driver) : loop_(loop), driver_(std::move(driver)), idle_(loop) { idle_.set(); }
-Node::~Node() = default;
+Node::~Node() {
+  // The children lose a user: what this node needed of them (a qcow2 node's
+  // write lock on its file) goes with it.
+  for (auto& c : children_) {
+    auto& ps = c.node->parents_;
+    if (auto it = std::find(ps.begin(), ps.end(), this); it != ps.end()) ps.erase(it);
+  }
+  for (auto& c : children_)
+    if (c.node.use_count() > 1) (void)c.node->refresh_perms();
+}
 
 std::string Node::filename() const {
   if (Node* f = file_child()) return f->filename();

@@ -76,13 +76,21 @@ Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
     auto v = take_string(opts, k);
     VBLK_TRY(v);
   }
-  for (const char* k : {"auto-read-only", "force-share"}) {
-    auto v = take_bool(opts, k);
-    VBLK_TRY(v);
-  }
+  auto auto_ro = take_bool(opts, "auto-read-only");
+  VBLK_TRY(auto_ro);
+  auto force_share = take_bool(opts, "force-share");
+  VBLK_TRY(force_share);
+  nctx.force_share = force_share->value_or(ctx.force_share);
   auto node = d->open(nctx, opts);
   VBLK_TRY(node);
   if (!opts.empty()) return Error(EINVAL, leftover_error(*d, first_key(opts)));
+  if (nctx.force_share) {
+    if (!(*node)->read_only()) return Error(EINVAL, "force-share=on can only be used with read-only images");
+    (*node)->set_force_share(true);
+  }
+  // The node's locks as its children and (for a file) its own users need
+  // them now; parents and exports added later refresh them again.
+  VBLK_TRY((*node)->refresh_perms());
   if (*name) (*node)->set_node_name(**name);
   if (ctx.graph) VBLK_TRY(ctx.graph->add(*node));
   return node;

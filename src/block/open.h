@@ -37,6 +37,9 @@ struct OpenContext {
   // Opened only to describe it (qemu-img info; QEMU's BDRV_O_NO_IO): checks
   // that only matter for guest I/O are skipped.
   bool no_io = false;
+  // force-share=on for the node being opened and the children it opens
+  // itself (qemu-img -U; QEMU inherits the option the same way).
+  bool force_share = false;
 };
 
 // A parent that writes to `file` without being allowed to resize it (raw, or

@@ -218,6 +218,7 @@ int cmd_bench(int argc, char** argv) {
                  "': aio=native was specified, but it requires cache.direct=on, which was not specified.");
     return 1;
   }
+  a.force_share = force_share;
   auto node = open_cli_image(loop, a);
   if (!node) return 1;
   if (node->length() == 0) {

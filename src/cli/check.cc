@@ -137,6 +137,7 @@ int cmd_check(int argc, char** argv) {
   if (quiet) std::freopen("/dev/null", "w", stdout);
 
   Loop loop;
+  a.force_share = force_share;
   auto node = open_cli_image(loop, a);
   if (!node) return 1;
 

@@ -206,10 +206,16 @@ void warn_probed_raw(const std::string& filename) {
                filename.c_str());
 }
 
+void error_report_hint(const std::string& msg, const Error& e) {
+  error_report(msg);
+  if (!e.hint.empty()) std::fprintf(stderr, "%s\n", e.hint.c_str());
+}
+
 std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
   OpenContext ctx{loop};
   ctx.read_only = a.read_only;
   ctx.check = a.check;
+  ctx.force_share = a.force_share;
   Result<std::shared_ptr<Node>> node = Error(EINVAL);
   bool probed_raw = false;
   if (a.image_opts) {
@@ -237,10 +243,20 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
     io.no_io = a.no_io;
     node = open_image(ctx, a.filename, io, &probed_raw);
   }
+  // What the command itself needs (qemu-img's BlockBackend): reads that
+  // stay consistent unless it only describes the image, writes unless
+  // read-only; others may do anything meanwhile unless told otherwise.
+  if (node) {
+    PermPair claim;
+    claim.perm = (a.no_io ? 0 : kPermConsistentRead) | (a.read_only ? 0 : kPermWrite) | (a.resize ? kPermResize : 0);
+    claim.shared = kPermAll & ~a.unshare;
+    (*node)->set_claim(claim);
+    if (Status st = (*node)->refresh_perms(); !st) node = st.take_error();
+  }
   if (!node) {
     std::string prefix = a.open_error_prefix.empty() ? "Could not open '" + a.filename + "': "
                                                      : a.open_error_prefix + a.filename + ": ";
-    error_report(prefix + node.error().what());
+    error_report_hint(prefix + node.error().what(), node.error());
     return nullptr;
   }
   if (probed_raw && !a.read_only) warn_probed_raw((*node)->filename());

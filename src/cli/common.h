@@ -60,6 +60,11 @@ struct ImageArgs {
   bool check = false;      // opening for `check`: corrupt/dirty images may be repaired
   bool no_backing = false; // leave backing files closed (info)
   bool no_io = false;      // opened only to be described (info)
+  // Image locks (perm.h): what the command needs beyond reading (and
+  // writing unless read_only) and whether others may write meanwhile.
+  bool resize = false;        // the command changes the length (resize)
+  uint32_t unshare = 0;       // what others must not do meanwhile (convert's source: write, resize)
+  bool force_share = false;   // -U: share everything, whatever the command needs
   // Prefix of the open error; "" gives qemu-img's "Could not open '<file>': "
   // (qemu-io words it "can't open device <file>: ").
   std::string open_error_prefix;
@@ -68,6 +73,9 @@ struct ImageArgs {
 // Opens an image as qemu-img does and reports "Could not open 'X': ..." on
 // failure (returns nullptr). Prints the raw-probing warning for writable opens.
 std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a);
+// error_report() of msg, then the error's hint on a line of its own
+// ("Is another process using the image [x]?"), as QEMU's tools print it.
+void error_report_hint(const std::string& msg, const Error& e);
 // The warning for a writable image whose format was probed as raw.
 void warn_probed_raw(const std::string& filename);
 

@@ -156,7 +156,7 @@ int cmd_compare(int argc, char** argv) {
   };
   optind = 0;
   std::string fmt1, fmt2, cache = "writeback";
-  bool progress = false, quiet = false, strict = false, image_opts = false;
+  bool progress = false, quiet = false, strict = false, image_opts = false, force_share = false;
   int c;
   while ((c = getopt_long(argc, argv, ":hf:F:T:pqsU", longopts, nullptr)) != -1) {
     switch (c) {
@@ -169,7 +169,7 @@ int cmd_compare(int argc, char** argv) {
       case 'p': progress = true; break;
       case 'q': quiet = true; break;
       case 's': strict = true; break;
-      case 'U': break;
+      case 'U': force_share = true; break;
       case OPT_OBJECT: break;
       case OPT_IMAGE_OPTS: image_opts = true; break;
     }
@@ -192,6 +192,7 @@ int cmd_compare(int argc, char** argv) {
   Loop loop;
   ImageArgs a1{f1, fmt1, image_opts, true, mode, ""};
   ImageArgs a2{f2, fmt2, image_opts, true, mode, ""};
+  a1.force_share = a2.force_share = force_share;
   auto n1 = open_cli_image(loop, a1);
   if (!n1) {
     meter.end();

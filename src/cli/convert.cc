@@ -91,6 +91,7 @@ int cmd_convert(int argc, char** argv) {
   optind = 0;
   std::string fmt, out_fmt = "raw", options, backing, backing_fmt, cache = "unsafe", src_cache = "writeback";
   bool compress = false, progress = false, quiet = false, skip_create = false, copy_range = false;
+  bool force_share = false;
   bool image_opts = false, target_is_zero = false, explicit_sparse = false, src_cache_given = false;
   bool cache_given = false;
   uint64_t min_sparse = 4096, rate = 0;
@@ -148,7 +149,7 @@ int cmd_convert(int argc, char** argv) {
         break;
       }
       case 'W': break;  // the engine always writes out of order
-      case 'U': break;
+      case 'U': force_share = true; break;
       case 'r': {
         auto r = cvtnum("rate limit", optarg);
         if (!r) return 1;
@@ -220,6 +221,10 @@ int cmd_convert(int argc, char** argv) {
   sa.format = fmt;
   sa.image_opts = image_opts;
   sa.cache = src_mode;
+  // The source must not change under the copy (qemu-img convert's
+  // BDRV_O_NO_SHARE), unless -U says the caller knows better.
+  sa.force_share = force_share;
+  if (!force_share) sa.unshare = kPermWrite | kPermResize;
   // Without -T, a plain file source is read with O_DIRECT where the file
   // system allows it: a one-pass copy gains nothing from the page cache,
   // and reading through it costs a kernel memory copy of every byte (and

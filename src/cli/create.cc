@@ -18,6 +18,10 @@ std::string g_create_error_context;
 
 namespace {
 
+// The message and, on its own line, QEMU's hint ("Is another process using
+// the image [x]?"), as qemu-img create prints them.
+std::string with_hint(const Error& e) { return e.hint.empty() ? e.what() : e.what() + "\n" + e.hint; }
+
 enum class OptKind { Size, Bool, String, Number };
 struct OptSpec {
   const char* name;
@@ -133,12 +137,15 @@ int create_qcow2(const std::string& filename, uint64_t size, std::map<std::strin
   if (auto st = qcow2::Qcow2Node::check_create_size(o.size, o.cluster_size, o.extended_l2); !st)
     return fail(st.error().what());
   auto st = drivers::create_file(filename, 0, "off");
-  if (!st) return fail(st.error().what());
+  if (!st) return fail(with_hint(st.error()));
   Loop loop;
   OpenContext ctx{loop};
   ctx.read_only = false;
   auto file = open_node(ctx, Json{{"driver", "file"}, {"filename", filename}});
-  if (!file) return fail(file.error().what());
+  if (!file) return fail(with_hint(file.error()));
+  // Written while being formatted: held for writing and resizing.
+  (*file)->set_claim(PermPair{kPermWrite | kPermResize, kPermAll});
+  if (Status lk = (*file)->refresh_perms(); !lk) return fail(with_hint(lk.error()));
   auto cr = loop.run(qcow2::Qcow2Node::create(loop, *file, o));
   if (!cr) return fail("Could not create image: " + cr.error().what());
   return 0;
@@ -323,7 +330,7 @@ int cmd_create(int argc, char** argv) {
   std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
   if (fmt == "raw" || fmt == "file") {
     auto st = drivers::create_file(filename, static_cast<uint64_t>(*size), prealloc);
-    if (!st) return fail(st.error().what());
+    if (!st) return fail(with_hint(st.error()));
     return 0;
   }
   return create_qcow2(filename, static_cast<uint64_t>(*size), opts, sizes, fail);

@@ -117,7 +117,7 @@ int cmd_info(int argc, char** argv) {
       case '?': unrecognized_option(argv, optind);
       case 'h': std::printf("usage: %s info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename\n", g_prog.c_str()); return 0;
       case 'f': a.format = optarg; break;
-      case 'U': break;
+      case 'U': a.force_share = true; break;
       case OPT_OUTPUT: output = optarg; break;
       case OPT_BACKING_CHAIN: chain = true; break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
@@ -154,6 +154,7 @@ int cmd_info(int argc, char** argv) {
       b.format = cur->backing_file_format();
       b.no_backing = true;
       b.no_io = true;
+      b.force_share = a.force_share;
       for (const auto& s : seen) {
         if (s == b.filename) {
           error_report("Backing file '" + cur->backing_file_name() + "' creates an infinite loop.");

@@ -571,6 +571,7 @@ int cmd_io(int argc, char** argv) {
       error_report(a.open_error_prefix + a.filename + ": force-share=on can only be used with read-only images");
       return 1;
     }
+    a.force_share = force_share;
     node = open_cli_image(loop, a);
     if (!node) return 1;
   }

@@ -116,7 +116,7 @@ int cmd_map(int argc, char** argv) {
       case '?': unrecognized_option(argv, optind);
       case 'h': std::printf("usage: %s map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] filename\n", g_prog.c_str()); return 0;
       case 'f': a.format = optarg; break;
-      case 'U': break;
+      case 'U': a.force_share = true; break;
       case 's': {
         auto v = cvtnum("start offset", optarg);
         if (!v) return 1;

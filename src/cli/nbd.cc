@@ -176,6 +176,8 @@ int cmd_nbd(int argc, char** argv) {
   sigset_t sigs = block_stop_signals();
 
   Loop loop;
+  // qemu-nbd's export: the size it announced must not change under it.
+  a.image.unshare = kPermResize;
   auto node = open_cli_image(loop, a.image);
   if (!node) return 1;
   // -B: a bitmap of the image or of a backing file (QEMU's nbd_export_create).

@@ -70,6 +70,7 @@ int cmd_resize(int argc, char** argv) {
     return 1;
   }
   Loop loop;
+  a.resize = true;
   auto node = open_cli_image(loop, a);
   if (!node) return 1;
   int64_t current = static_cast<int64_t>(node->length());

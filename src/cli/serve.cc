@@ -114,6 +114,7 @@ void do_blockdev(qmp::Daemon& d, const std::string& arg) {
     std::string msg = n.error().what();
     if (msg.rfind("Unknown driver '", 0) == 0)
       msg = "Parameter 'driver' does not accept value '" + msg.substr(16, msg.size() - 17) + "'";
+    if (!n.error().hint.empty()) msg += "\n" + n.error().hint;  // "Is another process using the image [x]?"
     opt_fail("blockdev", arg, msg);
   }
 }

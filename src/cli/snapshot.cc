@@ -67,6 +67,7 @@ int cmd_snapshot(int argc, char** argv) {
     return 1;
   }
   Loop loop;
+  a.force_share = force_share;
   auto node = open_cli_image(loop, a);
   if (!node) return 1;
   int ret = 0;

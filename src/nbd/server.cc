@@ -13,6 +13,10 @@ Server::~Server() = default;
 Status Server::add_export(Export e) {
   if (exports_.count(e.name)) return Error(EEXIST, "Block export id '" + e.name + "' is already in use");
   std::string name = e.name;
+  // What an NBD export needs (QEMU's blk_exp_add): consistent reads, writes
+  // if writable, and a size nobody changes under the clients.
+  PermPair need{kPermConsistentRead | (e.writable ? kPermWrite : 0u), kPermAll & ~kPermResize};
+  VBLK_TRY(e.node.set_perms(need));
   exports_[name] = std::make_shared<const Export>(std::move(e));
   return {};
 }

@@ -31,6 +31,16 @@ CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::sh
 
 CopyBeforeWrite::~CopyBeforeWrite() = default;
 
+PermPair CopyBeforeWrite::child_perm(const Child& c, PermPair self) const {
+  if (c.role == "target") return PermPair{kPermWrite, kPermAll & ~kPermResize};
+  PermPair p = self;
+  if (!refs().empty()) {
+    if (self.perm & kPermWrite) p.perm |= kPermConsistentRead;
+    p.shared &= ~(kPermWrite | kPermResize);
+  }
+  return p;
+}
+
 Task<void> CopyBeforeWrite::quiesce() { co_await orphans_.wait(); }
 
 Task<Status> CopyBeforeWrite::copy_before_write(uint64_t offset, uint64_t bytes) {

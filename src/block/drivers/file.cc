@@ -16,14 +16,23 @@
 #include <functional>
 
 #include "block/drivers/drivers.h"
+#include "block/drivers/file_lock.h"
 #include "vblk/buffer.h"
 
 namespace vblk {
 
+using drivers::ImageLock;
+using drivers::LockingMode;
+
 class FileNode final : public Node {
  public:
-  FileNode(Loop& loop, std::string path, int fd, bool is_blockdev, AioMode aio)
-      : Node(loop, is_blockdev ? "host_device" : "file"), path_(std::move(path)), fd_(fd), blockdev_(is_blockdev), aio_(loop.effective(aio)) {
+  FileNode(Loop& loop, std::string path, int fd, bool is_blockdev, AioMode aio, LockingMode locking)
+      : Node(loop, is_blockdev ? "host_device" : "file"),
+        path_(std::move(path)),
+        fd_(fd),
+        blockdev_(is_blockdev),
+        aio_(loop.effective(aio)),
+        lock_(fd, path_, locking) {
     caps_.zeroes = true;
     caps_.discard = true;
     caps_.copy_range = true;
@@ -31,6 +40,9 @@ class FileNode final : public Node {
   ~FileNode() override { ::close(fd_); }
 
   std::string filename() const override { return path_; }
+
+  // The node's permissions become QEMU's OFD lock bytes on the image.
+  Status apply_perms(PermPair p) override { return lock_.apply(p); }
 
   Result<uint64_t> allocated_size() const override {
     struct stat st;
@@ -226,6 +238,7 @@ class FileNode final : public Node {
   uint64_t exact_length_ = 0;  // the file size when opened (or last resized)
   bool blockdev_;
   AioMode aio_;
+  ImageLock lock_;
 };
 
 // Copy offload reaches the destination's file through pass-through layers.
@@ -292,8 +305,18 @@ Result<std::shared_ptr<Node>> open_posix(OpenContext& ctx, Json& opts, bool host
   auto ro = take_bool(opts, "read-only");
   VBLK_TRY(ro);
   bool read_only = ro->value_or(ctx.read_only);
-  // Accepted for compatibility; vblk does not take OFD locks yet.
-  (void)take_string(opts, "locking");
+  auto locking_s = take_string(opts, "locking");
+  VBLK_TRY(locking_s);
+  LockingMode locking = LockingMode::Auto;
+  if (*locking_s) {
+    if (**locking_s == "on") {
+      locking = LockingMode::On;
+    } else if (**locking_s == "off") {
+      locking = LockingMode::Off;
+    } else if (**locking_s != "auto") {
+      return Error(EINVAL, "invalid parameter value: " + **locking_s);
+    }
+  }
 
   int flags = (read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC;
   int fd = ::open(path.c_str(), flags | (direct ? O_DIRECT : 0));
@@ -320,7 +343,7 @@ Result<std::shared_ptr<Node>> open_posix(OpenContext& ctx, Json& opts, bool host
     ::close(fd);
     return Error(EINVAL, "'host_device' driver requires '" + path + "' to be either a character or block device");
   }
-  auto node = std::make_shared<FileNode>(ctx.loop, path, fd, S_ISBLK(st.st_mode), aio);
+  auto node = std::make_shared<FileNode>(ctx.loop, path, fd, S_ISBLK(st.st_mode), aio, locking);
   node->set_read_only(read_only);
   node->set_no_flush(no_flush);
   VBLK_TRY(node->probe_alignment(direct));
@@ -346,6 +369,10 @@ Status create_file(const std::string& path, uint64_t size, const std::string& pr
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
+  // Nobody may be using the file we are about to truncate (QEMU's
+  // raw_co_create takes write and resize, sharing all but resize, first).
+  ImageLock lock(fd, path, LockingMode::Auto);
+  VBLK_TRY(lock.apply(PermPair{kPermWrite | kPermResize, kPermAll & ~kPermResize}));
   if (::ftruncate(fd, 0) < 0) return Error(errno, std::string("Could not resize file: ") + std::strerror(errno));
   if (prealloc == "metadata") return Error(EINVAL, "Unsupported preallocation mode: metadata");
   auto first_block = [&] {

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "block/drivers/drivers.h"
+#include "block/perm_rules.h"
 
 namespace vblk {
 namespace {
@@ -20,6 +21,16 @@ class RawNode final : public Node {
   }
 
   bool reports_dirty_flag() const override { return file_child()->reports_dirty_flag(); }
+
+  // The whole file passes through as a filter's child would; a window of it
+  // (offset, size) is data whose size must not change (QEMU's raw_child_perm:
+  // write and resize only when a user asks for them).
+  PermPair child_perm(const Child& c, PermPair self) const override {
+    if (!offset_ && !has_size_) return Node::child_perm(c, self);
+    PermPair p = perm_rules::storage(self, false, true, !read_only(), false);
+    p.perm = (p.perm & ~(kPermWrite | kPermResize)) | (self.perm & (kPermWrite | kPermResize));
+    return p;
+  }
   Node* copy_target(uint64_t& offset) override {
     offset += offset_;
     return file_->copy_target(offset);

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "block/drivers/qcow2/qcow2.h"
+#include "block/perm_rules.h"
 #include "vblk/buffer.h"
 
 namespace vblk::qcow2 {
@@ -24,6 +25,11 @@ Qcow2Node::Qcow2Node(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "qcow2
 }
 
 Qcow2Node::~Qcow2Node() = default;
+
+PermPair Qcow2Node::child_perm(const Child& c, PermPair self) const {
+  if (c.role == "backing") return perm_rules::cow(self);
+  return perm_rules::storage(self, true, true, !read_only(), no_io_);
+}
 
 Task<Status> Qcow2Node::write_header() {
   auto buf = serialize_header(h_);
@@ -198,6 +204,12 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   auto file = open_child(cctx, opts, "file", true);
   VBLK_TRY(file);
   auto node = std::make_shared<Qcow2Node>(ctx.loop, *file);
+  // The file's locks before the first write (a dirty image's repair, the
+  // bitmaps' in_use bits): a writable qcow2 node writes its file whoever
+  // its users turn out to be.
+  node->set_read_only(read_only);
+  node->no_io_ = ctx.no_io;
+  VBLK_TRY(node->refresh_perms());
   auto st = ctx.loop.run(node->load(cctx, read_only));
   VBLK_TRY(st);
   node->lazy_refcounts_ = lazy->value_or(node->h_.compatible_features & kCompatLazyRefcounts);
@@ -238,7 +250,7 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
     bctx.check = false;
     bctx.chain = chain;
     auto b = open_image(bctx, path, bo);
-    if (!b) return Error(b.error().code, "Could not open backing file: " + b.error().what());
+    if (!b) return b.error().prefixed("Could not open backing file");
     node->backing_ = b->get();
     node->add_child("backing", *b);
   }

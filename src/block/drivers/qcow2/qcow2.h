@@ -84,6 +84,10 @@ class Qcow2Node final : public Node {
   ~Qcow2Node() override;
 
   static Result<std::shared_ptr<Node>> open(OpenContext& ctx, Json& opts);
+  // `file` holds metadata and data (QEMU's storage rule: written and
+  // resized whenever the image is writable, never shared for writing);
+  // `backing` is read for its data only.
+  PermPair child_perm(const Child& c, PermPair self) const override;
   // Creates a qcow2 image on `file` (an open, empty, writable protocol node).
   struct CreateOptions {
     uint64_t size = 0;
@@ -236,6 +240,7 @@ class Qcow2Node final : public Node {
   uint64_t free_cluster_index_ = 0;
   uint64_t free_byte_offset_ = 0;  // packing point for compressed writes
   bool header_dirty_ = false;
+  bool no_io_ = false;           // opened only to be described (info): no consistent read of the file
   bool lazy_refcounts_ = false;  // the lazy-refcounts option (default: the header's bit)
   bool signaled_corruption_ = false;
   bool prealloc_checked_ = false;
