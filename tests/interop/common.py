@@ -260,6 +260,36 @@ def shm_dir() -> Optional[str]:
     return None
 
 
+def lock_bytes(path):
+    """The byte offsets of the OFD locks anybody holds on `path`'s inode
+    (QEMU's and vblk's image locks: 100+i needed, 200+i not shared)."""
+    ino = os.stat(path).st_ino
+    held = set()
+    with open("/proc/locks") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 8 or parts[1] != "OFDLCK":
+                continue
+            if int(parts[5].split(":")[2]) != ino:
+                continue
+            start = int(parts[6])
+            last = start if parts[7] == "EOF" else int(parts[7])
+            held.update(range(start, last + 1))
+    return sorted(held)
+
+
+def wait_unlocked(path, timeout=30):
+    """Waits until nobody holds an image lock on `path`. A process killed
+    with SIGKILL keeps its locks a little after wait() returns: its io_uring
+    requests still in flight hold the open file until the kernel has
+    cancelled them."""
+    end = time.monotonic() + timeout
+    while lock_bytes(path):
+        if time.monotonic() > end:
+            raise AssertionError("%s still locked after %ss: %r" % (path, timeout, lock_bytes(path)))
+        time.sleep(0.01)
+
+
 def wait_for_socket(path, proc, timeout=10):
     """Waits until a server process accepts connections on a unix socket."""
     end = time.time() + timeout

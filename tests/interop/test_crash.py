@@ -35,7 +35,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import InteropTestCase, make_tempdir, QEMU_IMG, VBLK  # noqa: E402
+from common import InteropTestCase, make_tempdir, QEMU_IMG, VBLK, wait_unlocked  # noqa: E402
 
 WRITER = os.environ.get("VBLK_CRASH_WRITER", "")
 QEMU_IO = os.environ.get("QEMU_IO") or os.path.join(os.path.dirname(QEMU_IMG), "qemu-io")
@@ -142,6 +142,7 @@ class CrashTest(InteropTestCase):
         p.send_signal(signal.SIGKILL)
         p.wait()
         self.assertEqual(p.returncode, -signal.SIGKILL, "writer died on its own")
+        wait_unlocked(img)
         chk = subprocess.run([QEMU_IMG, "check", img], capture_output=True, text=True)
         # 0: clean, 3: leaked clusters only. 2 means corruption, unless (with
         # snapshots) it is only conservative OFLAG_COPIED mismatches, which a
@@ -285,6 +286,7 @@ class LazyRefcountsTest(CrashTest):
                 time.sleep(rnd.uniform(0.0, 0.1))
                 p.send_signal(signal.SIGKILL)
                 p.wait()
+                wait_unlocked(img)
                 # Dirty, and both tools see it the same way.
                 vi = self._json(VBLK, "info", "--output=json", img)
                 qi = self._json(QEMU_IMG, "info", "--output=json", img)

@@ -17,31 +17,13 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (VBLK, QEMU_IMG, InteropTestCase, file_state, run, wait_for_socket,  # noqa: E402
+from common import (VBLK, QEMU_IMG, InteropTestCase, file_state, lock_bytes, run,  # noqa: E402
                     norm_vblk_err)
 from qmp_driver import Daemon  # noqa: E402
 
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
 QEMU_NBD = shutil.which("qemu-nbd")
-
-
-def lock_bytes(path):
-    """The byte offsets of the OFD locks anybody holds on `path`'s inode."""
-    ino = os.stat(path).st_ino
-    held = set()
-    with open("/proc/locks") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) < 8 or parts[1] != "OFDLCK":
-                continue
-            if int(parts[5].split(":")[2]) != ino:
-                continue
-            end = parts[7]
-            start = int(parts[6])
-            last = start if end == "EOF" else int(end)
-            held.update(range(start, last + 1))
-    return sorted(held)
 
 
 def wait_locked(path, proc, timeout=20):
