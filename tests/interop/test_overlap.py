@@ -395,6 +395,30 @@ class ServeOverlapTest(InteropTestCase):
         self.assertEqual(vx, qx)
         self.assertIn("Marking image as corrupt", vlog)
 
+    def test_blockdev_add_overlap_check_values(self):
+        img = os.path.join(self.tmp, "ok.qcow2")
+        r = qemu("create", "-q", "-f", "qcow2", img, "1M")
+        self.assertEqual(r.rc, 0, r)
+        values = ["bar", 5, {"template": "bar"}, {"template": 1}, {"active-l2": "x"}, {"foo": True},
+                  "all", {"template": "constant", "inactive-l2": True}, "none"]
+        out = {}
+        for name, argv0 in (("qsd", [QSD]), ("vblk", [VBLK, "serve"])):
+            sock = os.path.join(self.tmp, "qmp.sock")
+            d = qmp_driver.Daemon(argv0, sock, os.path.join(self.tmp, "daemon.log"))
+            try:
+                replies = []
+                for i, v in enumerate(values):
+                    r = d.qmp.cmd("blockdev-add", {"driver": "qcow2", "node-name": "n%d" % i, "overlap-check": v,
+                                                   "file": {"driver": "file", "filename": img}, "read-only": True})
+                    replies.append(r)
+                d.quit()
+            finally:
+                d.kill()
+            out[name] = replies
+        self.assertEqual(out["vblk"], out["qsd"])
+        self.assertIn("error", out["qsd"][0])
+        self.assertIn("return", out["qsd"][-1])
+
 
 if __name__ == "__main__":
     unittest.main()
