@@ -94,7 +94,9 @@ Task<Status> Qcow2Node::index_snapshots() {
   // QEMU reads the snapshots' L1 tables on every checked write; they never
   // change while they are inactive, so reading them once is enough.
   for (const auto& sn : snapshots_) {
-    if (!sn.l1_size || uint64_t{sn.l1_size} * 8 > kMaxL1Bytes) continue;
+    // A table past the end of the file reads as zeroes: nothing to index
+    // (and a hostile table of snapshots costs no reads).
+    if (!sn.l1_size || uint64_t{sn.l1_size} * 8 > kMaxL1Bytes || sn.l1_table_offset >= file_->length()) continue;
     AlignedBuffer b(align_up(uint64_t{sn.l1_size} * 8, 512));
     VBLK_CO_TRY(co_await file_->read(sn.l1_table_offset, b.span()));
     for (uint32_t i = 0; i < sn.l1_size; ++i) {
