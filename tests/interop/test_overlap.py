@@ -245,6 +245,40 @@ class OverlapTest(InteropTestCase):
         self.assertFalse(corrupt_bit(v))
         self.assertEqual(read_at(v, lay.snap_l2, 4096), read_at(q, lay.snap_l2, 4096))
 
+    def test_zero_write_into_active_l1(self):
+        # Zeroes that must be written (the rest of the cluster holds data)
+        # take the same in-place path.
+        path = self.base("l1z.qcow2", full=False)
+        lay = Layout(path)
+        self.point_l2_entry_at(path, lay.l1)
+        v, q = self.copies(path)
+        rv = io_tool("vblk", v, "write -z 0 512")
+        rq = io_tool("qemu", q, "write -z 0 512")
+        msg = "Preventing invalid write on metadata (overlaps with active L1 table)"
+        self.assertIn(msg, rq.stderr, rq)
+        self.assertIn(msg, rv.stderr, rv)
+        self.assertEqual((rv.rc, lines(rv)), (rq.rc, lines(rq)))
+        self.assertEqual(read_at(v, lay.l1, 8), read_at(path, lay.l1, 8))
+        self.assertTrue(corrupt_bit(v))
+
+    def test_allocation_where_refcounts_say_free(self):
+        # Refcounts that call the L1 table's cluster free: new clusters
+        # (plain or compressed) would land on it.
+        for cmd in ("write -c -P %d 1M 64k" % PATTERN, "write -P %d 1M 64k" % PATTERN):
+            with self.subTest(cmd=cmd):
+                path = self.base("free.qcow2", full=False)
+                lay = Layout(path)
+                write_at(path, lay.rb + 2 * (lay.l1 // CS), b"\0\0")
+                v, q = self.copies(path)
+                rv = io_tool("vblk", v, cmd)
+                rq = io_tool("qemu", q, cmd)
+                msg = "Preventing invalid write on metadata (overlaps with active L1 table)"
+                self.assertIn(msg, rq.stderr, rq)
+                self.assertIn(msg, rv.stderr, rv)
+                self.assertEqual((rv.rc, lines(rv)), (rq.rc, lines(rq)))
+                self.assertEqual(read_at(v, lay.l1, CS), read_at(path, lay.l1, CS))
+                self.assertTrue(corrupt_bit(v))
+
     def test_l1_offset_at_header(self):
         # A corrupt L1 table offset: the table "is" the header. The write
         # that would link a new L2 table writes the L1 entry there: refused,
