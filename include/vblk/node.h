@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -122,6 +123,16 @@ struct SnapshotInfo {
   uint64_t icount = UINT64_MAX;  // UINT64_MAX: not recorded
 };
 
+// A format found its image corrupt (QEMU's qcow2_signal_corruption, shown by
+// QMP as BLOCK_IMAGE_CORRUPTED). fatal: the image was marked corrupt and is
+// no longer written.
+struct CorruptionEvent {
+  std::string msg;
+  int64_t offset = -1;  // the refused write's range, or -1 when none
+  int64_t size = -1;
+  bool fatal = false;
+};
+
 struct Child {
   std::string role;  // "file", "backing", ...
   std::shared_ptr<Node> node;
@@ -184,6 +195,10 @@ class Node {
   // What this node needs of its child `c` when its own pair is `self`.
   // The default is a filter's: everything passes through.
   virtual PermPair child_perm(const Child& c, PermPair self) const;
+  // ---- corruption reports: the layer that shows them (QMP) subscribes per
+  // node; drivers report through report_corruption().
+  using CorruptionHandler = std::function<void(const Node&, const CorruptionEvent&)>;
+  void set_corruption_handler(CorruptionHandler h) { corruption_handler_ = std::move(h); }
 
   // ---- I/O (validated, aligned, tracked)
   Task<Status> read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags = kReqNone);
@@ -285,6 +300,9 @@ class Node {
   // QEMU does ("Unsupported preallocation mode: metadata").
   virtual Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc);
 
+  void report_corruption(const CorruptionEvent& ev) const {
+    if (corruption_handler_) corruption_handler_(*this, ev);
+  }
   // For drivers: set during open.
   // The child learns its new parent; its permissions follow at the next
   // refresh_perms() (open_node runs one for every node it opens).
@@ -349,6 +367,7 @@ class Node {
   std::vector<NodeRef*> refs_;
   CoEvent idle_;
   BitmapSet bitmaps_;
+  CorruptionHandler corruption_handler_;
 };
 
 }  // namespace vblk

@@ -132,6 +132,7 @@ inline uint32_t errno_to_wire(int e) {
     case EPERM: case EROFS: return kErrPerm;
     case ENOMEM: return kErrNoMem;
     case EINVAL: return kErrInval;
+    case ENOMEDIUM: return kErrInval;  // a dropped qcow2 driver: QEMU's default, EINVAL
     case ENOSPC: case EFBIG: case EDQUOT: return kErrNoSpc;
     case EOVERFLOW: return kErrOverflow;
     case ENOTSUP: return kErrNotSup;

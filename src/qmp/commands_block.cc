@@ -28,6 +28,34 @@ bool in(const char* const (&list)[N], const std::string& k) {
 // Type checks of one options dict that is not a node (an inject-error rule).
 std::optional<std::string> check_fields(const OJson& o, const std::string& prefix);
 
+// qcow2's overlap-check, QAPI's alternate Qcow2OverlapChecks: a mode, or
+// Qcow2OverlapCheckFlags (a template mode and per-kind booleans).
+std::optional<std::string> check_overlap_checks(const OJson& v, const std::string& full) {
+  auto mode_ok = [](const OJson& m) {
+    return m.is_string() && (m == "none" || m == "constant" || m == "cached" || m == "all");
+  };
+  if (v.is_string()) {
+    if (!mode_ok(v)) return "Parameter '" + full + "' does not accept value '" + v.get<std::string>() + "'";
+    return std::nullopt;
+  }
+  if (!v.is_object()) return "Invalid parameter type for '" + full + "', expected: Qcow2OverlapChecks";
+  static const char* const kinds[] = {"main-header",    "active-l1",   "active-l2",   "refcount-table",
+                                      "refcount-block", "snapshot-table", "inactive-l1", "inactive-l2",
+                                      "bitmap-directory"};
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    const std::string k = it.key();
+    if (k == "template") {
+      if (!it->is_string()) return "Invalid parameter type for '" + full + ".template', expected: string";
+      if (!mode_ok(*it)) return "Parameter 'template' does not accept value '" + it->get<std::string>() + "'";
+    } else if (std::any_of(std::begin(kinds), std::end(kinds), [&](const char* n) { return k == n; })) {
+      if (!it->is_boolean()) return "Invalid parameter type for '" + full + "." + k + "', expected: boolean";
+    } else {
+      return "Parameter '" + full + "." + k + "' is unexpected";
+    }
+  }
+  return std::nullopt;
+}
+
 // Child roles whose value is blockdev options (or a node name).
 const char* const kChildOpts[] = {"file", "backing", "image"};
 
@@ -48,7 +76,9 @@ std::optional<std::string> check_types(const OJson& o, const std::string& prefix
     if (in(kIntOpts, it.key()) && !v.is_number_integer()) want = "integer";
     if (in(kStrOpts, it.key()) && !v.is_string()) want = "string";
     if (want) return "Invalid parameter type for '" + full + "', expected: " + want;
-    if (v.is_object() && it.key() == "cache") {
+    if (it.key() == "overlap-check" && o["driver"] == "qcow2") {
+      if (auto e = check_overlap_checks(v, full)) return e;
+    } else if (v.is_object() && it.key() == "cache") {
       if (auto e = check_fields(v, full)) return e;
     } else if (v.is_object() && in(kChildOpts, it.key())) {
       if (auto e = check_types(v, full)) return e;

@@ -71,6 +71,18 @@ void Daemon::note_new_nodes(const std::shared_ptr<Node>& top) {
     // Nodes opened outside the graph (backing files) get #blockNNN names.
     if (n->node_name().empty()) (void)graph.add(n);
     node_order.push_back(n);
+    // QEMU's BLOCK_IMAGE_CORRUPTED. No node here has a BlockBackend name,
+    // so "device" is empty, as from qemu-storage-daemon.
+    n->set_corruption_handler([this](const Node& node, const CorruptionEvent& ev) {
+      OJson data = OJson::object();
+      data["device"] = "";
+      if (!node.node_name().empty()) data["node-name"] = node.node_name();
+      data["msg"] = ev.msg;
+      if (ev.offset >= 0) data["offset"] = ev.offset;
+      if (ev.size >= 0) data["size"] = ev.size;
+      data["fatal"] = ev.fatal;
+      emit("BLOCK_IMAGE_CORRUPTED", std::move(data));
+    });
   }
 }
 

@@ -181,7 +181,7 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
     h_.autoclear_features &= ~kAutoclearBitmaps;
     VBLK_CO_TRY(co_await write_header());
     auto buf = serialize_bitmap_directory(stored_bitmaps_);
-    VBLK_CO_TRY(co_await file_->write(dir_offset, {buf.data(), buf.size()}));
+    VBLK_CO_TRY(co_await checked_write(kOlBitmapDirectory, dir_offset, {buf.data(), buf.size()}));
     VBLK_CO_TRY(co_await flush_all());
     h_.autoclear_features |= kAutoclearBitmaps;
     auto wh = co_await write_header();
@@ -221,7 +221,7 @@ Task<Status> Qcow2Node::write_bitmap_directory(std::vector<BitmapDirEntry> dir) 
     AlignedBuffer b(align_up(buf.size(), cs_));
     b.zero();
     std::memcpy(b.data(), buf.data(), buf.size());
-    VBLK_CO_TRY(co_await metadata_write(where, b.span()));
+    VBLK_CO_TRY(co_await checked_write(0, where, b.span()));
   }
   // Tables, data, directory and their refcounts on disk before the header
   // points at them.
@@ -288,7 +288,7 @@ Task<Status> Qcow2Node::store_bitmaps() {
         for (int j = 0; j < 8; ++j) data.data()[w * 8 + j] = static_cast<uint8_t>(words[i * words_per_cluster + w] >> (8 * j));
       auto r = co_await alloc_clusters(1);
       if (!r) co_return r.take_error();
-      VBLK_CO_TRY(co_await metadata_write(*r, data.span()));
+      VBLK_CO_TRY(co_await checked_write(0, *r, data.span()));
       table[i] = *r;
     }
     const uint64_t tbytes = align_up(std::max<uint64_t>(n, 1) * 8, cs_);
@@ -297,7 +297,7 @@ Task<Status> Qcow2Node::store_bitmaps() {
     for (uint64_t i = 0; i < n; ++i) put64(tb.data() + i * 8, table[i]);
     auto r = co_await alloc_clusters(tbytes / cs_);
     if (!r) co_return r.take_error();
-    VBLK_CO_TRY(co_await metadata_write(*r, tb.span()));
+    VBLK_CO_TRY(co_await checked_write(0, *r, tb.span()));
     BitmapDirEntry* e = nullptr;
     for (auto& d : dir)
       if (d.name == b.name) e = &d;

@@ -33,6 +33,7 @@ Task<Status> MetaCache::write_entry(Entry& e) {
     VBLK_CO_TRY(co_await file_.flush());
     depends_on_flush_ = false;
   }
+  if (write_check_) VBLK_CO_TRY(co_await write_check_(e.offset, table_size_));
   VBLK_CO_TRY(co_await file_.write(e.offset, e.data.span()));
   e.dirty = false;
   co_return Status{};

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <span>
@@ -66,6 +67,11 @@ class MetaCache {
 
   MetaCache(Node& file, uint64_t table_size, size_t capacity);
 
+  // Asked before every write-back of a table (the qcow2 overlap check); a
+  // failure refuses the write, and the table stays dirty.
+  using WriteCheck = std::function<Task<Status>(uint64_t offset, uint64_t size)>;
+  void set_write_check(WriteCheck c) { write_check_ = std::move(c); }
+
   // This cache's next write waits for `dep` to be flushed first. Flushes
   // whatever would otherwise form a cycle (QEMU's qcow2_cache_set_dependency).
   Task<Status> set_dependency(MetaCache* dep);
@@ -98,6 +104,7 @@ class MetaCache {
   size_t capacity_;
   Task<Status> flush_dependency();
   MetaCache* depends_ = nullptr;
+  WriteCheck write_check_;
   bool depends_on_flush_ = false;
   uint64_t clock_ = 0;
   std::list<Entry> entries_;  // stable addresses for Ref

@@ -18,8 +18,7 @@
 // are QEMU's, word for word, so the output of `vblk check` can be compared
 // with qemu-img's.
 //
-// Not done (QEMU does): metadata overlap checks before repair writes;
-// rewriting a snapshot table whose entries need repair (reported as a check
+// Not done (QEMU does): rewriting a snapshot table whose entries need repair (reported as a check
 // error, ENOSYS); external data files and encryption (vblk refuses those
 // images at open).
 #include <errno.h>
@@ -794,7 +793,7 @@ struct Qcow2Checker {
     if (!st) co_return Error(st.error().code, std::string("ERROR setting reftable: ") + std::strerror(st.error().code));
     q.h_.refcount_table_offset = static_cast<uint64_t>(rt_offset);
     q.h_.refcount_table_clusters = static_cast<uint32_t>(rt_clusters);
-    q.rt_ = std::move(reftable);
+    q.rt_.assign(std::move(reftable));
     q.free_cluster_index_ = 0;
     co_return Status{};
   }
@@ -824,7 +823,7 @@ struct Qcow2Checker {
         say("%s OFLAG_COPIED L2 cluster: l1_index=%d l1_entry=%" PRIx64 " refcount=%" PRIu64 "\n",
             repair ? "Repairing" : "ERROR", static_cast<int>(i), l1e, *rc);
         if (repair) {
-          q.l1_[i] = *rc == 1 ? (l1e | kOflagCopied) : (l1e & ~kOflagCopied);
+          q.l1_.set(i, *rc == 1 ? (l1e | kOflagCopied) : (l1e & ~kOflagCopied));
           const uint64_t sector = q.h_.l1_table_offset + (i & ~uint64_t{63}) * 8;
           auto st = co_await pre_write_check(kOlActiveL1, sector, std::min<uint64_t>(512, (q.l1_.size() - (i & ~uint64_t{63})) * 8));
           if (st) st = co_await q.write_l1_entry(i);

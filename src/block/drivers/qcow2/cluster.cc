@@ -23,7 +23,7 @@ struct Classified {
 };
 }  // namespace
 
-Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
+Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes, bool for_write) {
   const uint64_t l1i = offset >> (h_.cluster_bits + l2_bits_);
   const uint64_t in_cluster = offset & (cs_ - 1);
   Mapping m;
@@ -35,10 +35,7 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
     co_return m;
   }
   uint64_t l2_off = l1_[l1i] & kL1OffsetMask;
-  if (l2_off % cs_) {
-    (void)co_await mark_corrupt(fmt::format("L2 table offset {} unaligned (L1 index: {})", hex(l2_off), hex(l1i)));
-    co_return Error(EIO);
-  }
+  VBLK_CO_TRY(co_await check_l2_offset(l2_off, l1i));
   auto t = co_await l2_cache_->get(l2_off);
   if (!t) co_return t.take_error();
   uint64_t l2i = (offset >> h_.cluster_bits) & (l2_entries_ - 1);
@@ -52,6 +49,12 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes) {
       return;
     }
     uint64_t host = e & kL2OffsetMask;
+    if (host % cs_ && for_write && idx == l2i && (e & kOflagCopied)) {
+      out = Error(EIO, fmt::format("{} cluster offset {} unaligned (guest offset: {})",
+                                   (e & kOflagZero) && l2_entry_size_ == 8 ? "Preallocated zero" : "Data", hex(host),
+                                   hex(offset)));
+      return;
+    }
     if (host % cs_) {
       out = Error(EIO, fmt::format("Cluster allocation offset {} unaligned (L2 offset: {}, L2 index: {})",
                                    hex(host), hex(l2_off), hex(idx)));
@@ -124,7 +127,7 @@ Task<Status> Qcow2Node::write_l1_entry(uint64_t index) {
   for (uint64_t i = 0; i < 64 && first + i < l1_.size(); ++i) put64(buf + i * 8, l1_[first + i]);
   uint64_t len = std::min<uint64_t>(512, (l1_.size() - first) * 8);
   len = (len + 511) & ~uint64_t{511};
-  VBLK_CO_TRY(co_await file_->write(h_.l1_table_offset + first * 8, {buf, len}, kReqFua));
+  VBLK_CO_TRY(co_await checked_write(kOlActiveL1, h_.l1_table_offset + first * 8, {buf, len}, kReqFua));
   co_return Status{};
 }
 
@@ -133,6 +136,8 @@ Task<Result<MetaCache::Ref>> Qcow2Node::l2_for_write(uint64_t offset) {
   if (l1i >= l1_.size()) co_return Error(EIO, "Write beyond the L1 table");
   uint64_t entry = l1_[l1i];
   uint64_t old = entry & kL1OffsetMask;
+  // A corrupt entry must not send the table (or its copy) somewhere else.
+  VBLK_CO_TRY(co_await check_l2_offset(old, l1i));
   if (old && (entry & kOflagCopied)) co_return co_await l2_cache_->get(old);
   // Allocate a new table: a copy of the shared one (snapshots), or empty.
   auto where = co_await alloc_clusters(1);
@@ -162,8 +167,11 @@ Task<Result<MetaCache::Ref>> Qcow2Node::l2_for_write(uint64_t offset) {
   // reach the disk before the L1 entry that makes it reachable.
   VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
   VBLK_CO_TRY(co_await l2_cache_->flush());
-  l1_[l1i] = *where | kOflagCopied;
-  VBLK_CO_TRY(co_await write_l1_entry(l1i));
+  l1_.set(l1i, *where | kOflagCopied);
+  if (auto st = co_await write_l1_entry(l1i); !st) {
+    l1_.set(l1i, entry);  // the table on disk still has the old entry
+    co_return st.take_error();
+  }
   // The shared table lost a reference (a crash before this only leaks).
   if (old) VBLK_CO_TRY(co_await update_refcount(old, cs_, -1));
   co_return std::move(fresh);
@@ -178,8 +186,14 @@ Task<Status> Qcow2Node::free_entry(uint64_t e) {
     co_return co_await update_refcount(host, len, -1);
   }
   uint64_t host = e & kL2OffsetMask;
-  if (host) co_return co_await update_refcount(host, cs_, -1);
-  co_return Status{};
+  if (!host) co_return Status{};
+  // QEMU's qcow2_free_any_cluster: an unaligned offset is reported (not
+  // fatal) and nothing is freed, rather than freeing some other cluster.
+  if (host & (cs_ - 1)) {
+    (void)co_await signal_corruption(false, -1, -1, fmt::format("Cannot free unaligned cluster {}", hex(host)));
+    co_return Status{};
+  }
+  co_return co_await update_refcount(host, cs_, -1);
 }
 
 }  // namespace vblk::qcow2

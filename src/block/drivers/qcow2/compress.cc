@@ -109,6 +109,7 @@ Task<Status> Qcow2Node::write_compressed_cluster(uint64_t guest, std::span<const
 
   AllocClaim claim(*this, ci, ci);
   guard.unlock();
+  if (uint32_t ol = overlaps(0, *host, data.size())) co_return co_await refuse_overlap(ol, *host, data.size());
   VBLK_CO_TRY(co_await file_->write(*host, data));
 
   co_await guard.relock();

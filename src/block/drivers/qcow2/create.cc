@@ -64,12 +64,12 @@ Task<Status> Qcow2Node::grow_l1_table(uint64_t need) {
   for (uint64_t i = 0; i < l1_.size(); ++i) put64(t.data() + i * 8, l1_[i]);
   // Only the entries are written, as QEMU writes them (the rest of the
   // cluster stays a hole; reads past the end of the file are zeroes).
-  VBLK_CO_TRY(co_await file_->write(*where, t.span().subspan(0, need * 8)));
+  VBLK_CO_TRY(co_await checked_write(0, *where, t.span().subspan(0, need * 8)));
   VBLK_CO_TRY(co_await rb_cache_->flush());
   uint64_t old_off = h_.l1_table_offset, old_size = h_.l1_size;
   h_.l1_table_offset = *where;
   h_.l1_size = static_cast<uint32_t>(need);
-  l1_.resize(need, 0);
+  l1_.resize(need);
   VBLK_CO_TRY(co_await write_header());
   if (old_size) VBLK_CO_TRY(co_await update_refcount(old_off, align_up(old_size * 8, cs_), -1));
   co_return Status{};

@@ -121,7 +121,7 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   Mapping m;
   uint64_t first = 0, last = 0;
   for (;;) {
-    auto r = co_await lookup(offset, std::min<uint64_t>(buf.size(), kMaxAllocRun));
+    auto r = co_await lookup(offset, std::min<uint64_t>(buf.size(), kMaxAllocRun), true);
     if (!r) co_return r.take_error();
     m = *r;
     uint64_t n = std::min<uint64_t>(m.bytes, buf.size());
@@ -134,6 +134,8 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   const uint64_t n = std::min<uint64_t>(m.bytes, buf.size());
   if (m.type == ClusterType::Normal && m.copied) {
     guard.unlock();
+    // The hot path: a sorted-index lookup, no allocation.
+    if (uint32_t ol = overlaps(0, m.host, n)) co_return co_await refuse_overlap(ol, m.host, n);
     VBLK_CO_TRY(co_await file_->write(m.host, buf.subspan(0, n)));
     *done = n;
     co_return Status{};
@@ -177,6 +179,9 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   guard.unlock();
 
   bool data_only = head == 0 && tail == 0;
+  // New clusters come from refcounts a hostile image controls: checked like
+  // any other write (check_new_clusters knows only what is cached).
+  if (uint32_t ol = overlaps(0, *host, total)) co_return co_await refuse_overlap(ol, *host, total);
   if (zero_cow) {
     // Without fallocate support the zeroes are written with the data below.
     data_only = static_cast<bool>(co_await file_->write_zeroes(*host, total, kReqNoFallback));
@@ -224,7 +229,8 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
 }
 
 Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
-  if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  // After a fatal corruption QEMU drops the driver: ENOMEDIUM ("No medium found").
+  if (corrupt()) co_return Error(ENOMEDIUM);
   if (flags & kReqCompressed) co_return co_await write_compressed(offset, buf);
   uint64_t done = 0;
   while (done < buf.size()) {
@@ -247,17 +253,23 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
   const uint64_t sc = cs_ / kSubclusters;
   const uint64_t l2i = ci & (l2_entries_ - 1);
   co_await wait_allocs(ci, ci);
-  uint64_t e, bm;
+  uint64_t e, bm, t_offset;
   {
     auto t = co_await l2_for_write(guest);
     if (!t) co_return t.take_error();
     e = l2_entry(*t, l2i);
     bm = l2_bitmap(*t, l2i);
+    t_offset = t->offset();
   }
   const auto first_sc = static_cast<uint32_t>(in / sc), last_sc = static_cast<uint32_t>((in + n - 1) / sc);
   const uint32_t alloc = static_cast<uint32_t>(bm);
   const bool compressed = e & kOflagCompressed;
   const uint64_t host = compressed ? 0 : e & kL2OffsetMask;
+  if (host & (cs_ - 1)) {
+    (void)co_await mark_corrupt(fmt::format("Cluster allocation offset {} unaligned (L2 offset: {}, L2 index: {})",
+                                            hex(host), hex(t_offset), hex(l2i)));
+    co_return Error(EIO);
+  }
   const bool keep_old = host && (e & kOflagCopied);
   uint64_t from, to;  // cluster-relative range written to the host cluster
   if (keep_old) {
@@ -284,6 +296,7 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
   AllocClaim claim(*this, ci, ci);
   guard.unlock();
 
+  if (uint32_t ol = overlaps(0, target + from, to - from)) co_return co_await refuse_overlap(ol, target + from, to - from);
   if (from == in && to == in + n) {
     VBLK_CO_TRY(co_await file_->write(target + in, buf.subspan(0, n)));
   } else {
@@ -313,12 +326,12 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
 }
 
 Task<Status> Qcow2Node::do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) {
-  if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  if (corrupt()) co_return Error(ENOMEDIUM);
   co_return co_await zeroes(offset, bytes, flags);
 }
 
 Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {
-  if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  if (corrupt()) co_return Error(ENOMEDIUM);
   // Without the zero flag, discarding could expose stale backing data: QEMU
   // declines (v2 with a backing file), and so does vblk.
   if (h_.version < 3 && backing_) co_return Status{};

@@ -40,26 +40,6 @@ Task<Status> Qcow2Node::write_header() {
   co_return co_await file_->flush();
 }
 
-Task<Status> Qcow2Node::mark_corrupt(const std::string& why) {
-  // As QEMU: a writable image is marked corrupt (fatal); a read-only one is
-  // only reported. Either way, once.
-  if (signaled_corruption_) co_return Status{};
-  signaled_corruption_ = true;
-  if (read_only()) {
-    std::fprintf(stderr, "qcow2: Image is corrupt: %s; further non-fatal corruption events will be suppressed\n",
-                 why.c_str());
-    co_return Status{};
-  }
-  std::fprintf(stderr, "qcow2: Marking image as corrupt: %s; further corruption events will be suppressed\n",
-               why.c_str());
-  h_.incompatible_features |= kIncompatCorrupt;
-  if (h_.version < 3) co_return Status{};
-  uint8_t b[8];
-  put64(b, h_.incompatible_features);
-  VBLK_CO_TRY(co_await file_->write(72, {b, 8}));
-  co_return co_await file_->flush();
-}
-
 Task<Status> Qcow2Node::mark_dirty() {
   if (h_.incompatible_features & kIncompatDirty) co_return Status{};
   // Everything written so far is consistent on disk before the bit says
@@ -146,20 +126,22 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
 
   // Tables. Reads past the end of the file return zeroes (file is growable),
   // and entries are validated where they are used.
-  l1_.assign(h_.l1_size, 0);
+  std::vector<uint64_t> l1(h_.l1_size, 0);
   if (h_.l1_size) {
     AlignedBuffer b(align_up(uint64_t(h_.l1_size) * 8, 512));
     auto st = co_await file_->read(h_.l1_table_offset, b.span());
     if (!st) co_return st.error().prefixed("Could not read L1 table");
-    for (uint64_t i = 0; i < h_.l1_size; ++i) l1_[i] = be64(b.data() + i * 8);
+    for (uint64_t i = 0; i < h_.l1_size; ++i) l1[i] = be64(b.data() + i * 8);
   }
+  l1_.assign(std::move(l1));
   uint64_t rt_entries = uint64_t(h_.refcount_table_clusters) * cs_ / 8;
   {
     AlignedBuffer b(rt_entries * 8);
     auto st = co_await file_->read(h_.refcount_table_offset, b.span());
     if (!st) co_return st.error().prefixed("Could not initialize refcount handling");
-    rt_.resize(rt_entries);
-    for (uint64_t i = 0; i < rt_entries; ++i) rt_[i] = be64(b.data() + i * 8);
+    std::vector<uint64_t> rt(rt_entries);
+    for (uint64_t i = 0; i < rt_entries; ++i) rt[i] = be64(b.data() + i * 8);
+    rt_.assign(std::move(rt));
   }
 
   // Caches, sized like QEMU's defaults: enough L2 to map the whole disk up to
@@ -168,6 +150,16 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
   uint64_t rb_bytes = std::max<uint64_t>(4 * cs_, l2_bytes / 4);
   l2_cache_ = std::make_unique<MetaCache>(*file_, cs_, l2_bytes / cs_);
   rb_cache_ = std::make_unique<MetaCache>(*file_, cs_, rb_bytes / cs_);
+  // Write-backs may overlap only their own kind (an L2 table is an L2 table,
+  // active or not: snapshot operations rewrite inactive ones).
+  l2_cache_->set_write_check([this](uint64_t off, uint64_t len) -> Task<Status> {
+    if (uint32_t ol = overlaps(kOlActiveL2 | kOlInactiveL2, off, len)) co_return co_await refuse_overlap(ol, off, len);
+    co_return Status{};
+  });
+  rb_cache_->set_write_check([this](uint64_t off, uint64_t len) -> Task<Status> {
+    if (uint32_t ol = overlaps(kOlRefcountBlock, off, len)) co_return co_await refuse_overlap(ol, off, len);
+    co_return Status{};
+  });
 
   set_length(h_.size / 512 * 512);  // QEMU counts whole sectors
   set_read_only(ro);
@@ -194,7 +186,8 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
     auto v = take_bool(opts, k);
     VBLK_TRY(v);
   }
-  (void)take_string(opts, "overlap-check");
+  auto overlap = take_overlap_options(opts);
+  VBLK_TRY(overlap);
   (void)take_size(opts, "cache-clean-interval");
   bool no_backing = false;
   if (opts.contains("backing") && opts["backing"].is_null()) {
@@ -210,6 +203,7 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   node->set_read_only(read_only);
   node->no_io_ = ctx.no_io;
   VBLK_TRY(node->refresh_perms());
+  node->overlap_check_ = *overlap;
   auto st = ctx.loop.run(node->load(cctx, read_only));
   VBLK_TRY(st);
   node->lazy_refcounts_ = lazy->value_or(node->h_.compatible_features & kCompatLazyRefcounts);

@@ -42,12 +42,12 @@ Task<Result<uint64_t>> Qcow2Node::link_run(uint64_t first, uint64_t n, uint64_t 
       VBLK_CO_TRY(co_await read_mapping(first * cs_ + done, *m, b.span().subspan(done, len)));
       done += len;
     }
-    VBLK_CO_TRY(co_await file_->write(host, b.span()));
+    VBLK_CO_TRY(co_await checked_write(0, host, b.span()));
   }
   if (tail_from % cs_ && tail_from / cs_ == first + n - 1) {
     AlignedBuffer z(cs_ - tail_from % cs_, std::max<size_t>(limits_.buffer_alignment, 512));
     z.zero();
-    VBLK_CO_TRY(co_await file_->write(host + (n - 1) * cs_ + tail_from % cs_, z.span()));
+    VBLK_CO_TRY(co_await checked_write(0, host + (n - 1) * cs_ + tail_from % cs_, z.span()));
   }
   // The entries reach the disk after the refcounts of their clusters and
   // after the data (full mode wrote zeroes there).
@@ -172,7 +172,7 @@ Task<Result<uint64_t>> Qcow2Node::refcount_area(uint64_t start, uint64_t additio
   AlignedBuffer tb(table_clusters * cs_);
   tb.zero();
   for (uint64_t i = 0; i < table_size; ++i) put64(tb.data() + i * 8, nt[i]);
-  VBLK_CO_TRY(co_await file_->write(table_at * cs_, tb.span()));
+  VBLK_CO_TRY(co_await checked_write(0, table_at * cs_, tb.span()));
   VBLK_CO_TRY(co_await file_->flush());
   uint8_t hdr[12];
   put64(hdr, table_at * cs_);
@@ -182,7 +182,7 @@ Task<Result<uint64_t>> Qcow2Node::refcount_area(uint64_t start, uint64_t additio
   const uint64_t old_off = h_.refcount_table_offset, old_clusters = h_.refcount_table_clusters;
   h_.refcount_table_offset = table_at * cs_;
   h_.refcount_table_clusters = static_cast<uint32_t>(table_clusters);
-  rt_ = std::move(nt);
+  rt_.assign(std::move(nt));
   VBLK_CO_TRY(co_await update_refcount(old_off, old_clusters * cs_, -1));
   co_return end;
 }

@@ -12,6 +12,9 @@
 //   open.cc          open, header update, options
 //   create.cc        image creation
 //   check.cc         consistency check and repair (qemu-img check)
+//   overlap.{h,cc}   the overlap-check option and its sorted indexes
+//   overlap_check.cc the metadata overlap check on every write, corruption
+//                    signalling (QEMU's qcow2_signal_corruption)
 //   snapshot.cc      internal snapshots: table, create, apply, delete
 //   bitmap.cc        persistent dirty bitmaps (the `bitmaps` extension)
 //
@@ -35,6 +38,7 @@
 
 #include "block/drivers/qcow2/cache.h"
 #include "block/drivers/qcow2/format.h"
+#include "block/drivers/qcow2/overlap.h"
 #include "block/open.h"
 #include "vblk/node.h"
 #include "vblk/sync.h"
@@ -137,7 +141,8 @@ class Qcow2Node final : public Node {
   // ---- open.cc
   Task<Status> load(OpenContext& ctx, bool read_only);
   Task<Status> write_header();
-  Task<Status> mark_corrupt(const std::string& why);
+  // A fatal corruption (QEMU's qcow2_signal_corruption(bs, true, -1, -1, ...)).
+  Task<Status> mark_corrupt(const std::string& why) { return signal_corruption(true, -1, -1, why); }
   // lazy_refcounts: the dirty bit goes to disk before the first L2 entry
   // whose refcount may not; cleared on a clean close (QEMU's
   // qcow2_mark_dirty/qcow2_mark_clean).
@@ -145,7 +150,9 @@ class Qcow2Node final : public Node {
   Task<Status> mark_clean();
 
   // ---- cluster.cc (lock held)
-  Task<Result<Mapping>> lookup(uint64_t offset, uint64_t max_bytes);
+  // for_write: an unaligned in-place cluster gets the write path's message
+  // (QEMU's handle_copied) instead of the read path's.
+  Task<Result<Mapping>> lookup(uint64_t offset, uint64_t max_bytes, bool for_write = false);
   Task<Result<bool>> reads_as_zero(uint64_t offset, uint64_t bytes);
   // The L2 table for guest offset, allocated (and made writable) if needed.
   Task<Result<MetaCache::Ref>> l2_for_write(uint64_t offset);
@@ -166,12 +173,10 @@ class Qcow2Node final : public Node {
   // Allocates `bytes` (< one cluster) for compressed data, packing them.
   Task<Result<uint64_t>> alloc_bytes(uint64_t bytes);
   Task<Result<uint64_t>> find_free(uint64_t n);
-  // QEMU's "cached" overlap check: which in-memory-known metadata (header,
-  // L1, refcount table, L2 tables, refcount blocks) [offset, +bytes)
-  // overlaps, or nullptr. Refcounts of a hostile image can call such
-  // clusters free; writing there would destroy the image.
-  const char* metadata_overlap(uint64_t offset, uint64_t bytes) const;
-  // Marks the image corrupt and fails if a new allocation overlaps.
+  // Marks the image corrupt and fails if a new allocation overlaps metadata
+  // (always the "cached" set, whatever overlap-check says: refcounts of a
+  // hostile image can call such clusters free, and the allocator must not
+  // build on them).
   Task<Status> check_new_clusters(uint64_t offset, uint64_t bytes);
   Task<Result<bool>> ensure_refblocks(uint64_t first_cluster, uint64_t n);
   Task<Status> grow_refcount_table(uint64_t min_entries);
@@ -195,6 +200,38 @@ class Qcow2Node final : public Node {
   // `tail_from` in the last one (0: none).
   Task<Result<uint64_t>> link_run(uint64_t first, uint64_t n, uint64_t host, uint64_t head_end = 0,
                                   uint64_t tail_from = 0);
+
+  // ---- overlap_check.cc: QEMU's overlap check and corruption signal
+  // The first kind in `kinds` (in QEMU's order) that [offset, offset+size)
+  // touches, rounded out to clusters as QEMU does; 0 if none.
+  uint32_t metadata_overlap(uint32_t kinds, uint64_t offset, uint64_t size) const;
+  // The pre-write check: the configured kinds minus `ign` (a metadata write
+  // ignores its own kind). Cheap enough for every data write.
+  uint32_t overlaps(uint32_t ign, uint64_t offset, uint64_t size) const {
+    const uint32_t kinds = overlap_check_ & ~ign;
+    return kinds ? metadata_overlap(kinds, offset, size) : 0;
+  }
+  // A refused write: "Preventing invalid write on metadata", fatal; EIO.
+  Task<Status> refuse_overlap(uint32_t ol, uint64_t offset, uint64_t size);
+  // A metadata write into the file, refused if it overlaps other metadata.
+  Task<Status> checked_write(uint32_t ign, uint64_t offset, std::span<const uint8_t> data, uint32_t flags = 0);
+  // QEMU's qcow2_signal_corruption: fatal only if the image is writable (the
+  // corrupt bit set, no more writes); reported on stderr and to the node's
+  // corruption handler once (a fatal one after a non-fatal one too).
+  Task<Status> signal_corruption(bool fatal, int64_t offset, int64_t size, const std::string& msg);
+  // The snapshot table changed: index its L1 tables (and, for "all", the L2
+  // tables they reach, read from the file).
+  Task<Status> index_snapshots();
+  // Whether an L1 entry's L2 offset can be used; marks the image corrupt
+  // (QEMU's message) if not. 0 is fine (unallocated).
+  Task<Status> check_l2_offset(uint64_t l2_offset, uint64_t l1_index);
+  // The refcount block of refcount table index rti: 0 when none; marks the
+  // image corrupt if the offset is unaligned.
+  Task<Result<uint64_t>> refblock_offset(uint64_t rti);
+  uint32_t overlap_check_ = kOlCached;
+  mutable ClusterSet ol_l2_, ol_rb_;
+  ClusterSet ol_inactive_l2_;
+  RangeSet ol_inactive_l1_;
 
   // ---- io.cc
   Task<Result<bool>> detect_metadata_preallocation();
@@ -232,8 +269,8 @@ class Qcow2Node final : public Node {
   uint64_t rb_entries_ = 0;      // refcount entries per block
   uint32_t refcount_bits_ = 16;
   uint64_t refcount_max_ = 0;
-  std::vector<uint64_t> l1_;
-  std::vector<uint64_t> rt_;
+  OffsetTable l1_{kL1OffsetMask};
+  OffsetTable rt_{~uint64_t{511}};
   std::unique_ptr<MetaCache> l2_cache_;
   std::unique_ptr<MetaCache> rb_cache_;
   CoMutex lock_;
@@ -298,17 +335,12 @@ class Qcow2Node final : public Node {
   // the refcount is one (clear_all: clears it everywhere). The active L1
   // table (l1_) is written back when it changes.
   Task<Status> fix_copied(std::vector<uint64_t>& l1, bool clear_all);
+  // fix_copied on the active table, written back if it changed.
+  Task<Status> fix_active_copied(bool clear_all);
   Task<Result<std::vector<uint64_t>>> read_l1(uint64_t offset, uint32_t size);
   Task<Status> write_l1_table();
   Task<Status> flush_all();
   Task<void> wait_allocs();
-  // The metadata structure [offset, offset+size) overlaps, or nullptr.
-  const char* metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1,
-                               bool ignore_active_l2 = false) const;
-  // A metadata write, refused (image marked corrupt) if it would overlap
-  // other metadata.
-  Task<Status> metadata_write(uint64_t offset, std::span<const uint8_t> data, bool ignore_active_l1 = false,
-                              uint32_t flags = 0);
   // Drops one reference to each cluster of the range; a range with a free
   // cluster is reported and left alone (QEMU's qcow2_free_clusters).
   Task<Status> free_unreferenced(uint64_t offset, uint64_t length);

@@ -35,15 +35,10 @@ void Qcow2Node::refcount_set(uint8_t* b, uint64_t i, uint64_t v) const {
 }
 
 Task<Result<uint64_t>> Qcow2Node::get_refcount(uint64_t ci) {
-  uint64_t rti = ci / rb_entries_;
-  if (rti >= rt_.size()) co_return uint64_t{0};
-  uint64_t rb = rt_[rti] & ~511ull;
-  if (!rb) co_return uint64_t{0};
-  if (rb % cs_) {
-    (void)co_await mark_corrupt(fmt::format("Refblock offset {} unaligned (reftable index: {})", hex(rb), hex(rti)));
-    co_return Error(EIO);
-  }
-  auto t = co_await rb_cache_->get(rb);
+  auto rb = co_await refblock_offset(ci / rb_entries_);
+  if (!rb) co_return rb.take_error();
+  if (!*rb) co_return uint64_t{0};
+  auto t = co_await rb_cache_->get(*rb);
   if (!t) co_return t.take_error();
   co_return refcount_get(t->data(), ci % rb_entries_);
 }
@@ -53,23 +48,10 @@ Task<Result<uint64_t>> Qcow2Node::refcount_of(uint64_t ci) {
   co_return co_await get_refcount(ci);
 }
 
-const char* Qcow2Node::metadata_overlap(uint64_t off, uint64_t bytes) const {
-  auto hits = [&](uint64_t start, uint64_t len) { return len && off < start + len && start < off + bytes; };
-  if (hits(0, cs_)) return "qcow2_header";
-  if (hits(h_.l1_table_offset, uint64_t(h_.l1_size) * 8)) return "active L1 table";
-  if (hits(h_.refcount_table_offset, uint64_t(h_.refcount_table_clusters) * cs_)) return "refcount table";
-  for (uint64_t e : l1_)
-    if ((e & kL1OffsetMask) && hits(e & kL1OffsetMask, cs_)) return "active L2 table";
-  for (uint64_t e : rt_)
-    if ((e & ~511ull) && hits(e & ~511ull, cs_)) return "refcount block";
-  return nullptr;
-}
-
 Task<Status> Qcow2Node::check_new_clusters(uint64_t offset, uint64_t bytes) {
-  const char* what = metadata_overlap(offset, bytes);
-  if (!what) co_return Status{};
-  (void)co_await mark_corrupt(fmt::format("Preventing invalid write on metadata (overlaps with {})", what));
-  co_return Error(EIO);
+  const uint32_t ol = metadata_overlap(kOlCached, offset, bytes);
+  if (!ol) co_return Status{};
+  co_return co_await refuse_overlap(ol, offset, bytes);
 }
 
 // First run of n free clusters at or after free_cluster_index_.
@@ -121,10 +103,10 @@ Task<Result<bool>> Qcow2Node::ensure_refblocks(uint64_t first, uint64_t n) {
     // The block and the refcounts it relies on reach the disk before the
     // table points to it.
     VBLK_CO_TRY(co_await rb_cache_->flush());
-    rt_[rti] = bci * cs_;
     uint8_t e[8];
-    put64(e, rt_[rti]);
-    VBLK_CO_TRY(co_await file_->write(h_.refcount_table_offset + rti * 8, {e, 8}));
+    put64(e, bci * cs_);
+    VBLK_CO_TRY(co_await checked_write(kOlRefcountTable, h_.refcount_table_offset + rti * 8, {e, 8}));
+    rt_.set(rti, bci * cs_);
     VBLK_CO_TRY(co_await file_->flush());
     co_return true;
   }
@@ -157,7 +139,7 @@ Task<Status> Qcow2Node::grow_refcount_table(uint64_t min_entries) {
     uint64_t first = start + b * rb_entries_;
     for (uint64_t ci = first; ci < start + table_clusters + blocks && ci < first + rb_entries_; ++ci)
       refcount_set(blk.data(), ci - first, 1);
-    VBLK_CO_TRY(co_await file_->write(blocks_off + b * cs_, blk.span()));
+    VBLK_CO_TRY(co_await checked_write(0, blocks_off + b * cs_, blk.span()));
   }
   AlignedBuffer table(table_clusters * cs_);
   table.zero();
@@ -165,7 +147,7 @@ Task<Status> Qcow2Node::grow_refcount_table(uint64_t min_entries) {
   for (uint64_t i = 0; i < rt_.size(); ++i) new_rt[i] = rt_[i];
   for (uint64_t b = 0; b < blocks; ++b) new_rt[rt_.size() + b] = blocks_off + b * cs_;
   for (uint64_t i = 0; i < new_rt.size(); ++i) put64(table.data() + i * 8, new_rt[i]);
-  VBLK_CO_TRY(co_await file_->write(table_off, table.span()));
+  VBLK_CO_TRY(co_await checked_write(0, table_off, table.span()));
   VBLK_CO_TRY(co_await rb_cache_->flush());  // includes a file flush
   // Switch the header to the new table (one sector, synced).
   uint64_t old_off = h_.refcount_table_offset, old_clusters = h_.refcount_table_clusters;
@@ -176,7 +158,7 @@ Task<Status> Qcow2Node::grow_refcount_table(uint64_t min_entries) {
   VBLK_CO_TRY(co_await file_->flush());
   h_.refcount_table_offset = table_off;
   h_.refcount_table_clusters = static_cast<uint32_t>(table_clusters);
-  rt_ = std::move(new_rt);
+  rt_.assign(std::move(new_rt));
   // The old table's clusters are free now (a crash before this only leaks).
   VBLK_CO_TRY(co_await update_refcount(old_off, old_clusters * cs_, -1));
   co_return Status{};
@@ -188,7 +170,9 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
   uint64_t first = offset / cs_, last = (offset + length - 1) / cs_;
   for (uint64_t ci = first; ci <= last; ++ci) {
     uint64_t rti = ci / rb_entries_;
-    if (rti >= rt_.size() || !(rt_[rti] & ~511ull)) {
+    auto rb = co_await refblock_offset(rti);
+    if (!rb) co_return rb.take_error();
+    if (!*rb) {
       if (delta < 0) {
         (void)co_await mark_corrupt(fmt::format("Decreasing the refcount of cluster {} that has no refcount block", hex(ci)));
         co_return Error(EIO);
@@ -196,7 +180,7 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
       auto more = co_await ensure_refblocks(ci, 1);
       if (!more) co_return more.take_error();
     }
-    auto t = co_await rb_cache_->get(rt_[rti] & ~511ull);
+    auto t = co_await rb_cache_->get(rt_[rti] & ~uint64_t{511});
     if (!t) co_return t.take_error();
     uint64_t old = refcount_get(t->data(), ci % rb_entries_);
     if ((delta < 0 && old < static_cast<uint64_t>(-delta)) ||

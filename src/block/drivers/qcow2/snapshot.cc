@@ -106,7 +106,7 @@ Task<Status> Qcow2Node::read_snapshots() {
     snapshots_.push_back(std::move(sn));
   }
   snapshots_size_ = offset - start;
-  co_return Status{};
+  co_return co_await index_snapshots();
 }
 
 Task<Status> Qcow2Node::write_snapshots(std::vector<Snapshot> table) {
@@ -150,7 +150,7 @@ Task<Status> Qcow2Node::write_snapshots(std::vector<Snapshot> table) {
     if (!r) co_return r.take_error();
     where = *r;
     VBLK_CO_TRY(co_await flush_all());
-    VBLK_CO_TRY(co_await metadata_write(where, buf.span().subspan(0, align_up(size, cs_))));
+    VBLK_CO_TRY(co_await checked_write(0, where, buf.span().subspan(0, align_up(size, cs_))));
     VBLK_CO_TRY(co_await file_->flush());
   }
   uint8_t hd[12];
@@ -163,6 +163,7 @@ Task<Status> Qcow2Node::write_snapshots(std::vector<Snapshot> table) {
   h_.snapshots_offset = where;
   snapshots_ = std::move(table);
   snapshots_size_ = size;
+  VBLK_CO_TRY(co_await index_snapshots());
   // The old table is unreachable now (a crash before this only leaks it).
   if (old_size) VBLK_CO_TRY(co_await free_unreferenced(old, old_size));
   co_return Status{};
@@ -191,33 +192,6 @@ int Qcow2Node::find_snapshot(const std::string& id, const std::string& name) con
 
 // ---- refcounts and flags
 
-const char* Qcow2Node::metadata_overlap(uint64_t offset, uint64_t size, bool ignore_active_l1,
-                                        bool ignore_active_l2) const {
-  // QEMU's pre-write overlap check ("cached" mode), in its order.
-  auto hit = [&](uint64_t o, uint64_t n) { return n && offset < o + n && o < offset + size; };
-  if (hit(0, cs_)) return "qcow2_header";
-  if (!ignore_active_l1 && hit(h_.l1_table_offset, l1_.size() * 8)) return "active L1 table";
-  if (!ignore_active_l2)
-    for (uint64_t e : l1_)
-      if (hit(e & kL1OffsetMask, (e & kL1OffsetMask) ? cs_ : 0)) return "active L2 table";
-  if (hit(h_.refcount_table_offset, uint64_t{h_.refcount_table_clusters} * cs_)) return "refcount table";
-  for (uint64_t e : rt_)
-    if (hit(e & ~511ull, (e & ~511ull) ? cs_ : 0)) return "refcount block";
-  if (hit(h_.snapshots_offset, snapshots_size_)) return "snapshot table";
-  for (const auto& sn : snapshots_)
-    if (hit(sn.l1_table_offset, uint64_t{sn.l1_size} * 8)) return "inactive L1 table";
-  return nullptr;
-}
-
-Task<Status> Qcow2Node::metadata_write(uint64_t offset, std::span<const uint8_t> data, bool ignore_active_l1,
-                                       uint32_t flags) {
-  if (const char* what = metadata_overlap(offset, data.size(), ignore_active_l1)) {
-    co_await mark_corrupt(fmt::format("Preventing invalid write on metadata (overlaps with {})", what));
-    co_return Error(EIO);
-  }
-  co_return co_await file_->write(offset, data, flags);
-}
-
 Task<Status> Qcow2Node::free_unreferenced(uint64_t offset, uint64_t length) {
   // QEMU's qcow2_free_clusters: a refcount that would drop below zero is
   // reported and the whole range left alone; it is not fatal.
@@ -245,7 +219,7 @@ Task<Status> Qcow2Node::write_l1_table() {
   AlignedBuffer b(align_up(std::max<uint64_t>(l1_.size() * 8, 1), 512));
   b.zero();
   for (size_t i = 0; i < l1_.size(); ++i) put64(b.data() + i * 8, l1_[i]);
-  co_return co_await metadata_write(h_.l1_table_offset, b.span(), true, kReqFua);
+  co_return co_await checked_write(kOlActiveL1, h_.l1_table_offset, b.span(), kReqFua);
 }
 
 Task<Status> Qcow2Node::flush_all() {
@@ -277,10 +251,9 @@ Task<Status> Qcow2Node::l1_refcounts(const std::vector<uint64_t>& l1, int64_t de
     if (!dry_run) co_return co_await update_refcount(off, len, delta);
     // Tables and data of a snapshot must not be other metadata: adjusting
     // refcounts (and later COPIED flags) through them would write there.
-    if (const char* what = metadata_overlap(off, len, is_l2, is_l2)) {
-      co_await mark_corrupt(fmt::format("Preventing invalid write on metadata (overlaps with {})", what));
-      co_return Error(EIO);
-    }
+    // (Always the cached kinds: this guards vblk's own writes through them.)
+    const uint32_t kinds = is_l2 ? kOlCached & ~(kOlActiveL1 | kOlActiveL2) : kOlCached;
+    if (uint32_t ol = metadata_overlap(kinds, off, len)) co_return co_await refuse_overlap(ol, off, len);
     if (delta < 0) co_return Status{};
     for (uint64_t ci = off / cs_; ci <= (off + len - 1) / cs_; ++ci) {
       auto rc = co_await get_refcount(ci);
@@ -294,10 +267,7 @@ Task<Status> Qcow2Node::l1_refcounts(const std::vector<uint64_t>& l1, int64_t de
   for (size_t i = 0; i < l1.size(); ++i) {
     const uint64_t l2 = l1[i] & kL1OffsetMask;
     if (!l2) continue;
-    if (l2 % cs_) {
-      co_await mark_corrupt(fmt::format("L2 table offset {} unaligned (L1 index: {})", hex(l2), hex(i)));
-      co_return Error(EIO);
-    }
+    VBLK_CO_TRY(co_await check_l2_offset(l2, i));
     {
       // A private copy: the table itself may be freed below.
       auto t = co_await l2_cache_->get(l2);
@@ -328,7 +298,6 @@ Task<Status> Qcow2Node::l1_refcounts(const std::vector<uint64_t>& l1, int64_t de
 }
 
 Task<Status> Qcow2Node::fix_copied(std::vector<uint64_t>& l1, bool clear_all) {
-  bool l1_changed = false;
   for (size_t i = 0; i < l1.size(); ++i) {
     const uint64_t l2 = l1[i] & kL1OffsetMask;
     if (!l2) continue;
@@ -354,20 +323,24 @@ Task<Status> Qcow2Node::fix_copied(std::vector<uint64_t>& l1, bool clear_all) {
       if (!rc) co_return rc.take_error();
       if (*rc == 1) ne |= kOflagCopied;
     }
-    if (ne != l1[i]) {
-      l1[i] = ne;
-      l1_changed = true;
-    }
+    l1[i] = ne;
   }
-  if (l1_changed && &l1 == &l1_) VBLK_CO_TRY(co_await write_l1_table());
   co_return Status{};
+}
+
+Task<Status> Qcow2Node::fix_active_copied(bool clear_all) {
+  std::vector<uint64_t> l1 = l1_.vec();
+  VBLK_CO_TRY(co_await fix_copied(l1, clear_all));
+  if (l1 == l1_.vec()) co_return Status{};
+  l1_.assign(std::move(l1));
+  co_return co_await write_l1_table();
 }
 
 // ---- operations
 
 Task<Status> Qcow2Node::snapshot_create(SnapshotInfo& info) {
   if (read_only()) co_return Error(EACCES);
-  if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  if (corrupt()) co_return Error(ENOMEDIUM);
   auto g = co_await lock_.scoped();
   co_await wait_allocs();
   if (snapshots_.size() >= kMaxSnapshots) co_return Error(EFBIG);
@@ -388,7 +361,7 @@ Task<Status> Qcow2Node::snapshot_create(SnapshotInfo& info) {
 
   // 1. Nothing in the active tables is exclusive any more: no in-place
   //    writes from here on (conservative if we crash before the commit).
-  VBLK_CO_TRY(co_await fix_copied(l1_, true));
+  VBLK_CO_TRY(co_await fix_active_copied(true));
   VBLK_CO_TRY(co_await flush_all());
   // 2. The snapshot's L1 table: a copy of the active one.
   if (!l1_.empty()) {
@@ -399,7 +372,7 @@ Task<Status> Qcow2Node::snapshot_create(SnapshotInfo& info) {
     AlignedBuffer b(bytes);
     b.zero();
     for (size_t i = 0; i < l1_.size(); ++i) put64(b.data() + i * 8, l1_[i]);
-    VBLK_CO_TRY(co_await metadata_write(*where, b.span()));
+    VBLK_CO_TRY(co_await checked_write(0, *where, b.span()));
   }
   sn.l1_size = static_cast<uint32_t>(l1_.size());
   // 3. Everything it reaches gains a reference, on disk before the commit.
@@ -416,7 +389,7 @@ Task<Status> Qcow2Node::snapshot_create(SnapshotInfo& info) {
 
 Task<Status> Qcow2Node::snapshot_goto(const std::string& id_or_name) {
   if (read_only()) co_return Error(EACCES);
-  if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  if (corrupt()) co_return Error(ENOMEDIUM);
   // QEMU's block layer refuses first: persistent bitmaps are loaded as
   // active dirty bitmaps, and a snapshot would invalidate them.
   if (h_.has_bitmaps_extension && (h_.autoclear_features & kAutoclearBitmaps) && h_.bitmaps_extension.size() >= 4 &&
@@ -445,20 +418,20 @@ Task<Status> Qcow2Node::snapshot_goto(const std::string& id_or_name) {
   VBLK_CO_TRY(co_await fix_copied(*snl1, true));
   VBLK_CO_TRY(co_await flush_all());
   // 2. Commit: the active L1 table becomes the snapshot's.
-  std::vector<uint64_t> old = std::move(l1_);
-  l1_ = std::move(*snl1);
+  std::vector<uint64_t> old = l1_.vec();
+  l1_.assign(std::move(*snl1));
   VBLK_CO_TRY(co_await write_l1_table());
   // 3. What the old active table reached loses its reference.
   VBLK_CO_TRY(co_await l1_refcounts(old, -1));
   VBLK_CO_TRY(co_await flush_all());
   // 4. Exclusive clusters get COPIED back.
-  VBLK_CO_TRY(co_await fix_copied(l1_, false));
+  VBLK_CO_TRY(co_await fix_active_copied(false));
   co_return co_await flush_all();
 }
 
 Task<Status> Qcow2Node::snapshot_delete(const std::string& id, const std::string& name) {
   if (read_only()) co_return Error(EACCES);
-  if (corrupt()) co_return Error(EIO, "Image is corrupt; cannot be written");
+  if (corrupt()) co_return Error(ENOMEDIUM);
   int idx = find_snapshot(id, name);
   if (idx < 0) co_return Error(ENOENT, "Can't find the snapshot");
   const Snapshot sn = snapshots_[static_cast<size_t>(idx)];
@@ -484,7 +457,7 @@ Task<Status> Qcow2Node::snapshot_delete(const std::string& id, const std::string
     co_return Error(st.error().code,
                     std::string("Failed to free the cluster and L1 table: ") + std::strerror(st.error().code));
   // 3. Clusters now exclusive to the active tables get COPIED back.
-  st = co_await fix_copied(l1_, false);
+  st = co_await fix_active_copied(false);
   if (st) st = co_await flush_all();
   if (!st)
     co_return Error(st.error().code,
