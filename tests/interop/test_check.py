@@ -656,6 +656,32 @@ class DamagedImagesTest(CheckTestCase):
         for mode in ("leaks", "all"):
             self.repair_both(d, "l1.qcow2", mode)
 
+    def test_unknown_autoclear_bits_cleared(self):
+        """iotest 036: autoclear bits neither tool knows are cleared by a
+        read-write open (check -r, a qemu-io/vblk io session), never by a
+        read-only one."""
+        d = self.tmp
+        make_qemu_image(d, "img.qcow2", "", "4M")
+        q = Qcow2File(os.path.join(d, "img.qcow2"))
+        q.put_u64(88, q.autoclear | (1 << 63) | (1 << 7))
+        before = Qcow2File(os.path.join(d, "img.qcow2")).autoclear
+        self.same_check(d, "img.qcow2")
+        self.assertEqual(Qcow2File(os.path.join(d, "img.qcow2")).autoclear, before, "check without -r")
+        for mode in ("leaks", "all"):
+            self.repair_both(d, "img.qcow2", mode)
+            av = Qcow2File(os.path.join(d, "v-img.qcow2")).autoclear
+            aq = Qcow2File(os.path.join(d, "q-img.qcow2")).autoclear
+            self.assertEqual(av, aq, "autoclear bits after check -r " + mode)
+            self.assertFalse(aq & (1 << 63), aq)
+        for ro in ([], ["-r"]):
+            shutil.copyfile(os.path.join(d, "img.qcow2"), os.path.join(d, "v.qcow2"))
+            shutil.copyfile(os.path.join(d, "img.qcow2"), os.path.join(d, "q.qcow2"))
+            rv = vblk("io", *ro, "-c", "read 0 512", "v.qcow2", cwd=d)
+            rq = run([QEMU_IO, *ro, "-c", "read 0 512", "q.qcow2"], cwd=d)
+            self.assertEqual(rv.rc, rq.rc, (rv, rq))
+            self.assertEqual(Qcow2File(os.path.join(d, "v.qcow2")).autoclear,
+                             Qcow2File(os.path.join(d, "q.qcow2")).autoclear, "io %s" % ro)
+
     def test_snapshot_refcounts(self):
         """Snapshot-shared clusters: refcount 2 lowered to 1 (an error fixed
         without a rebuild), and COPIED set on a shared cluster."""

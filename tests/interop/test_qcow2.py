@@ -848,6 +848,53 @@ HOSTILE = [
     ("v2_with_v3_fields", [(H_VERSION, ">I", 2)], None),
 ]
 
+
+def _feature_table(entries, incompat):
+    """A spec replacing the image's feature name table (iotest 036): entries
+    are (type, bit, name) or raw 48-byte blobs; unknown incompatible bits set."""
+    def build(good):
+        b = bytearray(good)
+        hlen = struct.unpack_from(">I", b, H_HEADER_LEN)[0]
+        exts, off = [], hlen
+        while off + 8 <= 65536:
+            t, n = struct.unpack_from(">II", b, off)
+            if t == 0:
+                break
+            exts.append((t, bytes(b[off + 8:off + 8 + n])))
+            off += 8 + (n + 7) // 8 * 8
+        table = b"".join(e if isinstance(e, bytes) else
+                         struct.pack(">BB46s", e[0], e[1], e[2].encode()) for e in entries)
+        exts = [(t, d) for t, d in exts if t != 0x6803F857]
+        if entries is not None:
+            exts.append((0x6803F857, table))
+        area = b"".join(struct.pack(">II", t, len(d)) + d + bytes((-len(d)) % 8) for t, d in exts)
+        area += bytes(8)
+        b[hlen:hlen + len(area)] = area
+        struct.pack_into(">Q", b, H_INCOMPAT, incompat)
+        return bytes(b)
+    return build
+
+
+U = "Unsupported qcow2 feature(s): "
+HOSTILE += [
+    # The names come from the image's own table; bits it does not name
+    # are listed as one hex mask (QEMU's report_unsupported_feature).
+    ("feature_unnamed_63", _feature_table([], 1 << 63), U + "Unknown incompatible feature: 8000000000000000"),
+    ("feature_named_63", _feature_table([(0, 63, "Test feature")], 1 << 63), U + "Test feature"),
+    ("feature_named_one_of_three", _feature_table([(0, 63, "Test feature")], 7 << 61),
+     U + "Test feature, Unknown incompatible feature: 6000000000000000"),
+    ("feature_named_other_bit", _feature_table([(0, 61, "Test feature")], 7 << 61),
+     U + "Test feature, Unknown incompatible feature: c000000000000000"),
+    ("feature_named_three", _feature_table([(0, 61, "test1"), (0, 62, "test2"), (0, 63, "test3")], 7 << 61),
+     U + "test1, test2, test3"),
+    ("feature_types_mixed", _feature_table([(1, 61, "test1"), (0, 62, "test2"), (2, 63, "test3"),
+                                            (0, 60, "test4")], 7 << 61),
+     U + "test2, Unknown incompatible feature: a000000000000000"),
+    ("feature_table_ends_at_empty_name", _feature_table([(0, 61, "test1"), bytes(48), (0, 62, "test2")], 3 << 61),
+     U + "test1, Unknown incompatible feature: 4000000000000000"),
+    ("feature_name_46_chars", _feature_table([(0, 62, "n" * 46)], 1 << 62), U + "n" * 46),
+]
+
 # Cases in which qemu-img's probe does not pick qcow2 (checked only with -f).
 FORCE_FORMAT_ONLY = {"bad_magic"}
 # Only `map`/`compare` (which do I/O) report this one; `info` succeeds.
