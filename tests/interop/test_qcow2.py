@@ -1071,5 +1071,77 @@ for _n, _sp, _m in HOSTILE:
     setattr(HostileImagesTest, "test_hostile_" + _n, _make_hostile_test(_n, _sp, _m))
 
 
+# ---------------------------------------------------------------------------
+# E. Out of space: a failed allocating write leaks nothing
+# ---------------------------------------------------------------------------
+
+@unittest.skipUnless(os.geteuid() == 0 and shutil.which("mount"), "needs root to mount a small tmpfs")
+class OutOfSpaceTest(Qcow2TestCase):
+    """Writes into a qcow2 image on a full file system fail with ENOSPC; the
+    clusters the failed writes had allocated are freed again (QEMU's
+    qcow2_alloc_cluster_abort): qemu-img check finds no leaks, as on the
+    image qemu-io / qemu-img left in the same situation."""
+
+    def setUp(self):
+        super().setUp()
+        self.mnt = os.path.join(self.tmp, "small")
+        os.mkdir(self.mnt)
+        r = run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", self.mnt])
+        if r.rc != 0:
+            self.skipTest("cannot mount a tmpfs: %r" % r)
+        self.addCleanup(run, ["umount", "-l", self.mnt])
+
+    def _leaks(self, img):
+        r = run([QEMU_IMG, "check", img], timeout=60)
+        self.assertIn(r.rc, (0, 3), r.stdout[:2000])   # 3: leaks only, no corruption
+        return 0 if r.rc == 0 else int(r.stdout.split()[0])
+
+    def _run(self, argv, make):
+        for name in os.listdir(self.mnt):
+            os.unlink(os.path.join(self.mnt, name))
+        img = os.path.join(self.mnt, "t.qcow2")
+        make(img)
+        r = run(argv + [img], timeout=120)
+        self.assertIn("No space left on device", r.stdout + r.stderr, r)
+        return self._leaks(img)
+
+    def test_io_write_until_full(self):
+        """qemu-io leaks nothing with 64k clusters and some with 4k ones
+        (its L2 and refcount blocks): vblk leaks nothing in either case."""
+        for opts in ("cluster_size=64k", "cluster_size=4k", "extended_l2=on", "cluster_size=64k,refcount_bits=1"):
+            with self.subTest(opts=opts):
+                def make(img):
+                    qemu_ok("create", "-q", "-f", "qcow2", "-o", opts, img, "64M")
+                lq = self._run([QEMU_IO, "-f", "qcow2", "-c", "write -P 1 0 16M"], make)
+                lv = self._run([VBLK, "io", "-f", "qcow2", "-c", "write -P 1 0 16M"], make)
+                if opts == "cluster_size=64k":
+                    self.assertEqual(lq, 0, "qemu-io's image")
+                self.assertEqual(lv, 0, "vblk io's image leaks (qemu-io's: %d)" % lq)
+                # Small writes: each one allocates, the first that does not fit fails.
+                lv = self._run([VBLK, "bench", "-w", "-c", "4096", "-s", "4k", "-d", "4", "-f", "qcow2"], make)
+                self.assertEqual(lv, 0, "vblk bench -w's image leaks")
+
+    def test_convert_until_full(self):
+        src = os.path.join(self.tmp, "src.raw")
+        with open(src, "wb") as f:
+            f.write(semi_compressible(12 * MiB, 7))
+        for extra in ([], ["-W"], ["-o", "cluster_size=4k"], ["-c"]):
+            with self.subTest(extra=extra):
+                leaks = {}
+                for prog in (QEMU_IMG, VBLK):
+                    for name in os.listdir(self.mnt):
+                        os.unlink(os.path.join(self.mnt, name))
+                    dst = os.path.join(self.mnt, "t.qcow2")
+                    r = run([prog, "convert", "-O", "qcow2", *extra, src, dst], timeout=120)
+                    if extra == ["-c"] and r.rc == 0:
+                        leaks[prog] = self._leaks(dst)
+                        continue  # compressed, it may fit
+                    self.assertNotEqual(r.rc, 0, r)
+                    self.assertIn("No space left on device", r.stderr, r)
+                    leaks[prog] = self._leaks(dst)
+                if extra == []:
+                    self.assertEqual(leaks[QEMU_IMG], 0, "qemu-img's image")
+                self.assertEqual(leaks[VBLK], 0, "vblk's image leaks (qemu-img's: %d)" % leaks[QEMU_IMG])
+
 if __name__ == "__main__":
     unittest.main()

@@ -159,6 +159,10 @@ class Qcow2Node final : public Node {
   Task<Status> update_refcount(uint64_t offset, uint64_t length, int64_t delta);
   // Allocates n contiguous clusters; returns the host offset.
   Task<Result<uint64_t>> alloc_clusters(uint64_t n);
+  // QEMU's qcow2_alloc_cluster_abort: a write into newly allocated
+  // clusters failed (ENOSPC...) before anything pointed to them; their
+  // references are dropped so no cluster leaks. Returns `err`.
+  Task<Status> abort_alloc(uint64_t host, uint64_t bytes, Error err);
   // Allocates `bytes` (< one cluster) for compressed data, packing them.
   Task<Result<uint64_t>> alloc_bytes(uint64_t bytes);
   Task<Result<uint64_t>> find_free(uint64_t n);
