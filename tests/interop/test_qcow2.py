@@ -1072,6 +1072,93 @@ for _n, _sp, _m in HOSTILE:
 
 
 # ---------------------------------------------------------------------------
+# D. resize: growing over a longer backing file, shrinking (iotests 292, 250)
+# ---------------------------------------------------------------------------
+
+def _two_dirs(test, build):
+    """The same files built once, copied for vblk and for qemu-img."""
+    src = make_tempdir(test, base=TMP_BASE)
+    build(src)
+    out = []
+    for who in ("v", "q"):
+        d = os.path.join(test.tmp, who)
+        shutil.copytree(src, d)
+        out.append(d)
+    return out
+
+
+def _alloc(path):
+    st = os.stat(path)
+    return st.st_size, st.st_blocks
+
+
+class ResizeTest(Qcow2TestCase):
+    def _resize_both(self, dv, dq, *args):
+        v = vblk("resize", *args, cwd=dv, timeout=60)
+        q = qemu("resize", *args, cwd=dq, timeout=60)
+        self.assertSameResult(v, q, "(resize %s)" % " ".join(args))
+        return v, q
+
+    def _same_image(self, dv, dq, img):
+        for d in (dv, dq):
+            r = qemu("check", img, cwd=d)
+            self.assertEqual((r.rc, r.stderr), (0, ""), r)
+        mv = qemu("map", "--output=json", img, cwd=dv)
+        mq = qemu("map", "--output=json", img, cwd=dq)
+        self.assertEqual(mv.stdout, mq.stdout, "qemu-img map of vblk's and of qemu-img's result")
+        c = run([QEMU_IMG, "compare", os.path.join(dv, img), os.path.join(dq, img)], timeout=60)
+        self.assertEqual((c.rc, c.stdout), (0, IDENTICAL), c)
+
+    def test_shrink_gives_space_back(self):
+        """iotest 250 and variations: a shrink frees the clusters past the
+        new end, punches them out of the file and cuts the file after its
+        last used cluster: the same file size and allocation as qemu-img's."""
+        cases = [
+            ("cluster_size=1M,preallocation=metadata", "2100M",
+             ["discard 0 10M", "discard 2090M 10M", "write 2090M 10M", "write 0 10M"], "5M"),
+            ("", "64M", ["write -P 1 0 4M", "write -P 2 30M 2M", "write -P 3 60M 4M"], "31M"),
+            ("", "64M", ["write -P 1 0 4M", "write -P 3 60M 4M"], "1M"),
+            ("cluster_size=512", "2M", ["write -P 1 0 2M"], "100k"),   # L2 tables freed too
+            ("cluster_size=4k,refcount_bits=1", "8M", ["write -P 1 0 8M"], "3M"),
+            ("", "64M", ["write -c -P 1 0 4M", "write -P 2 40M 1M"], "2M"),  # compressed
+        ]
+        for opts, size, ops, small in cases:
+            with self.subTest(opts=opts, ops=ops, small=small):
+                self.tmp = make_tempdir(self, base=TMP_BASE)
+
+                def build(d):
+                    o = ["-o", opts] if opts else []
+                    qemu_ok("create", "-q", "-f", "qcow2", *o, "img.qcow2", size, cwd=d)
+                    qemu_io(d, "img.qcow2", ops)
+                dv, dq = _two_dirs(self, build)
+                self._resize_both(dv, dq, "--shrink", "img.qcow2", small)
+                self._same_image(dv, dq, "img.qcow2")
+                self.assertEqual(_alloc(os.path.join(dv, "img.qcow2")), _alloc(os.path.join(dq, "img.qcow2")),
+                                 "file size and blocks after the shrink (vblk, qemu-img)")
+                v = vblk("check", "img.qcow2", cwd=dv)
+                q = qemu("check", "img.qcow2", cwd=dq)
+                self.assertSameResult(v, q, "(check after the shrink)")
+
+    def test_shrink_with_snapshots(self):
+        """v3 images shrink with their snapshots kept (v2 ones refuse); the
+        snapshot table last in the file, in a partial cluster, is kept."""
+        for opts in ("compat=1.1", "compat=0.10"):
+            with self.subTest(opts=opts):
+                self.tmp = make_tempdir(self, base=TMP_BASE)
+
+                def build(d):
+                    qemu_ok("create", "-q", "-f", "qcow2", "-o", opts, "img.qcow2", "4M", cwd=d)
+                    qemu_io(d, "img.qcow2", ["write -P 1 0 4M"])
+                    qemu_ok("snapshot", "-c", "s1", "img.qcow2", cwd=d)
+                    qemu_io(d, "img.qcow2", ["write -P 2 0 4M"])
+                    qemu_ok("snapshot", "-c", "s2", "img.qcow2", cwd=d)
+                dv, dq = _two_dirs(self, build)
+                self._resize_both(dv, dq, "--shrink", "img.qcow2", "1M")
+                self._same_image(dv, dq, "img.qcow2")
+                self.assertEqual(_alloc(os.path.join(dv, "img.qcow2")), _alloc(os.path.join(dq, "img.qcow2")))
+
+
+# ---------------------------------------------------------------------------
 # E. Out of space: a failed allocating write leaks nothing
 # ---------------------------------------------------------------------------
 

@@ -26,18 +26,8 @@ Task<Status> Qcow2Node::resize(uint64_t size, Prealloc prealloc) {
   if (h_.nb_snapshots && h_.version < 3) co_return Error(ENOTSUP, "Can't resize a v2 image which has snapshots");
   if (size < h_.size && prealloc != Prealloc::Off)
     co_return Error(EINVAL, "Preallocation can't be used for shrinking an image");
+  if (size < h_.size) co_return co_await shrink(size);
   const uint64_t old_size = h_.size;
-  if (size < h_.size) {
-    // Shrink: the clusters past the new end are freed (the L1 table keeps
-    // its size; the file is not truncated, so nothing else can move).
-    uint64_t from = align_up(size, cs_);
-    if (from < h_.size) VBLK_CO_TRY(co_await discard_range(from, h_.size - from, true));
-    auto g = co_await lock_.scoped();
-    h_.size = size;
-    VBLK_CO_TRY(co_await write_header());
-    set_length(size);
-    co_return co_await rb_cache_->flush();
-  }
   auto g = co_await lock_.scoped();
   uint64_t per_l1 = cs_ * l2_entries_;
   uint64_t need = (size + per_l1 - 1) / per_l1;

@@ -14,6 +14,7 @@
 //   check.cc         consistency check and repair (qemu-img check)
 //   snapshot.cc      internal snapshots: table, create, apply, delete
 //   bitmap.cc        persistent dirty bitmaps (the `bitmaps` extension)
+//   shrink.cc        resize --shrink: freeing, punching, truncating the file
 //
 // Metadata (L1, L2 and refcount caches, the allocation state) is guarded by
 // `lock_`, a coroutine mutex held across metadata I/O but never across guest
@@ -177,6 +178,13 @@ class Qcow2Node final : public Node {
   Task<Status> grow_refcount_table(uint64_t min_entries);
   uint64_t refcount_get(const uint8_t* block, uint64_t index) const;
   void refcount_set(uint8_t* block, uint64_t index, uint64_t value) const;
+
+  // ---- shrink.cc
+  Task<Status> shrink(uint64_t size);
+  Task<Status> shrink_reftable();
+  // While set, update_refcount appends every cluster it frees (shrink
+  // punches them in the file afterwards).
+  std::vector<uint64_t>* freed_sink_ = nullptr;
 
   // ---- prealloc.cc (lock held)
   // preallocation=metadata over guest [from, to): L2 tables and data

@@ -219,6 +219,7 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
       // Not reusable before the next flush: until then an L2 entry on disk
       // may still point here, and new data must not appear through it.
       quarantine_.insert(ci);
+      if (freed_sink_) freed_sink_->push_back(ci);
       // Compressed data is never packed into a cluster that was freed (it
       // may be reused for anything after the next flush).
       if (free_byte_offset_ / cs_ == ci) free_byte_offset_ = 0;
