@@ -1109,6 +1109,58 @@ class ResizeTest(Qcow2TestCase):
         c = run([QEMU_IMG, "compare", os.path.join(dv, img), os.path.join(dq, img)], timeout=60)
         self.assertEqual((c.rc, c.stdout), (0, IDENTICAL), c)
 
+    def test_grow_over_longer_backing_reads_zeroes(self):
+        """iotest 292 and variations: an overlay shrunk below its backing
+        file's length and grown again reads zeroes in the new area (QEMU
+        zeroes it: zero clusters, and data zeroes in the unit the old end
+        falls in), never the overlay's stale data nor the backing file's."""
+        cases = [
+            # create options, shrink to, grow to, resize extra args
+            ("", "520k", "567k", ()),
+            ("", "520k", "2M", ()),
+            ("cluster_size=4k", "517k", "900k", ()),
+            ("extended_l2=on", "520k", "1000k", ()),
+            ("", "520k", "2M", ("--preallocation=metadata",)),
+            ("", "640k", "3M", ("--preallocation=falloc",)),
+            ("compat=0.10", "520k", "567k", ()),
+            ("compat=0.10", "520k", "2M", ()),   # v2 has no zero flag: QEMU fails
+        ]
+        for opts, small, big, extra in cases:
+            with self.subTest(opts=opts, small=small, big=big, extra=extra):
+                self.tmp = make_tempdir(self, base=TMP_BASE)
+
+                def build(d):
+                    o = ["-o", opts] if opts else []
+                    qemu_ok("create", "-q", "-f", "qcow2", *o, "base.qcow2", "1M", cwd=d)
+                    qemu_io(d, "base.qcow2", ["write -P 0x11 0 1M"])
+                    qemu_ok("create", "-q", "-f", "qcow2", *o, "-b", "base.qcow2", "-F", "qcow2",
+                            "top.qcow2", cwd=d)
+                    qemu_io(d, "top.qcow2", ["write -P 0x22 0 1M"])
+                dv, dq = _two_dirs(self, build)
+                self._resize_both(dv, dq, "--shrink", "top.qcow2", small)
+                _, q = self._resize_both(dv, dq, *extra, "top.qcow2", big)
+                self._same_image(dv, dq, "top.qcow2")
+                if q.rc == 0:
+                    n = int(small[:-1]) * KiB
+                    qemu_io(dv, "top.qcow2", ["read -P 0x22 0 %d" % n,
+                                              "read -P 0 %d %d" % (n, int(big[:-1]) * (MiB if big[-1] == "M" else KiB) - n)])
+
+    def test_grow_without_longer_backing_keeps_qemus_layout(self):
+        """No backing file, or a shorter one: nothing is zeroed (QEMU leaves
+        the new area unallocated)."""
+        def build(d):
+            qemu_ok("create", "-q", "-f", "qcow2", "base.qcow2", "256k", cwd=d)
+            qemu_io(d, "base.qcow2", ["write -P 0x11 0 256k"])
+            qemu_ok("create", "-q", "-f", "qcow2", "-b", "base.qcow2", "-F", "qcow2", "top.qcow2", "1M", cwd=d)
+            qemu_io(d, "top.qcow2", ["write -P 0x22 0 1M"])
+            qemu_ok("create", "-q", "-f", "qcow2", "alone.qcow2", "1M", cwd=d)
+            qemu_io(d, "alone.qcow2", ["write -P 0x22 0 1M"])
+        dv, dq = _two_dirs(self, build)
+        for img in ("top.qcow2", "alone.qcow2"):
+            self._resize_both(dv, dq, "--shrink", img, "520k")
+            self._resize_both(dv, dq, img, "2M")
+            self._same_image(dv, dq, img)
+
     def test_shrink_gives_space_back(self):
         """iotest 250 and variations: a shrink frees the clusters past the
         new end, punches them out of the file and cuts the file after its
