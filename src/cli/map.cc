@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "cli/common.h"
+#include "vblk/filter_node.h"
 
 namespace vblk::cli {
 
@@ -19,6 +20,13 @@ struct MapEntry {
   std::string filename;  // set when has_offset
 };
 
+// Filters (blkdebug, throttle, copy-before-write) are looked through, as
+// QEMU's bdrv_skip_filters: the backing chain is the filtered image's.
+Node* skip_filters(Node* n) {
+  while (auto* f = dynamic_cast<FilterNode*>(n)) n = &f->filtered();
+  return n;
+}
+
 // qemu-img's get_block_status: walk down the backing chain until a layer
 // knows (data or zero); depth counts the layers passed.
 Task<Result<MapEntry>> get_entry(Node& top, uint64_t offset, uint64_t bytes) {
@@ -26,6 +34,7 @@ Task<Result<MapEntry>> get_entry(Node& top, uint64_t offset, uint64_t bytes) {
   int depth = 0;
   BlockStatus st;
   for (;;) {
+    n = skip_filters(n);
     auto r = co_await n->block_status(offset, bytes);
     if (!r) co_return r.take_error();
     st = *r;

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -639,6 +640,117 @@ class BitmapInteropTest(InteropTestCase):
 
         self.both(scenario)
 
+
+
+def _bitmap_dir(path):
+    """(directory offset, size, nb_bitmaps, header-extension offset) of a
+    qcow2 image's bitmaps extension."""
+    with open(path, "rb") as f:
+        h = f.read(65536)
+    off = struct.unpack_from(">I", h, 100)[0]
+    while off + 8 <= len(h):
+        t, n = struct.unpack_from(">II", h, off)
+        if t == 0:
+            break
+        if t == 0x23852875:
+            nb, _, size, where = struct.unpack_from(">IIQQ", h, off + 8)
+            return where, size, nb, off + 8
+        off += 8 + (n + 7) // 8 * 8
+    raise AssertionError("no bitmaps extension in " + path)
+
+
+def _patch(path, off, fmt, value):
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(struct.pack(fmt, value))
+
+
+def _entry_field(field):
+    """A damage: sets a field of the first bitmap directory entry."""
+    off, fmt = {"table_offset": (0, ">Q"), "table_size": (8, ">I"), "flags": (12, ">I"), "type": (16, ">B"),
+                "granularity_bits": (17, ">B"), "name_size": (18, ">H"), "extra_data_size": (20, ">I")}[field]
+
+    def damage(path, value):
+        where = _bitmap_dir(path)[0]
+        _patch(path, where + off, fmt, value)
+    return damage
+
+
+def _first_table_entry(path, value):
+    where = _bitmap_dir(path)[0]
+    with open(path, "rb") as f:
+        f.seek(where)
+        table = struct.unpack(">Q", f.read(8))[0]
+    _patch(path, table, ">Q", value)
+
+
+def _nb_bitmaps(path, value):
+    _patch(path, _bitmap_dir(path)[3], ">I", value)
+
+
+class BitmapConstraintsTest(InteropTestCase):
+    """iotest 242 and QEMU's check_dir_entry / bitmap_table_load /
+    load_bitmap_data: a bitmap directory entry that breaks the format's
+    constraints makes the image fail to open, with QEMU's message, for
+    `info` and for a read; neither tool writes anything to such an image."""
+
+    CASES = [
+        ("unknown_flag", _entry_field("flags"), 2 | 4),
+        ("granularity_8", _entry_field("granularity_bits"), 8),
+        ("granularity_32", _entry_field("granularity_bits"), 32),
+        ("type_2", _entry_field("type"), 2),
+        ("table_size_0", _entry_field("table_size"), 0),
+        ("table_size_big", _entry_field("table_size"), 0x8000001),
+        ("table_size_2", _entry_field("table_size"), 2),     # the disk needs 1: refused at load
+        ("table_offset_0", _entry_field("table_offset"), 0),
+        ("table_offset_unaligned", _entry_field("table_offset"), 0x30200),
+        ("extra_data", _entry_field("extra_data_size"), 8),
+        ("table_entry_reserved", _first_table_entry, 1 << 60),
+        ("table_entry_all_ones_with_offset", _first_table_entry, 0x50000 | 1),
+        ("table_entry_unaligned", _first_table_entry, 0x50200),
+        ("nb_bitmaps_more", _nb_bitmaps, 3),
+        ("nb_bitmaps_less", _nb_bitmaps, 1),
+    ]
+
+    def _image(self, d):
+        img = os.path.join(d, "img.qcow2")
+        self.assertEqual(qemu("create", "-q", "-f", "qcow2", img, "1M").rc, 0)
+        for args in (["--add", "-g", "16k", img, "bitmap-0"], ["--add", img, "bitmap-1"]):
+            r = qemu("bitmap", *args)
+            self.assertEqual(r.rc, 0, r)
+        r = subprocess.run([QEMU_IO, "-c", "write -P 1 0 64k", img], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r)
+        return img
+
+    @unittest.skipUnless(QEMU_IO, "needs qemu-io")
+    def test_broken_entries_refused(self):
+        good = self._image(self.tmp)
+        for name, damage, value in self.CASES:
+            with self.subTest(case=name):
+                img = os.path.join(self.tmp, name + ".qcow2")
+                shutil.copy(good, img)
+                damage(img, value)
+                with open(img, "rb") as f:
+                    before = f.read()
+                v, q = both("info", "-f", "qcow2", img)
+                self.assertNotEqual(q.rc, 0, q)
+                self.assertSameResult(v, q)
+                rv = subprocess.run([VBLK, "io", "-f", "qcow2", "-c", "read 0 512", img],
+                                    capture_output=True, text=True)
+                rq = subprocess.run([QEMU_IO, "-f", "qcow2", "-c", "read 0 512", img],
+                                    capture_output=True, text=True)
+                self.assertNotEqual(rq.returncode, 0, rq)
+                self.assertEqual(rv.returncode, rq.returncode, (rv, rq))
+                self.assertEqual(rv.stderr.replace("vblk:", "qemu-io:").replace(VBLK, "qemu-io"), rq.stderr)
+                with open(img, "rb") as f:
+                    self.assertEqual(f.read(), before, "the image was written to")
+
+    @unittest.skipUnless(QEMU_IO, "needs qemu-io")
+    def test_good_entries_still_load(self):
+        img = self._image(self.tmp)
+        v, q = both("info", "--output=json", "-f", "qcow2", img)
+        self.assertEqual(q.rc, 0, q)
+        self.assertSameResult(v, q)
 
 
 if __name__ == "__main__":

@@ -635,8 +635,8 @@ class DamagedImagesTest(CheckTestCase):
                         self.repair_both(d, "img.qcow2", mode, dmg.__name__)
 
     def test_snapshot_table(self):
-        """A snapshot entry missing its v3 extra data (check only: vblk does
-        not rewrite snapshot tables) and one with a misaligned L1 table."""
+        """A snapshot entry missing its v3 extra data (the table is rewritten
+        by -r all) and one with a misaligned L1 table."""
         d = self.tmp
         make_qemu_image(d, "img.qcow2", "cluster_size=4k", "2M", cs=4 * KiB)
         qemu_ok("snapshot", "-c", "one", "img.qcow2", cwd=d)
@@ -647,7 +647,8 @@ class DamagedImagesTest(CheckTestCase):
         q = Qcow2File(os.path.join(d, "inc.qcow2"))
         q.write(q.snapshot_field(1, "extra_data_size"), struct.pack(">I", 8))
         self.same_check(d, "inc.qcow2")
-        self.check_both(d, "-r", "leaks", "inc.qcow2")
+        for mode in ("leaks", "all"):
+            self.repair_both(d, "inc.qcow2", mode)
         shutil.copyfile(base, os.path.join(d, "l1.qcow2"))
         q = Qcow2File(os.path.join(d, "l1.qcow2"))
         pos = q.snapshot_field(0, "l1_offset")
@@ -655,6 +656,115 @@ class DamagedImagesTest(CheckTestCase):
         self.same_check(d, "l1.qcow2")
         for mode in ("leaks", "all"):
             self.repair_both(d, "l1.qcow2", mode)
+
+    def test_snapshot_table_repair(self):
+        """Snapshot tables -r all repairs as qemu-img does (QEMU's
+        qcow2_check_fix_snapshot_table, iotest 261): entries missing their v3
+        extra data, extra data beyond the 1 KiB maximum, a header counting
+        one entry more than the table holds. The table is rewritten; the
+        repaired image and its snapshot list equal qemu-img's."""
+        d = self.tmp
+        make_qemu_image(d, "img.qcow2", "cluster_size=4k", "2M", cs=4 * KiB)
+        qemu_ok("snapshot", "-c", "one", "img.qcow2", cwd=d)
+        qemu_io(d, "img.qcow2", ["write -P 0x61 0 4k"])
+        qemu_ok("snapshot", "-c", "two", "img.qcow2", cwd=d)
+        qemu_io(d, "img.qcow2", ["write -P 0x62 8k 4k"])
+        qemu_ok("snapshot", "-c", "three", "img.qcow2", cwd=d)
+        base = os.path.join(d, "img.qcow2")
+
+        def entries(q):
+            out, off = [], q.snapshots_offset
+            for _ in range(q.nb_snapshots):
+                h = bytearray(q.read(off, 40))
+                id_len, name_len = struct.unpack_from(">HH", h, 12)
+                n = struct.unpack_from(">I", h, 36)[0]
+                extra = q.read(off + 40, n)
+                names = q.read(off + 40 + n, id_len + name_len)
+                out.append([h, extra, names])
+                off = (off + 40 + n + id_len + name_len + 7) // 8 * 8
+            return out
+
+        def rewrite(q, table):
+            blob = b""
+            for h, extra, names in table:
+                struct.pack_into(">I", h, 36, len(extra))
+                blob += bytes((-len(blob)) % 8) + bytes(h) + extra + names
+            self.assertLessEqual(len(blob), q.cs)
+            q.write(q.snapshots_offset, blob)
+
+        def extra(i, n):
+            """Entry i's extra data cut to n bytes, or grown to n with junk
+            (the table stays well formed, as iotest 261 builds it)."""
+            def damage(q):
+                t = entries(q)
+                e = t[i][1]
+                t[i][1] = e[:n] if n <= len(e) else e + bytes(range(256)) * ((n - len(e)) // 256) + \
+                    bytes((n - len(e)) % 256)
+                rewrite(q, t)
+            return damage
+
+        def one_more(q):
+            q.write(60, struct.pack(">I", q.nb_snapshots + 1))
+
+        cases = [("incomplete1", [extra(1, 0)]),
+                 ("incomplete_all", [extra(0, 8), extra(1, 8), extra(2, 8)]),
+                 ("unknown_extra_kept", [extra(1, 100)]),
+                 ("too_much_extra", [extra(2, 1500)]),
+                 ("too_much_and_incomplete", [extra(0, 1100), extra(2, 0)]),
+                 ("one_more", [one_more])]
+        for name, dmgs in cases:
+            with self.subTest(case=name):
+                img = name + ".qcow2"
+                shutil.copyfile(base, os.path.join(d, img))
+                for dmg in dmgs:
+                    dmg(Qcow2File(os.path.join(d, img)))
+                self.same_check(d, img, name)
+                for mode in ("leaks", "all"):
+                    self.repair_both(d, img, mode, name)
+                lv = qemu("snapshot", "-l", "v-" + img, cwd=d)
+                lq = qemu("snapshot", "-l", "q-" + img, cwd=d)
+                self.assertEqual((lv.rc, lv.stdout.replace("v-" + img, "IMG"), lv.stderr),
+                                 (lq.rc, lq.stdout.replace("q-" + img, "IMG"), lq.stderr), name)
+                again = vblk("check", "v-" + img, cwd=d)
+                self.assertEqual(again.rc, 0, again)
+
+        # iotest 261: the last of four snapshots of an empty image claims
+        # 64 KiB of extra data, past the table and the file: the refcounts
+        # are rebuilt, the clusters that frees are reused by the new table.
+        qemu_ok("create", "-q", "-f", "qcow2", "e.qcow2", "64M", cwd=d)
+        for n in range(4):
+            qemu_ok("snapshot", "-c", "sn%d" % n, "e.qcow2", cwd=d)
+        q = Qcow2File(os.path.join(d, "e.qcow2"))
+        q.write(q.snapshot_field(3, "extra_data_size"), struct.pack(">I", 65536))
+        self.same_check(d, "e.qcow2")
+        for mode in ("leaks", "all"):
+            self.repair_both(d, "e.qcow2", mode)
+
+    def test_unknown_autoclear_bits_cleared(self):
+        """iotest 036: autoclear bits neither tool knows are cleared by a
+        read-write open (check -r, a qemu-io/vblk io session), never by a
+        read-only one."""
+        d = self.tmp
+        make_qemu_image(d, "img.qcow2", "", "4M")
+        q = Qcow2File(os.path.join(d, "img.qcow2"))
+        q.put_u64(88, q.autoclear | (1 << 63) | (1 << 7))
+        before = Qcow2File(os.path.join(d, "img.qcow2")).autoclear
+        self.same_check(d, "img.qcow2")
+        self.assertEqual(Qcow2File(os.path.join(d, "img.qcow2")).autoclear, before, "check without -r")
+        for mode in ("leaks", "all"):
+            self.repair_both(d, "img.qcow2", mode)
+            av = Qcow2File(os.path.join(d, "v-img.qcow2")).autoclear
+            aq = Qcow2File(os.path.join(d, "q-img.qcow2")).autoclear
+            self.assertEqual(av, aq, "autoclear bits after check -r " + mode)
+            self.assertFalse(aq & (1 << 63), aq)
+        for ro in ([], ["-r"]):
+            shutil.copyfile(os.path.join(d, "img.qcow2"), os.path.join(d, "v.qcow2"))
+            shutil.copyfile(os.path.join(d, "img.qcow2"), os.path.join(d, "q.qcow2"))
+            rv = vblk("io", *ro, "-c", "read 0 512", "v.qcow2", cwd=d)
+            rq = run([QEMU_IO, *ro, "-c", "read 0 512", "q.qcow2"], cwd=d)
+            self.assertEqual(rv.rc, rq.rc, (rv, rq))
+            self.assertEqual(Qcow2File(os.path.join(d, "v.qcow2")).autoclear,
+                             Qcow2File(os.path.join(d, "q.qcow2")).autoclear, "io %s" % ro)
 
     def test_snapshot_refcounts(self):
         """Snapshot-shared clusters: refcount 2 lowered to 1 (an error fixed

@@ -848,6 +848,53 @@ HOSTILE = [
     ("v2_with_v3_fields", [(H_VERSION, ">I", 2)], None),
 ]
 
+
+def _feature_table(entries, incompat):
+    """A spec replacing the image's feature name table (iotest 036): entries
+    are (type, bit, name) or raw 48-byte blobs; unknown incompatible bits set."""
+    def build(good):
+        b = bytearray(good)
+        hlen = struct.unpack_from(">I", b, H_HEADER_LEN)[0]
+        exts, off = [], hlen
+        while off + 8 <= 65536:
+            t, n = struct.unpack_from(">II", b, off)
+            if t == 0:
+                break
+            exts.append((t, bytes(b[off + 8:off + 8 + n])))
+            off += 8 + (n + 7) // 8 * 8
+        table = b"".join(e if isinstance(e, bytes) else
+                         struct.pack(">BB46s", e[0], e[1], e[2].encode()) for e in entries)
+        exts = [(t, d) for t, d in exts if t != 0x6803F857]
+        if entries is not None:
+            exts.append((0x6803F857, table))
+        area = b"".join(struct.pack(">II", t, len(d)) + d + bytes((-len(d)) % 8) for t, d in exts)
+        area += bytes(8)
+        b[hlen:hlen + len(area)] = area
+        struct.pack_into(">Q", b, H_INCOMPAT, incompat)
+        return bytes(b)
+    return build
+
+
+U = "Unsupported qcow2 feature(s): "
+HOSTILE += [
+    # The names come from the image's own table; bits it does not name
+    # are listed as one hex mask (QEMU's report_unsupported_feature).
+    ("feature_unnamed_63", _feature_table([], 1 << 63), U + "Unknown incompatible feature: 8000000000000000"),
+    ("feature_named_63", _feature_table([(0, 63, "Test feature")], 1 << 63), U + "Test feature"),
+    ("feature_named_one_of_three", _feature_table([(0, 63, "Test feature")], 7 << 61),
+     U + "Test feature, Unknown incompatible feature: 6000000000000000"),
+    ("feature_named_other_bit", _feature_table([(0, 61, "Test feature")], 7 << 61),
+     U + "Test feature, Unknown incompatible feature: c000000000000000"),
+    ("feature_named_three", _feature_table([(0, 61, "test1"), (0, 62, "test2"), (0, 63, "test3")], 7 << 61),
+     U + "test1, test2, test3"),
+    ("feature_types_mixed", _feature_table([(1, 61, "test1"), (0, 62, "test2"), (2, 63, "test3"),
+                                            (0, 60, "test4")], 7 << 61),
+     U + "test2, Unknown incompatible feature: a000000000000000"),
+    ("feature_table_ends_at_empty_name", _feature_table([(0, 61, "test1"), bytes(48), (0, 62, "test2")], 3 << 61),
+     U + "test1, Unknown incompatible feature: 4000000000000000"),
+    ("feature_name_46_chars", _feature_table([(0, 62, "n" * 46)], 1 << 62), U + "n" * 46),
+]
+
 # Cases in which qemu-img's probe does not pick qcow2 (checked only with -f).
 FORCE_FORMAT_ONLY = {"bad_magic"}
 # Only `map`/`compare` (which do I/O) report this one; `info` succeeds.
@@ -1023,6 +1070,217 @@ def _make_hostile_test(name, spec, qmsg):
 for _n, _sp, _m in HOSTILE:
     setattr(HostileImagesTest, "test_hostile_" + _n, _make_hostile_test(_n, _sp, _m))
 
+
+# ---------------------------------------------------------------------------
+# D. resize: growing over a longer backing file, shrinking (iotests 292, 250)
+# ---------------------------------------------------------------------------
+
+def _two_dirs(test, build):
+    """The same files built once, copied for vblk and for qemu-img."""
+    src = make_tempdir(test, base=TMP_BASE)
+    build(src)
+    out = []
+    for who in ("v", "q"):
+        d = os.path.join(test.tmp, who)
+        shutil.copytree(src, d)
+        out.append(d)
+    return out
+
+
+def _alloc(path):
+    st = os.stat(path)
+    return st.st_size, st.st_blocks
+
+
+class ResizeTest(Qcow2TestCase):
+    def _resize_both(self, dv, dq, *args):
+        v = vblk("resize", *args, cwd=dv, timeout=60)
+        q = qemu("resize", *args, cwd=dq, timeout=60)
+        self.assertSameResult(v, q, "(resize %s)" % " ".join(args))
+        return v, q
+
+    def _same_image(self, dv, dq, img):
+        for d in (dv, dq):
+            r = qemu("check", img, cwd=d)
+            self.assertEqual((r.rc, r.stderr), (0, ""), r)
+        mv = qemu("map", "--output=json", img, cwd=dv)
+        mq = qemu("map", "--output=json", img, cwd=dq)
+        self.assertEqual(mv.stdout, mq.stdout, "qemu-img map of vblk's and of qemu-img's result")
+        c = run([QEMU_IMG, "compare", os.path.join(dv, img), os.path.join(dq, img)], timeout=60)
+        self.assertEqual((c.rc, c.stdout), (0, IDENTICAL), c)
+
+    def test_grow_over_longer_backing_reads_zeroes(self):
+        """iotest 292 and variations: an overlay shrunk below its backing
+        file's length and grown again reads zeroes in the new area (QEMU
+        zeroes it: zero clusters, and data zeroes in the unit the old end
+        falls in), never the overlay's stale data nor the backing file's."""
+        cases = [
+            # create options, shrink to, grow to, resize extra args
+            ("", "520k", "567k", ()),
+            ("", "520k", "2M", ()),
+            ("cluster_size=4k", "517k", "900k", ()),
+            ("extended_l2=on", "520k", "1000k", ()),
+            ("", "520k", "2M", ("--preallocation=metadata",)),
+            ("", "640k", "3M", ("--preallocation=falloc",)),
+            ("compat=0.10", "520k", "567k", ()),
+            ("compat=0.10", "520k", "2M", ()),   # v2 has no zero flag: QEMU fails
+        ]
+        for opts, small, big, extra in cases:
+            with self.subTest(opts=opts, small=small, big=big, extra=extra):
+                self.tmp = make_tempdir(self, base=TMP_BASE)
+
+                def build(d):
+                    o = ["-o", opts] if opts else []
+                    qemu_ok("create", "-q", "-f", "qcow2", *o, "base.qcow2", "1M", cwd=d)
+                    qemu_io(d, "base.qcow2", ["write -P 0x11 0 1M"])
+                    qemu_ok("create", "-q", "-f", "qcow2", *o, "-b", "base.qcow2", "-F", "qcow2",
+                            "top.qcow2", cwd=d)
+                    qemu_io(d, "top.qcow2", ["write -P 0x22 0 1M"])
+                dv, dq = _two_dirs(self, build)
+                self._resize_both(dv, dq, "--shrink", "top.qcow2", small)
+                _, q = self._resize_both(dv, dq, *extra, "top.qcow2", big)
+                self._same_image(dv, dq, "top.qcow2")
+                if q.rc == 0:
+                    n = int(small[:-1]) * KiB
+                    qemu_io(dv, "top.qcow2", ["read -P 0x22 0 %d" % n,
+                                              "read -P 0 %d %d" % (n, int(big[:-1]) * (MiB if big[-1] == "M" else KiB) - n)])
+
+    def test_grow_without_longer_backing_keeps_qemus_layout(self):
+        """No backing file, or a shorter one: nothing is zeroed (QEMU leaves
+        the new area unallocated)."""
+        def build(d):
+            qemu_ok("create", "-q", "-f", "qcow2", "base.qcow2", "256k", cwd=d)
+            qemu_io(d, "base.qcow2", ["write -P 0x11 0 256k"])
+            qemu_ok("create", "-q", "-f", "qcow2", "-b", "base.qcow2", "-F", "qcow2", "top.qcow2", "1M", cwd=d)
+            qemu_io(d, "top.qcow2", ["write -P 0x22 0 1M"])
+            qemu_ok("create", "-q", "-f", "qcow2", "alone.qcow2", "1M", cwd=d)
+            qemu_io(d, "alone.qcow2", ["write -P 0x22 0 1M"])
+        dv, dq = _two_dirs(self, build)
+        for img in ("top.qcow2", "alone.qcow2"):
+            self._resize_both(dv, dq, "--shrink", img, "520k")
+            self._resize_both(dv, dq, img, "2M")
+            self._same_image(dv, dq, img)
+
+    def test_shrink_gives_space_back(self):
+        """iotest 250 and variations: a shrink frees the clusters past the
+        new end, punches them out of the file and cuts the file after its
+        last used cluster: the same file size and allocation as qemu-img's."""
+        cases = [
+            ("cluster_size=1M,preallocation=metadata", "2100M",
+             ["discard 0 10M", "discard 2090M 10M", "write 2090M 10M", "write 0 10M"], "5M"),
+            ("", "64M", ["write -P 1 0 4M", "write -P 2 30M 2M", "write -P 3 60M 4M"], "31M"),
+            ("", "64M", ["write -P 1 0 4M", "write -P 3 60M 4M"], "1M"),
+            ("cluster_size=512", "2M", ["write -P 1 0 2M"], "100k"),   # L2 tables freed too
+            ("cluster_size=4k,refcount_bits=1", "8M", ["write -P 1 0 8M"], "3M"),
+            ("", "64M", ["write -c -P 1 0 4M", "write -P 2 40M 1M"], "2M"),  # compressed
+        ]
+        for opts, size, ops, small in cases:
+            with self.subTest(opts=opts, ops=ops, small=small):
+                self.tmp = make_tempdir(self, base=TMP_BASE)
+
+                def build(d):
+                    o = ["-o", opts] if opts else []
+                    qemu_ok("create", "-q", "-f", "qcow2", *o, "img.qcow2", size, cwd=d)
+                    qemu_io(d, "img.qcow2", ops)
+                dv, dq = _two_dirs(self, build)
+                self._resize_both(dv, dq, "--shrink", "img.qcow2", small)
+                self._same_image(dv, dq, "img.qcow2")
+                self.assertEqual(_alloc(os.path.join(dv, "img.qcow2")), _alloc(os.path.join(dq, "img.qcow2")),
+                                 "file size and blocks after the shrink (vblk, qemu-img)")
+                v = vblk("check", "img.qcow2", cwd=dv)
+                q = qemu("check", "img.qcow2", cwd=dq)
+                self.assertSameResult(v, q, "(check after the shrink)")
+
+    def test_shrink_with_snapshots(self):
+        """v3 images shrink with their snapshots kept (v2 ones refuse); the
+        snapshot table last in the file, in a partial cluster, is kept."""
+        for opts in ("compat=1.1", "compat=0.10"):
+            with self.subTest(opts=opts):
+                self.tmp = make_tempdir(self, base=TMP_BASE)
+
+                def build(d):
+                    qemu_ok("create", "-q", "-f", "qcow2", "-o", opts, "img.qcow2", "4M", cwd=d)
+                    qemu_io(d, "img.qcow2", ["write -P 1 0 4M"])
+                    qemu_ok("snapshot", "-c", "s1", "img.qcow2", cwd=d)
+                    qemu_io(d, "img.qcow2", ["write -P 2 0 4M"])
+                    qemu_ok("snapshot", "-c", "s2", "img.qcow2", cwd=d)
+                dv, dq = _two_dirs(self, build)
+                self._resize_both(dv, dq, "--shrink", "img.qcow2", "1M")
+                self._same_image(dv, dq, "img.qcow2")
+                self.assertEqual(_alloc(os.path.join(dv, "img.qcow2")), _alloc(os.path.join(dq, "img.qcow2")))
+
+
+# ---------------------------------------------------------------------------
+# E. Out of space: a failed allocating write leaks nothing
+# ---------------------------------------------------------------------------
+
+@unittest.skipUnless(os.geteuid() == 0 and shutil.which("mount"), "needs root to mount a small tmpfs")
+class OutOfSpaceTest(Qcow2TestCase):
+    """Writes into a qcow2 image on a full file system fail with ENOSPC; the
+    clusters the failed writes had allocated are freed again (QEMU's
+    qcow2_alloc_cluster_abort): qemu-img check finds no leaks, as on the
+    image qemu-io / qemu-img left in the same situation."""
+
+    def setUp(self):
+        super().setUp()
+        self.mnt = os.path.join(self.tmp, "small")
+        os.mkdir(self.mnt)
+        r = run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", self.mnt])
+        if r.rc != 0:
+            self.skipTest("cannot mount a tmpfs: %r" % r)
+        self.addCleanup(run, ["umount", "-l", self.mnt])
+
+    def _leaks(self, img):
+        r = run([QEMU_IMG, "check", img], timeout=60)
+        self.assertIn(r.rc, (0, 3), r.stdout[:2000])   # 3: leaks only, no corruption
+        return 0 if r.rc == 0 else int(r.stdout.split()[0])
+
+    def _run(self, argv, make):
+        for name in os.listdir(self.mnt):
+            os.unlink(os.path.join(self.mnt, name))
+        img = os.path.join(self.mnt, "t.qcow2")
+        make(img)
+        r = run(argv + [img], timeout=120)
+        self.assertIn("No space left on device", r.stdout + r.stderr, r)
+        return self._leaks(img)
+
+    def test_io_write_until_full(self):
+        """qemu-io leaks nothing with 64k clusters and some with 4k ones
+        (its L2 and refcount blocks): vblk leaks nothing in either case."""
+        for opts in ("cluster_size=64k", "cluster_size=4k", "extended_l2=on", "cluster_size=64k,refcount_bits=1"):
+            with self.subTest(opts=opts):
+                def make(img):
+                    qemu_ok("create", "-q", "-f", "qcow2", "-o", opts, img, "64M")
+                lq = self._run([QEMU_IO, "-f", "qcow2", "-c", "write -P 1 0 16M"], make)
+                lv = self._run([VBLK, "io", "-f", "qcow2", "-c", "write -P 1 0 16M"], make)
+                if opts == "cluster_size=64k":
+                    self.assertEqual(lq, 0, "qemu-io's image")
+                self.assertEqual(lv, 0, "vblk io's image leaks (qemu-io's: %d)" % lq)
+                # Small writes: each one allocates, the first that does not fit fails.
+                lv = self._run([VBLK, "bench", "-w", "-c", "4096", "-s", "4k", "-d", "4", "-f", "qcow2"], make)
+                self.assertEqual(lv, 0, "vblk bench -w's image leaks")
+
+    def test_convert_until_full(self):
+        src = os.path.join(self.tmp, "src.raw")
+        with open(src, "wb") as f:
+            f.write(semi_compressible(12 * MiB, 7))
+        for extra in ([], ["-W"], ["-o", "cluster_size=4k"], ["-c"]):
+            with self.subTest(extra=extra):
+                leaks = {}
+                for prog in (QEMU_IMG, VBLK):
+                    for name in os.listdir(self.mnt):
+                        os.unlink(os.path.join(self.mnt, name))
+                    dst = os.path.join(self.mnt, "t.qcow2")
+                    r = run([prog, "convert", "-O", "qcow2", *extra, src, dst], timeout=120)
+                    if extra == ["-c"] and r.rc == 0:
+                        leaks[prog] = self._leaks(dst)
+                        continue  # compressed, it may fit
+                    self.assertNotEqual(r.rc, 0, r)
+                    self.assertIn("No space left on device", r.stderr, r)
+                    leaks[prog] = self._leaks(dst)
+                if extra == []:
+                    self.assertEqual(leaks[QEMU_IMG], 0, "qemu-img's image")
+                self.assertEqual(leaks[VBLK], 0, "vblk's image leaks (qemu-img's: %d)" % leaks[QEMU_IMG])
 
 if __name__ == "__main__":
     unittest.main()

@@ -30,7 +30,7 @@ namespace {
 
 constexpr uint32_t kBmeInUse = 1u << 0;
 constexpr uint32_t kBmeAuto = 1u << 1;
-constexpr uint32_t kBmeReservedFlags = ~7u;
+constexpr uint32_t kBmeReservedFlags = ~(kBmeInUse | kBmeAuto);  // QEMU's BME_RESERVED_FLAGS
 constexpr uint64_t kBmeMaxTableSize = 0x8000000;
 constexpr uint64_t kBmeMaxPhysSize = 0x20000000;
 constexpr unsigned kBmeMinGranularityBits = 9;
@@ -90,9 +90,12 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
   dir.zero();
   auto st = co_await file_->read(dir_offset, dir.span());
   if (!st) co_return st.error().prefixed("Failed to read bitmap directory");
+  // QEMU's bitmap_list_load: its checks in its order, with its messages.
   std::vector<BitmapDirEntry> entries;
-  for (uint64_t pos = 0; pos < dir_size;) {
-    if (pos + 24 > dir_size || entries.size() >= nb) co_return Error(EINVAL, "Broken bitmap directory");
+  uint64_t pos = 0;
+  while (pos < dir_size) {
+    if (pos + 24 > dir_size) co_return Error(EINVAL, "Broken bitmap directory");
+    if (entries.size() >= nb) co_return Error(EINVAL, "More bitmaps found than specified in header extension");
     const uint8_t* p = dir.data() + pos;
     BitmapDirEntry e;
     e.table_offset = be64(p);
@@ -103,8 +106,8 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
     const uint16_t name_size = be16(p + 18);
     const uint32_t extra_size = be32(p + 20);
     if (pos + entry_size(name_size, extra_size) > dir_size) co_return Error(EINVAL, "Broken bitmap directory");
-    e.extra.assign(p + 24, p + 24 + extra_size);
-    e.name.assign(reinterpret_cast<const char*>(p + 24 + extra_size), name_size);
+    if (extra_size) co_return Error(EINVAL, "Bitmap extra data is not supported");
+    e.name.assign(reinterpret_cast<const char*>(p + 24), name_size);
     // QEMU's check_dir_entry.
     const uint64_t phys = uint64_t{e.table_size} * cs_;
     bool bad = e.table_size == 0 || e.table_offset == 0 || e.table_offset % cs_ || e.table_size > kBmeMaxTableSize ||
@@ -113,11 +116,11 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
                phys > kBmeMaxPhysSize ||
                (!(e.flags & kBmeInUse) && length() > ((phys * 8) << e.granularity_bits));
     if (bad) co_return Error(EINVAL, "Bitmap '" + e.name + "' doesn't satisfy the constraints");
-    if (extra_size) co_return Error(ENOTSUP, "Bitmap '" + e.name + "' has unsupported extra data");
     entries.push_back(std::move(e));
     pos += entry_size(name_size, extra_size);
   }
-  if (entries.size() != nb) co_return Error(EINVAL, "Broken bitmap directory");
+  if (entries.size() != nb) co_return Error(EINVAL, "Less bitmaps found than specified in header extension");
+  if (pos != dir_size) co_return Error(EINVAL, "Broken bitmap directory");
 
   bool needs_update = false;
   AlignedBuffer table_buf(cs_), data(cs_);
@@ -136,11 +139,21 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
       const uint64_t cover = covered_bytes(cs_, e.granularity_bits);
       AlignedBuffer tb(align_up(uint64_t{e.table_size} * 8, 512));
       auto rt = co_await file_->read(e.table_offset, tb.span());
-      if (!rt) co_return rt.error().prefixed("Could not read bitmap table");
-      for (uint64_t i = 0; i < n && i < e.table_size; ++i) {
+      if (!rt) co_return rt.error().prefixed("Could not read bitmap_table table from image for bitmap '" + e.name + "'");
+      // QEMU's bitmap_table_load checks every entry, then load_bitmap_data
+      // wants exactly the table this disk needs: anything else is refused
+      // before the image is touched.
+      for (uint64_t i = 0; i < e.table_size; ++i) {
         uint64_t ent = be64(tb.data() + i * 8);
-        if ((ent & kBmeReservedMask) || (ent & kBmeOffsetMask) % cs_)
-          co_return Error(EINVAL, "Bitmap '" + e.name + "' has a corrupted bitmap table entry");
+        uint64_t off = ent & kBmeOffsetMask;
+        if ((ent & kBmeReservedMask) || (off && ((ent & kBmeAllOnes) || off % cs_)))
+          co_return Error(EINVAL, "Could not read bitmap_table table from image for bitmap '" + e.name +
+                                      "': Invalid argument");
+      }
+      if (n != e.table_size)
+        co_return Error(EINVAL, "Could not read bitmap '" + e.name + "' from image: Invalid argument");
+      for (uint64_t i = 0; i < n; ++i) {
+        uint64_t ent = be64(tb.data() + i * 8);
         uint64_t off = ent & kBmeOffsetMask;
         uint64_t base = i * cover;
         if (off == 0) {

@@ -15,7 +15,10 @@ Task<Status> MetaCache::flush_dependency() {
   MetaCache* dep = depends_;
   depends_ = nullptr;
   depends_on_flush_ = false;
-  co_return co_await dep->flush();
+  auto st = co_await dep->flush();
+  // Not flushed: these entries still wait for it.
+  if (!st && !depends_) depends_ = dep;
+  co_return st;
 }
 
 Task<Status> MetaCache::set_dependency(MetaCache* dep) {
@@ -40,8 +43,15 @@ Task<Status> MetaCache::write_entry(Entry& e) {
 }
 
 Task<Status> MetaCache::write_dirty() {
-  for (auto& e : entries_) VBLK_CO_TRY(co_await write_entry(e));
-  co_return Status{};
+  // Every entry is tried (QEMU's qcow2_cache_write): one that cannot be
+  // written must not keep the others in memory.
+  if (depends_) VBLK_CO_TRY(co_await flush_dependency());
+  Status first{};
+  for (auto& e : entries_) {
+    auto st = co_await write_entry(e);
+    if (!st && first) first = st;
+  }
+  co_return first;
 }
 
 Task<Status> MetaCache::flush() {

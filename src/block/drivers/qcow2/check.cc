@@ -18,9 +18,13 @@
 // are QEMU's, word for word, so the output of `vblk check` can be compared
 // with qemu-img's.
 //
-// Not done (QEMU does): rewriting a snapshot table whose entries need repair (reported as a check
-// error, ENOSYS); external data files and encryption (vblk refuses those
-// images at open).
+// A snapshot table whose entries need repair (extra data too long or
+// missing, too many entries) is rewritten after the refcount repair, as
+// QEMU's qcow2_check_fix_snapshot_table does.
+//
+// Not done (QEMU does): the overlap-check option and corruption events on
+// repair writes (the repair has its own cached-mode check); external data
+// files and encryption (vblk refuses those images at open).
 #include <errno.h>
 #include <inttypes.h>
 
@@ -146,6 +150,9 @@ struct Qcow2Checker {
     std::string id, name;
   };
   std::vector<Snapshot> snapshots;
+  // The same entries in full, as qcow2_read_snapshots keeps them in check
+  // mode: what a repair writes back.
+  std::vector<qcow2::Snapshot> full;
   uint64_t snapshots_offset = 0;
   uint64_t snapshots_size = 0;
   // Clusters whose refcount a repair dropped to zero: discarded in the file.
@@ -950,6 +957,7 @@ struct Qcow2Checker {
 
   Task<Status> read_snapshot_table(CheckResult& res, uint32_t fix) {
     snapshots.clear();
+    full.clear();
     snapshots_offset = snapshots_size = 0;
     // The header as it is on disk now.
     uint8_t ptr[12];
@@ -1007,6 +1015,13 @@ struct Qcow2Checker {
       sn.l1_size = be32(h + 8);
       const uint16_t id_size = be16(h + 12), name_size = be16(h + 14);
       sn.extra_data_size = be32(h + 36);
+      qcow2::Snapshot fs;
+      fs.l1_table_offset = sn.l1_offset;
+      fs.l1_size = sn.l1_size;
+      fs.date_sec = be32(h + 16);
+      fs.date_nsec = be32(h + 20);
+      fs.vm_clock_nsec = be64(h + 24);
+      fs.vm_state_size = be32(h + 32);
       bool truncate_extra = false;
       if (sn.extra_data_size > kMaxSnapshotExtraData) {
         if (!repair) {
@@ -1020,12 +1035,36 @@ struct Qcow2Checker {
         ++dropped;
         truncate_extra = true;
       }
-      offset += std::min(kSnapshotKnownExtra, sn.extra_data_size);
+      // The known extra data: what the entry lacks is filled in as QEMU
+      // fills it in (the VM state size from the header field, the current
+      // disk size, no icount).
+      const uint32_t known = std::min(kSnapshotKnownExtra, sn.extra_data_size);
+      uint8_t extra[kSnapshotKnownExtra] = {};
+      if (known) {
+        st = co_await file.read(offset, {extra, known});
+        if (!st) {
+          fail = std::string("Failed to read snapshot table: ") + std::strerror(st.error().code);
+          fail_code = st.error().code;
+          break;
+        }
+      }
+      if (sn.extra_data_size >= 8) fs.vm_state_size = be64(extra);
+      fs.disk_size = sn.extra_data_size >= 16 ? be64(extra + 8) : q.length();
+      fs.icount = sn.extra_data_size >= 24 ? be64(extra + 16) : UINT64_MAX;
+      offset += known;
       if (sn.extra_data_size > kSnapshotKnownExtra) {
         const uint64_t extra_end = offset + sn.extra_data_size - kSnapshotKnownExtra;
         if (truncate_extra) sn.extra_data_size = kMaxSnapshotExtraData;
+        fs.unknown_extra.resize(sn.extra_data_size - kSnapshotKnownExtra);
+        st = co_await file.read(offset, fs.unknown_extra);
+        if (!st) {
+          fail = std::string("Failed to read snapshot table: ") + std::strerror(st.error().code);
+          fail_code = st.error().code;
+          break;
+        }
         offset = extra_end;
       }
+      fs.extra_data_size = sn.extra_data_size;
       std::vector<uint8_t> names(size_t{id_size} + name_size);
       if (!names.empty()) {
         st = co_await file.read(offset, names);
@@ -1039,6 +1078,8 @@ struct Qcow2Checker {
       sn.name.assign(reinterpret_cast<const char*>(names.data()) + id_size, name_size);
       sn.id = sn.id.c_str();  // C strings in QEMU: stop at a NUL
       sn.name = sn.name.c_str();
+      fs.id = sn.id;
+      fs.name = sn.name;
       offset += id_size + name_size;
       table_length += kSnapshotHeaderSize + sn.extra_data_size + id_size + name_size;
       if (table_length > kMaxSnapshotsSize || offset - offset0 > static_cast<uint64_t>(INT_MAX)) {
@@ -1056,12 +1097,14 @@ struct Qcow2Checker {
         break;
       }
       snapshots.push_back(std::move(sn));
+      full.push_back(std::move(fs));
     }
     if (fail_code) {
       res.check_errors++;
       report("ERROR failed to read the snapshot table: " + fail);
       if (!hint.empty()) say("%s", hint.c_str());
       snapshots.clear();
+      full.clear();
       co_return Error(fail_code);
     }
     snapshots_offset = offset0;
@@ -1094,14 +1137,21 @@ struct Qcow2Checker {
     co_return Status{};
   }
 
-  // QEMU's qcow2_check_fix_snapshot_table rewrites the table; vblk cannot
-  // write snapshot tables yet.
+  // QEMU's qcow2_check_fix_snapshot_table: once the refcounts are right,
+  // the entries as read (overhanging ones dropped, extra data cut to the
+  // maximum or completed) go to a new table; the old one is freed.
   Task<Status> fix_snapshot_table(CheckResult& res, uint32_t fix) {
-    if (res.corruptions && (fix & kCheckFixErrors)) {
+    if (!res.corruptions || !(fix & kCheckFixErrors)) co_return Status{};
+    q.h_.snapshots_offset = snapshots_offset;
+    q.snapshots_size_ = snapshots_size;
+    auto st = co_await q.write_snapshots(full);
+    if (!st) {
       res.check_errors++;
-      say("ERROR failed to update snapshot table: %s\n", std::strerror(ENOSYS));
-      co_return Error(ENOSYS);
+      say("ERROR failed to update snapshot table: %s\n", std::strerror(st.error().code));
+      co_return st;
     }
+    res.corruptions_fixed += res.corruptions;
+    res.corruptions = 0;
     co_return Status{};
   }
 
@@ -1147,7 +1197,11 @@ Task<Result<CheckResult>> Qcow2Node::check(uint32_t fix) {
     auto st = co_await rb_cache_->flush();
     if (st) st = co_await l2_cache_->flush();
     if (st) {
-      for (uint64_t ci : c.freed) (void)co_await file_->discard(ci * cs_, cs_);
+      // (Not those taken again since, by a rewritten snapshot table.)
+      for (uint64_t ci : c.freed) {
+        auto rc = co_await get_refcount(ci);
+        if (rc && *rc == 0) (void)co_await file_->discard(ci * cs_, cs_);
+      }
       st = co_await c.clear_incompat(kIncompatDirty);
     }
     if (!st && r) co_return st.take_error();

@@ -165,8 +165,16 @@ Task<Result<MetaCache::Ref>> Qcow2Node::l2_for_write(uint64_t offset) {
   fresh.mark_dirty();
   // The table and the refcounts it relies on (its own cluster's among them)
   // reach the disk before the L1 entry that makes it reachable.
-  VBLK_CO_TRY(co_await l2_cache_->set_dependency(rb_cache_.get()));
-  VBLK_CO_TRY(co_await l2_cache_->flush());
+  auto fl = co_await l2_cache_->set_dependency(rb_cache_.get());
+  if (fl) fl = co_await l2_cache_->flush();
+  if (!fl) {
+    // Not on disk and not linked: dropped with its cluster (QEMU's
+    // l2_allocate failure path), so it neither leaks nor blocks later flushes.
+    fresh = MetaCache::Ref();
+    l2_cache_->discard(*where);
+    (void)co_await update_refcount(*where, cs_, -1);
+    co_return fl.take_error();
+  }
   l1_.set(l1i, *where | kOflagCopied);
   if (auto st = co_await write_l1_entry(l1i); !st) {
     l1_.set(l1i, entry);  // the table on disk still has the old entry

@@ -110,7 +110,11 @@ Task<Status> Qcow2Node::write_compressed_cluster(uint64_t guest, std::span<const
   AllocClaim claim(*this, ci, ci);
   guard.unlock();
   if (uint32_t ol = overlaps(0, *host, data.size())) co_return co_await refuse_overlap(ol, *host, data.size());
-  VBLK_CO_TRY(co_await file_->write(*host, data));
+  auto st = co_await file_->write(*host, data);
+  if (!st) {
+    co_await guard.relock();
+    co_return co_await abort_alloc(*host, data.size(), st.error());
+  }
 
   co_await guard.relock();
   // The data and the refcounts reach the disk before the entry does.

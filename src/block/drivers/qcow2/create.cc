@@ -26,28 +26,46 @@ Task<Status> Qcow2Node::resize(uint64_t size, Prealloc prealloc) {
   if (h_.nb_snapshots && h_.version < 3) co_return Error(ENOTSUP, "Can't resize a v2 image which has snapshots");
   if (size < h_.size && prealloc != Prealloc::Off)
     co_return Error(EINVAL, "Preallocation can't be used for shrinking an image");
+  if (size < h_.size) co_return co_await shrink(size);
   const uint64_t old_size = h_.size;
-  if (size < h_.size) {
-    // Shrink: the clusters past the new end are freed (the L1 table keeps
-    // its size; the file is not truncated, so nothing else can move).
-    uint64_t from = align_up(size, cs_);
-    if (from < h_.size) VBLK_CO_TRY(co_await discard_range(from, h_.size - from, true));
+  // A backing file longer than the image would show through the new area:
+  // QEMU's generic truncate asks for it to read as zeroes then. falloc and
+  // full preallocation get zeroes from the file already (QEMU's qcow2 hands
+  // the request down with the file's truncate and zeroes nothing itself).
+  const bool zero_new = size > old_size && backing_ && backing_->length() > old_size &&
+                        prealloc != Prealloc::Falloc && prealloc != Prealloc::Full;
+  const uint64_t unit = l2_entry_size_ == 16 ? cs_ / kSubclusters : cs_;
+  const uint64_t zero_start = std::min(align_up(old_size, unit), size);
+  {
     auto g = co_await lock_.scoped();
-    h_.size = size;
-    VBLK_CO_TRY(co_await write_header());
-    set_length(size);
-    co_return co_await rb_cache_->flush();
+    uint64_t per_l1 = cs_ * l2_entries_;
+    uint64_t need = (size + per_l1 - 1) / per_l1;
+    if (need * 8 > kMaxL1Bytes) co_return Error(EFBIG, "The image size is too large for file format 'qcow2'");
+    if (need > h_.l1_size) VBLK_CO_TRY(co_await grow_l1_table(need));
+    if (prealloc == Prealloc::Metadata) VBLK_CO_TRY(co_await prealloc_metadata(old_size, size));
+    if (prealloc == Prealloc::Falloc || prealloc == Prealloc::Full)
+      VBLK_CO_TRY(co_await prealloc_data(old_size, size, prealloc));
+    if (zero_new && size > zero_start) {
+      // Whole units become zero clusters (over any preallocation, which
+      // stays allocated), as QEMU's qcow2_subcluster_zeroize with no flags.
+      set_length(size);  // zeroize treats the image's end as a whole unit
+      auto r = co_await zeroize(zero_start, size - zero_start, false);
+      set_length(old_size);
+      if (r && !*r) r = Error(ENOTSUP);  // v2 has no zero flag
+      if (!r) co_return r.error().prefixed("Failed to zero out new clusters");
+    }
+  }
+  if (zero_new && zero_start > old_size) {
+    // The unit the old end falls in: its new part is written as data
+    // zeroes (the rest of it is still guest data).
+    AlignedBuffer z(zero_start - old_size);
+    z.zero();
+    auto st = co_await do_write(old_size, z.span(), 0);
+    if (!st) co_return st.error().prefixed("Failed to zero out the new area");
   }
   auto g = co_await lock_.scoped();
-  uint64_t per_l1 = cs_ * l2_entries_;
-  uint64_t need = (size + per_l1 - 1) / per_l1;
-  if (need * 8 > kMaxL1Bytes) co_return Error(EFBIG, "The image size is too large for file format 'qcow2'");
-  if (need > h_.l1_size) VBLK_CO_TRY(co_await grow_l1_table(need));
   h_.size = size;
   VBLK_CO_TRY(co_await write_header());
-  if (prealloc == Prealloc::Metadata) VBLK_CO_TRY(co_await prealloc_metadata(old_size, size));
-  if (prealloc == Prealloc::Falloc || prealloc == Prealloc::Full)
-    VBLK_CO_TRY(co_await prealloc_data(old_size, size, prealloc));
   set_length(size);
   VBLK_CO_TRY(co_await l2_cache_->flush());
   co_return co_await rb_cache_->flush();

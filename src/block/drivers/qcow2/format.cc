@@ -25,14 +25,21 @@ Error invalid(const std::string& msg) { return Error(EINVAL, msg); }
 
 std::string hex(uint64_t v) { return v ? fmt::format("{:#x}", v) : std::string("0"); }
 
-std::string incompatible_feature_names(uint64_t bits) {
+std::string incompatible_feature_names(uint64_t bits, std::span<const uint8_t> table) {
+  // The names come from the image, not from vblk's table: a bit vblk does
+  // not know may be named by the program that set it.
+  // A short last entry reads as if padded with zeroes (QEMU reads the
+  // extension into a zeroed buffer with room for two more entries).
+  std::vector<uint8_t> t(table.begin(), table.end());
+  t.resize((t.size() + 47) / 48 * 48 + 48, 0);
   std::string out;
-  for (const auto& f : kFeatures) {
-    if (f.type == 0 && (bits & (1ull << f.bit))) {
-      if (!out.empty()) out += ", ";
-      out += f.name;
-      bits &= ~(1ull << f.bit);
-    }
+  for (size_t off = 0; off < table.size() && t[off + 2] != 0; off += 48) {
+    const uint8_t type = t[off], bit = t[off + 1];
+    if (type != 0 || bit > 63 || !(bits & (1ull << bit))) continue;
+    if (!out.empty()) out += ", ";
+    const char* name = reinterpret_cast<const char*>(&t[off + 2]);
+    out.append(name, strnlen(name, 46));
+    bits &= ~(1ull << bit);
   }
   if (bits) {
     if (!out.empty()) out += ", ";
@@ -96,6 +103,7 @@ Result<Header> parse_header(std::span<const uint8_t> head, uint64_t file_size) {
         break;
       case kExtFeatureTable:
         h.has_feature_table = true;
+        h.feature_table = data;
         break;
       case kExtCrypto:
         return Error(ENOTSUP, "Encrypted qcow2 images are not supported by vblk");
@@ -120,7 +128,7 @@ Result<Header> parse_header(std::span<const uint8_t> head, uint64_t file_size) {
   if (h.compression_type != kCompressionZlib && !(h.incompatible_features & kIncompatCompression))
     return invalid("qcow2: Compression type incompatible feature bit must be set");
   if (h.incompatible_features & ~kIncompatKnown)
-    return Error(ENOTSUP, "Unsupported qcow2 feature(s): " + incompatible_feature_names(h.incompatible_features & ~kIncompatKnown));
+    return Error(ENOTSUP, "Unsupported qcow2 feature(s): " + incompatible_feature_names(h.incompatible_features & ~kIncompatKnown, h.feature_table));
   if (h.incompatible_features & kIncompatDataFile)
     return Error(ENOTSUP, "Unsupported qcow2 feature(s): external data file");
   if (h.extended_l2() && cs / kSubclusters < 512)

@@ -41,6 +41,7 @@ constexpr uint64_t kCompatLazyRefcounts = 1ull << 0;
 // Autoclear feature bits.
 constexpr uint64_t kAutoclearBitmaps = 1ull << 0;
 constexpr uint64_t kAutoclearDataFileRaw = 1ull << 1;
+constexpr uint64_t kAutoclearKnown = kAutoclearBitmaps | kAutoclearDataFileRaw;
 
 // Header extension types.
 constexpr uint32_t kExtEnd = 0;
@@ -119,6 +120,7 @@ struct Header {
   bool has_bitmaps_extension = false;
   std::vector<uint8_t> bitmaps_extension;
   bool has_feature_table = false;
+  std::vector<uint8_t> feature_table;  // the image's own, for "unsupported" messages
 
   uint64_t cluster_size() const { return 1ull << cluster_bits; }
   bool extended_l2() const { return incompatible_features & kIncompatExtendedL2; }
@@ -132,7 +134,10 @@ Result<Header> parse_header(std::span<const uint8_t> head, uint64_t file_size);
 // Fails with ENOSPC if they do not fit in the first cluster.
 Result<std::vector<uint8_t>> serialize_header(const Header& h);
 
-// Feature names for the feature table extension and "unsupported" messages.
-std::string incompatible_feature_names(uint64_t bits);
+// The names of incompatible feature `bits` as QEMU's
+// report_unsupported_feature gives them: from the image's own feature name
+// table (48-byte entries up to the first empty name), then the bits no
+// entry names as one "Unknown incompatible feature: <hex>".
+std::string incompatible_feature_names(uint64_t bits, std::span<const uint8_t> table);
 
 }  // namespace vblk::qcow2

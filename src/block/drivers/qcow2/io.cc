@@ -182,14 +182,15 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   // New clusters come from refcounts a hostile image controls: checked like
   // any other write (check_new_clusters knows only what is cached).
   if (uint32_t ol = overlaps(0, *host, total)) co_return co_await refuse_overlap(ol, *host, total);
+  Status st{};
   if (zero_cow) {
     // Without fallocate support the zeroes are written with the data below.
     data_only = static_cast<bool>(co_await file_->write_zeroes(*host, total, kReqNoFallback));
-    if (data_only) VBLK_CO_TRY(co_await file_->write(*host + head, buf.subspan(0, n)));
+    if (data_only) st = co_await file_->write(*host + head, buf.subspan(0, n));
   } else if (data_only) {
-    VBLK_CO_TRY(co_await file_->write(*host, buf.subspan(0, n)));
+    st = co_await file_->write(*host, buf.subspan(0, n));
   }
-  if (!data_only) {
+  if (st && !data_only) {
     // Copy-on-write: only the uncovered edges are read from the old place
     // (backing file, zeroes, compressed or shared cluster).
     // (do_read looks each piece up: with subclusters an edge may mix types;
@@ -198,11 +199,17 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
     if (zero_cow) {
       cow.zero();
     } else {
-      if (head) VBLK_CO_TRY(co_await do_read(run_start, cow.span().subspan(0, head), 0));
-      if (tail) VBLK_CO_TRY(co_await do_read(offset + n, cow.span().subspan(head + n, tail), 0));
+      if (head) st = co_await do_read(run_start, cow.span().subspan(0, head), 0);
+      if (st && tail) st = co_await do_read(offset + n, cow.span().subspan(head + n, tail), 0);
     }
-    std::memcpy(cow.data() + head, buf.data(), n);
-    VBLK_CO_TRY(co_await file_->write(*host, cow.span()));
+    if (st) {
+      std::memcpy(cow.data() + head, buf.data(), n);
+      st = co_await file_->write(*host, cow.span());
+    }
+  }
+  if (!st) {
+    co_await guard.relock();
+    co_return co_await abort_alloc(*host, total, st.error());
   }
 
   // Link the new clusters into the L2 table; free what they replace. The
@@ -297,14 +304,22 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
   guard.unlock();
 
   if (uint32_t ol = overlaps(0, target + from, to - from)) co_return co_await refuse_overlap(ol, target + from, to - from);
+  Status st{};
   if (from == in && to == in + n) {
-    VBLK_CO_TRY(co_await file_->write(target + in, buf.subspan(0, n)));
+    st = co_await file_->write(target + in, buf.subspan(0, n));
   } else {
     AlignedBuffer cow(to - from, std::max<size_t>(limits_.buffer_alignment, 512));
-    if (in > from) VBLK_CO_TRY(co_await do_read(guest + from, cow.span().subspan(0, in - from), 0));
-    if (to > in + n) VBLK_CO_TRY(co_await do_read(guest + in + n, cow.span().subspan(in + n - from, to - in - n), 0));
-    std::memcpy(cow.data() + (in - from), buf.data(), n);
-    VBLK_CO_TRY(co_await file_->write(target + from, cow.span()));
+    if (in > from) st = co_await do_read(guest + from, cow.span().subspan(0, in - from), 0);
+    if (st && to > in + n) st = co_await do_read(guest + in + n, cow.span().subspan(in + n - from, to - in - n), 0);
+    if (st) {
+      std::memcpy(cow.data() + (in - from), buf.data(), n);
+      st = co_await file_->write(target + from, cow.span());
+    }
+  }
+  if (!st) {
+    co_await guard.relock();
+    if (keep_old) co_return st;
+    co_return co_await abort_alloc(target, cs_, st.error());
   }
 
   co_await guard.relock();

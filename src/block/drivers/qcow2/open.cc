@@ -209,6 +209,14 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   node->lazy_refcounts_ = lazy->value_or(node->h_.compatible_features & kCompatLazyRefcounts);
   if (node->lazy_refcounts_ && node->h_.version < 3)
     return Error(EINVAL, "Lazy refcounts require a qcow2 image with at least qemu 1.1 compatibility level");
+  // Autoclear bits vblk does not know describe structures it will not keep
+  // up to date: a read-write open clears them (QEMU's qcow2_do_open), so the
+  // program that set them knows its data went stale.
+  if (!read_only && (node->h_.autoclear_features & ~kAutoclearKnown)) {
+    node->h_.autoclear_features &= kAutoclearKnown;
+    auto hst = ctx.loop.run(node->write_header());
+    VBLK_TRY(hst);
+  }
   // An image left dirty by lazy refcounts is repaired before it is written
   // to (QEMU's qcow2_do_open): leaks and errors fixed, the bit cleared. Read
   // only, it is used as it is: reads do not depend on refcounts.

@@ -17,6 +17,7 @@
 //                    signalling (QEMU's qcow2_signal_corruption)
 //   snapshot.cc      internal snapshots: table, create, apply, delete
 //   bitmap.cc        persistent dirty bitmaps (the `bitmaps` extension)
+//   shrink.cc        resize --shrink: freeing, punching, truncating the file
 //
 // Metadata (L1, L2 and refcount caches, the allocation state) is guarded by
 // `lock_`, a coroutine mutex held across metadata I/O but never across guest
@@ -170,6 +171,10 @@ class Qcow2Node final : public Node {
   Task<Status> update_refcount(uint64_t offset, uint64_t length, int64_t delta);
   // Allocates n contiguous clusters; returns the host offset.
   Task<Result<uint64_t>> alloc_clusters(uint64_t n);
+  // QEMU's qcow2_alloc_cluster_abort: a write into newly allocated
+  // clusters failed (ENOSPC...) before anything pointed to them; their
+  // references are dropped so no cluster leaks. Returns `err`.
+  Task<Status> abort_alloc(uint64_t host, uint64_t bytes, Error err);
   // Allocates `bytes` (< one cluster) for compressed data, packing them.
   Task<Result<uint64_t>> alloc_bytes(uint64_t bytes);
   Task<Result<uint64_t>> find_free(uint64_t n);
@@ -182,6 +187,13 @@ class Qcow2Node final : public Node {
   Task<Status> grow_refcount_table(uint64_t min_entries);
   uint64_t refcount_get(const uint8_t* block, uint64_t index) const;
   void refcount_set(uint8_t* block, uint64_t index, uint64_t value) const;
+
+  // ---- shrink.cc
+  Task<Status> shrink(uint64_t size);
+  Task<Status> shrink_reftable();
+  // While set, update_refcount appends every cluster it frees (shrink
+  // punches them in the file afterwards).
+  std::vector<uint64_t>* freed_sink_ = nullptr;
 
   // ---- prealloc.cc (lock held)
   // preallocation=metadata over guest [from, to): L2 tables and data

@@ -102,7 +102,14 @@ Task<Result<bool>> Qcow2Node::ensure_refblocks(uint64_t first, uint64_t n) {
     }
     // The block and the refcounts it relies on reach the disk before the
     // table points to it.
-    VBLK_CO_TRY(co_await rb_cache_->flush());
+    if (auto fl = co_await rb_cache_->flush(); !fl) {
+      // Not written (ENOSPC...), and nothing points to it: forgotten, or
+      // the dirty block would fail every later flush and strand the L2
+      // entries waiting for the refcounts.
+      rb_cache_->discard(bci * cs_);
+      if (bci / rb_entries_ != rti) (void)co_await update_refcount(bci * cs_, cs_, -1);
+      co_return fl.take_error();
+    }
     uint8_t e[8];
     put64(e, bci * cs_);
     VBLK_CO_TRY(co_await checked_write(kOlRefcountTable, h_.refcount_table_offset + rti * 8, {e, 8}));
@@ -196,6 +203,7 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
       // Not reusable before the next flush: until then an L2 entry on disk
       // may still point here, and new data must not appear through it.
       quarantine_.insert(ci);
+      if (freed_sink_) freed_sink_->push_back(ci);
       // Compressed data is never packed into a cluster that was freed (it
       // may be reused for anything after the next flush).
       if (free_byte_offset_ / cs_ == ci) free_byte_offset_ = 0;
@@ -225,6 +233,13 @@ Task<Result<uint64_t>> Qcow2Node::alloc_clusters(uint64_t n) {
     free_cluster_index_ = *start + n;
     co_return *start * cs_;
   }
+}
+
+Task<Status> Qcow2Node::abort_alloc(uint64_t host, uint64_t bytes, Error err) {
+  // Nothing points to the new clusters yet: dropping their references
+  // frees them (a failure here only leaks them, as before).
+  (void)co_await update_refcount(host, bytes, -1);
+  co_return err;
 }
 
 Task<Result<uint64_t>> Qcow2Node::alloc_bytes(uint64_t bytes) {
