@@ -32,7 +32,7 @@ Task<Status> Qcow2Node::shrink(uint64_t size) {
   std::vector<uint64_t> tables;
   for (uint64_t i = keep; i < l1_.size(); ++i) {
     if (l1_[i] & kL1OffsetMask) tables.push_back(l1_[i] & kL1OffsetMask);
-    l1_[i] = 0;
+    l1_.set(i, 0);
   }
   if (!tables.empty()) {
     VBLK_CO_TRY(co_await l2_cache_->flush());
@@ -107,10 +107,10 @@ Task<Status> Qcow2Node::shrink_reftable() {
   AlignedBuffer t(uint64_t(h_.refcount_table_clusters) * cs_);
   t.zero();
   for (size_t i = 0; i < table.size(); ++i) put64(t.data() + i * 8, table[i]);
-  VBLK_CO_TRY(co_await file_->write(h_.refcount_table_offset, t.span(), kReqFua));
+  VBLK_CO_TRY(co_await checked_write(kOlRefcountTable, h_.refcount_table_offset, t.span(), kReqFua));
   for (size_t i : unused) {
     VBLK_CO_TRY(co_await update_refcount(rt_[i] & ~511ull, cs_, -1));
-    rt_[i] = 0;
+    rt_.set(i, 0);
   }
   co_return Status{};
 }
