@@ -380,5 +380,162 @@ class ServerLimitsTest(InteropTestCase):
         self.assertEqual((rc, err), (0, ""))
 
 
+    def test_qmp_idle_and_non_reading_clients(self):
+        """A monitor serves one client at a time (QEMU's socket chardev):
+        thousands of clients queued on monitor 0 and one on it that sends
+        commands and never reads the replies leave monitor 1 answering at
+        once, NBD clients served, and the daemon's memory bounded."""
+        p = self.serve(monitors=2)
+        q1 = self.qmp(1)
+        hog_path = os.path.join(self.tmp, "qmp0.sock")
+        hog = qmp_driver.connect_unix(hog_path)
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        recv_exact(hog, 10)  # part of the greeting; never read again
+        hog.sendall(b'{"execute": "qmp_capabilities"}\n')
+        queued = []
+        for _ in range(min(CONNS, 2000)):
+            s = socket.socket(socket.AF_UNIX)
+            s.setblocking(False)
+            try:
+                s.connect(hog_path)
+            except BlockingIOError:  # the listen backlog is full: the kernel says wait
+                s.close()
+                break
+            queued.append(s)
+        # Big replies (the schema is about 100 KiB) asked for without end.
+        hog.settimeout(0.5)
+        asked = 0
+        try:
+            for _ in range(100000):
+                hog.sendall(b'{"execute": "query-qmp-schema"}\n')
+                asked += 1
+        except socket.timeout:
+            pass
+        peak = 0
+        for _ in range(10):
+            self.assert_quick_answer(q1)
+            peak = max(peak, vm_rss(p.proc.pid))
+            time.sleep(0.1)
+        self.assertLess(peak, 256 * MiB, "daemon RSS %d MiB with %d schema replies unread" % (peak // MiB, asked))
+        self.assertLess(asked, 100000, "the monitor kept reading commands whose replies nobody reads")
+        self.assertGreater(read_throughput(self.nbd_sock, 0.3), 0)
+        # Once the hog and the queued clients have gone, monitor 0 serves
+        # the next client.
+        hog.close()
+        for s in queued:
+            s.close()
+        q0 = self.qmp(0)
+        self.assert_quick_answer(q0)
+        for q in (q0, q1):
+            q.close()
+        rc, err = p.stop()
+        self.assertEqual((rc, err), (0, ""))
+
+    def daemons(self):
+        cmds = [("vblk", [VBLK, "serve"])]
+        if QSD:
+            cmds.append(("qsd", [QSD]))
+        return cmds
+
+    def test_serve_without_monitor_runs_until_sigterm(self):
+        for name, cmd in self.daemons():
+            p = Proc(cmd + ["--blockdev", "driver=null-co,node-name=n0"])
+            self.procs.append(p)
+            time.sleep(1.5)
+            if p.proc.poll() is not None:
+                self.fail("%s exited: %r" % (name, p.proc.stderr.read()))
+            self.assertEqual(p.stop(), (0, ""), name)
+        # Nothing at all on the command line: the same.
+        for name, cmd in self.daemons():
+            p = Proc(cmd)
+            self.procs.append(p)
+            time.sleep(0.5)
+            self.assertIsNone(p.proc.poll(), name)
+            self.assertEqual(p.stop(), (0, ""), name)
+
+    def test_qmp_answers_after_the_command_line(self):
+        """A client that connects the moment the monitor's socket exists
+        gets its first answer only once every --blockdev and --export of
+        the command line exists."""
+        images = []
+        for i in range(40):
+            path = os.path.join(self.tmp, "n%d.qcow2" % i)
+            subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", path, "64M"], check=True)
+            images.append(path)
+        for name, cmd in self.daemons():
+            mon = os.path.join(self.tmp, "early-%s.sock" % name)
+            nbd = os.path.join(self.tmp, "early-%s-nbd.sock" % name)
+            args = ["--chardev", "socket,path=%s,server=on,wait=off,id=m" % mon, "--monitor", "chardev=m",
+                    "--nbd-server", "addr.type=unix,addr.path=%s" % nbd]
+            for i, path in enumerate(images):
+                args += ["--blockdev", "driver=file,filename=%s,node-name=f%d" % (path, i),
+                         "--blockdev", "driver=qcow2,file=f%d,node-name=q%d" % (i, i),
+                         "--export", "type=nbd,id=e%d,node-name=q%d" % (i, i)]
+            p = Proc(cmd + args)
+            self.procs.append(p)
+            q = qmp_driver.QMP(mon)  # connects as soon as the socket accepts
+            nodes = q.ok("query-named-block-nodes")
+            exports = q.ok("query-block-exports")
+            self.assertEqual(len(nodes), 2 * len(images), name)
+            self.assertEqual(sorted(e["id"] for e in exports), sorted("e%d" % i for i in range(len(images))), name)
+            q.close()
+            self.assertEqual(p.stop(), (0, ""), name)
+
+    def test_bad_names_ids_and_sizes(self):
+        """qemu-storage-daemon's words for names, ids and sizes it refuses,
+        on the command line and through QMP, and no export of a size that
+        reads as negative."""
+        if not QSD:
+            self.skipTest("qemu-storage-daemon is not installed")
+        cases = [
+            ["--blockdev", "null-co,node-name=#bad"],
+            ["--blockdev", "null-co,node-name=9lives"],
+            ["--blockdev", "null-co,node-name=a.b-c_d"],
+            ["--blockdev", "null-co,node-name=" + "a" * 31],
+            ["--blockdev", "null-co,node-name=" + "a" * 32],
+            ["--blockdev", "null-co,size=9223372036854775808,node-name=n"],
+            ["--blockdev", "null-co,size=9223372036854775807,node-name=n"],
+            ["--blockdev", "null-co,size=9223372035781033985,node-name=n"],
+            ["--blockdev", "null-co,size=9223372035781033984,node-name=n"],
+            ["--blockdev", '{"driver": "null-co", "node-name": "#bad"}'],
+            ["--blockdev", '{"driver": "raw", "node-name": "r", "file": {"driver": "null-co", "node-name": "#f"}}'],
+            ["--blockdev", "null-co,node-name=n", "--export", "nbd,id=#x,node-name=n"],
+            ["--object", "throttle-group,id=#x"],
+        ]
+        for args in cases:
+            out = {}
+            for name, cmd in self.daemons():
+                p = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                try:
+                    _, err = p.communicate(timeout=1.5)
+                    out[name] = (p.returncode, err.decode().replace(os.path.basename(cmd[0]) + ":", "PROG:")
+                                 .replace("vblk serve:", "PROG:"))
+                except subprocess.TimeoutExpired:  # accepted: it serves
+                    p.send_signal(signal.SIGTERM)
+                    _, err = p.communicate(timeout=30)
+                    out[name] = ("serving", p.returncode, err.decode())
+            self.assertEqual(out["vblk"], out["qsd"], args)
+        # The same through QMP's blockdev-add.
+        qmp_cases = [
+            {"driver": "null-co", "node-name": "#bad"},
+            {"driver": "null-co", "node-name": "a" * 32},
+            {"driver": "null-co", "node-name": "n1", "size": 9223372036854775808},
+            {"driver": "null-co", "node-name": "n2", "size": 9223372036854775807},
+            {"driver": "null-co", "node-name": "n4", "size": 9223372035781033984},
+        ]
+        answers = {}
+        for name, cmd in self.daemons():
+            mon = os.path.join(self.tmp, "names-%s.sock" % name)
+            p = Proc(cmd + ["--chardev", "socket,path=%s,server=on,wait=off,id=m" % mon, "--monitor", "chardev=m"],
+                     wait_for=mon)
+            self.procs.append(p)
+            q = qmp_driver.QMP(mon)
+            answers[name] = [q.cmd("blockdev-add", c) for c in qmp_cases]
+            answers[name].append(q.cmd("block-export-add", {"type": "nbd", "id": "#x", "node-name": "n4"}))
+            q.close()
+            p.stop()
+        self.assertEqual(answers["vblk"], answers["qsd"])
+
+
 if __name__ == "__main__":
     unittest.main()
