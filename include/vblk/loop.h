@@ -155,6 +155,11 @@ class Loop {
   }
   // From any thread: run fn on the loop thread soon.
   void post_threadsafe(std::function<void()> fn);
+  // While held, run_until waits for work posted from other threads instead
+  // of reporting a stall: for a loop that another thread may still feed (a
+  // daemon with nothing to serve yet waits for its signal thread's quit).
+  void hold() { ++holds_; }
+  void release() { --holds_; }
 
   // Runs the loop until done() is true. Returns false if nothing could ever
   // make progress again (no ready coroutine, timer or pending I/O).
@@ -185,6 +190,7 @@ class Loop {
   std::deque<std::coroutine_handle<>> ready_;
   std::multimap<uint64_t, SleepAwaitable*> timers_;
   uint64_t pending_ = 0;
+  unsigned holds_ = 0;
 };
 
 template <class T>

@@ -216,7 +216,13 @@ void do_object(qmp::Daemon& d, const std::string& arg) {
   OJson o = keyval("object", arg, "qom-type");
   keyval_numbers(o);
   auto st = qmp::add_object(d, o);
-  if (!st) opt_fail("object", arg, st.error().what());
+  if (!st) {
+    std::string msg = st.error().what();
+    // QEMU's error_append_hint, shown on the command line only.
+    if (msg == "Parameter 'id' expects an identifier")
+      msg += "\nIdentifiers consist of letters, digits, '-', '.', '_', starting with a letter.";
+    opt_fail("object", arg, msg);
+  }
 }
 
 Task<void> run_daemon(qmp::Daemon& d) {
@@ -278,6 +284,9 @@ int cmd_serve(int argc, char** argv) {
   qmp::Daemon d(loop);
   qmp::register_all_commands(d);
   std::map<std::string, Chardev> chardevs;
+  // As qemu-storage-daemon: the command line is processed in order before
+  // any client is answered (opening a qcow2 runs the loop).
+  d.hold_clients();
   for (auto& [opt, arg] : opts) {
     switch (opt) {
       case kBlockdev: do_blockdev(d, arg); break;
@@ -293,6 +302,7 @@ int cmd_serve(int argc, char** argv) {
     serve_fail("Cannot open pid file: " + std::string(std::strerror(errno)));
   // A stop signal is a quit request, as QMP's quit.
   on_stop_signal(loop, sigs, [&d] { d.quit.set(); });
+  d.open_clients();
   bg.ready();
 
   loop.run(run_daemon(d));

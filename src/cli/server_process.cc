@@ -57,10 +57,16 @@ sigset_t block_stop_signals() {
 }
 
 void on_stop_signal(Loop& loop, sigset_t set, std::function<void()> stop) {
+  // Until the signal comes the loop is fed from here: held, it waits for
+  // it even when nothing else is left to serve.
+  loop.hold();
   std::thread([&loop, set, stop = std::move(stop)] {
     int sig = 0;
     sigwait(&set, &sig);
-    loop.post_threadsafe(stop);
+    loop.post_threadsafe([&loop, stop] {
+      loop.release();
+      stop();
+    });
   }).detach();
 }
 

@@ -160,7 +160,7 @@ bool Loop::run_until(const std::function<bool()>& done) {
     run_ready();
     fire_timers();
     if (done()) return true;
-    if (ready_.empty() && timers_.empty() && pending_ == 0) return false;
+    if (ready_.empty() && timers_.empty() && pending_ == 0 && holds_ == 0) return false;
     backend_->wait(wait_timeout(-1));
   }
 }

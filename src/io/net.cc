@@ -53,6 +53,12 @@ Result<sockaddr_storage> tcp_addr(const std::string& host, uint16_t port, sockle
   return ss;
 }
 
+// The kernel's maximum (net.core.somaxconn): clients beyond a server's
+// connection limit wait here rather than being refused, as with qemu-nbd
+// (SOMAXCONN when persistent or unlimited); a burst of connects must not
+// be dropped while the accept loop catches up.
+constexpr int kListenBacklog = SOMAXCONN;
+
 void tune_tcp(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -68,7 +74,7 @@ Result<Fd> listen_unix(Loop& loop, const std::string& path) {
   ::unlink(path.c_str());
   if (::bind(s->get(), reinterpret_cast<sockaddr*>(&*addr), sizeof *addr) < 0)
     return Error(errno, "Failed to bind socket to " + path + ": " + std::strerror(errno));
-  if (::listen(s->get(), 128) < 0) return Error(errno, std::string("listen: ") + std::strerror(errno));
+  if (::listen(s->get(), kListenBacklog) < 0) return Error(errno, std::string("listen: ") + std::strerror(errno));
   return std::move(*s);
 }
 
@@ -82,7 +88,7 @@ Result<Fd> listen_tcp(Loop& loop, const std::string& host, uint16_t port) {
   ::setsockopt(s->get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (::bind(s->get(), reinterpret_cast<sockaddr*>(&*addr), len) < 0)
     return Error(errno, "Failed to bind socket to " + host + ":" + std::to_string(port) + ": " + std::strerror(errno));
-  if (::listen(s->get(), 128) < 0) return Error(errno, std::string("listen: ") + std::strerror(errno));
+  if (::listen(s->get(), kListenBacklog) < 0) return Error(errno, std::string("listen: ") + std::strerror(errno));
   return std::move(*s);
 }
 

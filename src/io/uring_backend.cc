@@ -1,14 +1,28 @@
 // io_uring backend. Requests carry their own IoRequest* as user_data, so a
 // completion resumes its coroutine without any lookup. Submission is batched:
 // submit() only fills an SQE; wait() submits everything in one syscall.
+//
+// The ring never holds more requests than its completion queue (an
+// overflowing CQ makes the kernel refuse submissions), and that capacity is
+// split in two budgets so that no number of idle peers can stop the rest:
+//  - bounded requests (file I/O, connect, the loop's own wake-ups) finish on
+//    their own; beyond their half they wait in a backlog that their
+//    completions drain, so the backlog always moves;
+//  - peer waits (recv, send, accept and readiness polls on sockets) may
+//    wait forever for a client; the first of them (most of the CQ, see
+//    init) wait in the ring (the fast path: one SQE per op), the rest are
+//    parked in an epoll set (SocketWaiters) that one poll request in the
+//    ring watches (a slower path: a few more syscalls per wait).
 #include <liburing.h>
 #include <poll.h>
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
 #include <deque>
 
 #include "io/backend.h"
+#include "io/socket_waiters.h"
 #include "io/thread_pool.h"
 
 namespace vblk::detail {
@@ -19,20 +33,34 @@ bool is_socket_op(IoRequest::Op op) {
   return op == Op::Recv || op == Op::Send || op == Op::SendMsg || op == Op::Accept || op == Op::Connect;
 }
 
+// Ops that wait for a peer, possibly forever.
+bool waits_on_peer(IoRequest::Op op) {
+  using Op = IoRequest::Op;
+  return op == Op::Recv || op == Op::Send || op == Op::SendMsg || op == Op::Accept || op == Op::PollIn ||
+         op == Op::PollOut;
+}
+
 class UringBackend final : public Backend {
  public:
-  UringBackend(Loop& loop, ThreadPool& pool) : loop_(loop), pool_(pool) {}
+  UringBackend(Loop& loop, ThreadPool& pool) : loop_(loop), pool_(pool), waiters_(false) {}
   ~UringBackend() override {
     if (inited_) io_uring_queue_exit(&ring_);
   }
 
   bool init(unsigned entries, std::string& why) {
+    // Bounded requests keep the default CQ of twice the SQ; peer waits get
+    // room for kPeerWaitsPerEntry times the SQ on top (16 Ki waits for the
+    // default 512 entries: a CQE is 16 bytes, the kernel's cost per waiting
+    // op is the same in the ring or in epoll), so the usual thousands of
+    // connections all wait in the ring and only beyond that are parked.
     io_uring_params p{};
+    p.flags |= IORING_SETUP_CQSIZE;
+    p.cq_entries = std::min<unsigned>(2 * entries + kPeerWaitsPerEntry * entries, kMaxCqEntries);
 #ifdef IORING_SETUP_COOP_TASKRUN
     p.flags |= IORING_SETUP_COOP_TASKRUN;
 #endif
     int r = io_uring_queue_init_params(entries, &ring_, &p);
-    if (r == -EINVAL) {  // older kernel without the flag
+    if (r == -EINVAL) {  // an older kernel without a flag: the default CQ, split in halves
       p = io_uring_params{};
       r = io_uring_queue_init_params(entries, &ring_, &p);
     }
@@ -41,8 +69,10 @@ class UringBackend final : public Backend {
       return false;
     }
     inited_ = true;
-    cq_capacity_ = p.cq_entries;
+    bounded_cap_ = std::min(2 * entries, p.cq_entries / 2);
+    peer_cap_ = p.cq_entries - bounded_cap_;
     arm_pool_read();
+    arm_waiters_poll();
     return true;
   }
 
@@ -50,18 +80,26 @@ class UringBackend final : public Backend {
   bool wants_nonblocking_sockets() const override { return false; }
 
   void submit(IoRequest* r) override {
-    // Never let more requests into the kernel than the completion queue
-    // holds: an overflowing CQ makes the kernel refuse submissions (-EBUSY).
-    // The rest wait in a backlog that completions drain.
-    if (in_ring_ >= cq_capacity_) {
+    if (waits_on_peer(r->op)) {
+      if (peer_waits_ < peer_cap_) {
+        ++peer_waits_;
+        prep(r);
+      } else {
+        // Parked ops wait for readiness themselves.
+        if (r->op == IoRequest::Op::PollIn || r->op == IoRequest::Op::PollOut) restore_op(r);
+        if (waiters_.park(r)) complete(loop_, r);
+      }
+      return;
+    }
+    if (bounded_ >= bounded_cap_) {
       backlog_.push_back(r);
       return;
     }
+    ++bounded_;
     prep(r);
   }
 
   void prep(IoRequest* r) {
-    ++in_ring_;
     io_uring_sqe* sqe = get_sqe();
     using Op = IoRequest::Op;
     switch (r->op) {
@@ -141,7 +179,23 @@ class UringBackend final : public Backend {
     io_uring_prep_read(sqe, pool_.event_fd(), &pool_counter_, sizeof pool_counter_, 0);
     io_uring_sqe_set_data(sqe, &pool_marker_);
     ++queued_;
-    ++in_ring_;
+    ++bounded_;
+  }
+
+  // One poll on the parked sockets' epoll fd (a bounded slot: it is
+  // re-armed by reap, never left waiting on a peer's whim).
+  void arm_waiters_poll() {
+    io_uring_sqe* sqe = get_sqe();
+    io_uring_prep_poll_add(sqe, waiters_.fd(), POLLIN);
+    io_uring_sqe_set_data(sqe, &waiters_marker_);
+    ++queued_;
+    ++bounded_;
+  }
+
+  void wake_parked() {
+    epoll_event evs[256];
+    int n = ::epoll_wait(waiters_.fd(), evs, 256, 0);
+    if (n > 0) waiters_.dispatch(evs, n, [this](IoRequest* r) { complete(loop_, r); });
   }
 
   void reap() {
@@ -149,26 +203,21 @@ class UringBackend final : public Backend {
     unsigned seen = 0;
     io_uring_cqe* cqe;
     bool pool = false;
+    bool parked = false;
     io_uring_for_each_cqe(&ring_, head, cqe) {
       ++seen;
-      --in_ring_;
       auto* req = static_cast<IoRequest*>(io_uring_cqe_get_data(cqe));
-      if (req == &pool_marker_) {
-        pool = true;
+      if (req == &pool_marker_ || req == &waiters_marker_) {
+        --bounded_;
+        (req == &pool_marker_ ? pool : parked) = true;
         continue;
       }
+      // Its budget is free again whatever happens next (a retry below
+      // submits anew).
+      (waits_on_peer(req->op) ? peer_waits_ : bounded_) -= 1;
       if (req->op == IoRequest::Op::PollIn || req->op == IoRequest::Op::PollOut) {
         // A socket op that said EAGAIN: readiness arrived, retry it.
-        if (req->flags & kWasSend) {
-          req->op = IoRequest::Op::Send;
-        } else if (req->flags & kWasSendMsg) {
-          req->op = IoRequest::Op::SendMsg;
-        } else if (req->flags & kWasAccept) {
-          req->op = IoRequest::Op::Accept;
-        } else {
-          req->op = IoRequest::Op::Recv;
-        }
-        req->flags &= ~(kWasSend | kWasSendMsg | kWasAccept);
+        restore_op(req);
         submit(req);
         continue;
       }
@@ -189,11 +238,33 @@ class UringBackend final : public Backend {
       pool_event(loop_);
       arm_pool_read();
     }
-    while (!backlog_.empty() && in_ring_ < cq_capacity_) {
+    if (parked) {
+      wake_parked();
+      arm_waiters_poll();
+    }
+    while (!backlog_.empty() && bounded_ < bounded_cap_) {
+      ++bounded_;
       prep(backlog_.front());
       backlog_.pop_front();
     }
   }
+
+  // A readiness poll back to the socket op that asked for it.
+  static void restore_op(IoRequest* req) {
+    if (req->flags & kWasSend) {
+      req->op = IoRequest::Op::Send;
+    } else if (req->flags & kWasSendMsg) {
+      req->op = IoRequest::Op::SendMsg;
+    } else if (req->flags & kWasAccept) {
+      req->op = IoRequest::Op::Accept;
+    } else {
+      req->op = IoRequest::Op::Recv;
+    }
+    req->flags &= ~(kWasSend | kWasSendMsg | kWasAccept);
+  }
+
+  static constexpr unsigned kPeerWaitsPerEntry = 32;
+  static constexpr unsigned kMaxCqEntries = 65536;  // the kernel's IORING_MAX_CQ_ENTRIES
 
   // Flag bits kept in IoRequest::flags while a socket op waits for readiness
   // (MSG_* flags never use these high bits).
@@ -205,12 +276,16 @@ class UringBackend final : public Backend {
   ThreadPool& pool_;
   io_uring ring_{};
   bool inited_ = false;
-  unsigned queued_ = 0;     // prepared SQEs not yet submitted
-  unsigned in_ring_ = 0;    // requests in the kernel (SQ or in flight)
-  unsigned cq_capacity_ = 0;
-  std::deque<IoRequest*> backlog_;
+  unsigned queued_ = 0;       // prepared SQEs not yet submitted
+  unsigned bounded_ = 0;      // bounded requests in the kernel (SQ or in flight)
+  unsigned peer_waits_ = 0;   // peer waits in the kernel
+  unsigned bounded_cap_ = 0;  // the two budgets add up to the CQ size
+  unsigned peer_cap_ = 0;
+  std::deque<IoRequest*> backlog_;  // bounded requests over their budget
+  SocketWaiters waiters_;           // peer waits over theirs
   uint64_t pool_counter_ = 0;
   IoRequest pool_marker_;
+  IoRequest waiters_marker_;
 };
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <sys/socket.h>
 
+#include <cstdint>
+
 #include "nbd/session.h"
 
 namespace vblk::nbd {
@@ -12,6 +14,9 @@ Server::~Server() = default;
 
 Status Server::add_export(Export e) {
   if (exports_.count(e.name)) return Error(EEXIST, "Block export id '" + e.name + "' is already in use");
+  // The wire carries sizes as uint64 that clients read as off_t: never
+  // advertise one that turns negative (QEMU's nodes end at BDRV_MAX_LENGTH).
+  if (e.node && e.node->length() > static_cast<uint64_t>(INT64_MAX)) return Error(EFBIG, "File too large");
   std::string name = e.name;
   // What an NBD export needs (QEMU's blk_exp_add): consistent reads, writes
   // if writable, and a size nobody changes under the clients.
@@ -61,6 +66,18 @@ Task<void> Server::serve(Fd listener) {
   co_await running_.wait();
 }
 
+// A client that connects and never finishes negotiating must not hold its
+// connection (and a slot of max_connections) forever. QEMU 7.2 has no such
+// limit; later QEMUs end the handshake after 10 s (qemu-nbd's
+// --handshake-limit, default 10), the bound chosen here.
+Task<void> Server::handshake_watchdog(int fd, std::stop_token negotiated) {
+  bool expired = co_await loop_.sleep(kHandshakeLimit, negotiated);
+  // The fd is still this connection's: it closes only after negotiation
+  // has ended and requested the stop.
+  if (expired && !negotiated.stop_requested()) ::shutdown(fd, SHUT_RDWR);
+  running_.done();
+}
+
 void Server::stop() {
   if (stopping_) return;
   stopping_ = true;
@@ -86,7 +103,12 @@ Task<void> Server::run_connection(Fd fd) {
   {
     Session s{*this, loop_, fd.get()};
     conns_[fd.get()] = &s;
-    if (co_await negotiate(s)) co_await transmit(s);
+    std::stop_source negotiated;
+    running_.add();
+    spawn_detached(handshake_watchdog(fd.get(), negotiated.get_token()));
+    bool go = co_await negotiate(s);
+    negotiated.request_stop();
+    if (go) co_await transmit(s);
   }
   conns_.erase(fd.get());
   fd.reset();

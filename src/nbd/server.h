@@ -8,7 +8,9 @@
 // the serve task returns once all of them have finished. One loop.
 #pragma once
 
+#include <chrono>
 #include <functional>
+#include <stop_token>
 #include <map>
 #include <memory>
 #include <string>
@@ -77,6 +79,9 @@ class Server {
 
  private:
   Task<void> run_connection(Fd fd);
+  Task<void> handshake_watchdog(int fd, std::stop_token negotiated);
+
+  static constexpr std::chrono::seconds kHandshakeLimit{10};
 
   Loop& loop_;
   Options opts_;

@@ -20,6 +20,15 @@
 // A request's slot is released when its reply has been sent (or dropped on
 // a broken connection), so queued replies are bounded by max_requests.
 //
+// What one client can make the server hold is bounded, whether it is slow
+// or hostile: besides the slots, the data of the requests in flight and of
+// their queued replies (read and write lengths) is charged to a budget of
+// kMaxInflightBytes per connection. A client that stops reading its replies
+// therefore stops having its requests read (as qemu-nbd, which stops
+// receiving at 16 requests in flight), and the kernel's socket buffers push
+// back on it. The receive buffer starts small and grows only for a client
+// that fills it, so an idle connection costs a few KiB.
+//
 // A request the server cannot parse (bad magic, a write longer than it will
 // buffer) ends the connection; a request it can parse but not honour (out of
 // range, bad flags, read-only export) gets an error reply and the
@@ -93,6 +102,7 @@ struct Reply {
   AlignedBuffer data;
   uint32_t data_len = 0;
   std::vector<uint8_t> extra;
+  uint32_t charge = 0;  // the request's bytes of the connection's budget
 };
 
 class Connection {
@@ -100,8 +110,9 @@ class Connection {
   explicit Connection(Session& s)
       : s_(s),
         slots_(s.loop, s.server.options().max_requests),
+        bytes_(s.loop, kMaxInflightBytes),
         inflight_(s.loop),
-        rbuf_(kRecvBuffer) {}
+        rbuf_(kMinRecvBuffer) {}
 
   Task<void> run() {
     for (;;) {
@@ -119,10 +130,13 @@ class Connection {
       r.length = get32(h + 24);
       rpos_ += kRequestSize;
       if (r.type == kCmdDisc) break;
+      if (r.type == kCmdWrite && r.length > kMaxBufferSize) break;
+      // Before the payload is taken: a client whose replies pile up waits
+      // here, its further requests left in the socket.
+      co_await bytes_.acquire(charge(r));
       if (r.type == kCmdWrite) {
         // The payload follows whatever we decide; one we will not buffer
-        // cannot be skipped safely, so the connection ends.
-        if (r.length > kMaxBufferSize) break;
+        // cannot be skipped safely, so the connection ended above.
         r.payload = pool_.take(r.length);
         size_t have = std::min<size_t>(rend_ - rpos_, r.length);
         if (have) std::memcpy(r.payload.data(), rbuf_.data() + rpos_, have);
@@ -140,7 +154,19 @@ class Connection {
   }
 
  private:
-  static constexpr size_t kRecvBuffer = 256 << 10;
+  static constexpr size_t kMinRecvBuffer = 4 << 10;
+  static constexpr size_t kMaxRecvBuffer = 256 << 10;
+  // Request data one connection may have in flight or queued as replies:
+  // room for a full queue of 1 MiB requests (the bench's and nbdcopy's
+  // largest), and at least two requests of NBD's maximum size (32 MiB).
+  static constexpr uint64_t kMaxInflightBytes = 64u << 20;
+
+  static uint32_t charge(const Request& r) {
+    if (r.type == kCmdWrite) return r.length;
+    // A larger read is refused without a buffer.
+    if (r.type == kCmdRead && r.length <= kMaxBufferSize) return r.length;
+    return 0;
+  }
 
   // Receives whatever the socket holds (at least one byte) after the
   // unparsed rest, which moves to the front first. False on EOF or error.
@@ -157,6 +183,8 @@ class Connection {
       if (r == -EINTR || r == -EAGAIN) continue;
       if (r <= 0) co_return false;
       rend_ += static_cast<size_t>(r);
+      // A client that fills the buffer pipelines: give it room for more.
+      if (rend_ == rbuf_.size() && rbuf_.size() < kMaxRecvBuffer) rbuf_.resize(rbuf_.size() * 2);
       co_return true;
     }
   }
@@ -239,7 +267,7 @@ class Connection {
       reply_error(r, st.error());
       co_return;
     }
-    reply_simple(r.cookie, 0);
+    reply_simple(r, 0);
   }
 
   Task<void> read(Request& r) {
@@ -264,7 +292,7 @@ class Connection {
       rep.head_len = kStructuredReplySize + 8;
       rep.data_len = r.length;
     }
-    queue(std::move(rep));
+    queue(r, std::move(rep));
   }
 
   // One block-status chunk per negotiated context (base:allocation first,
@@ -341,7 +369,7 @@ class Connection {
       for (auto [l, f] : ext) w.u32(l).u32(f);
     }
     rep.extra = std::move(w.bytes());
-    queue(std::move(rep));
+    queue(r, std::move(rep));
   }
 
   void reply_error(const Request& r, const Error& e) {
@@ -356,21 +384,23 @@ class Connection {
       Writer w;
       w.u32(code).u16(static_cast<uint16_t>(msg.size())).str(msg);
       rep.extra = std::move(w.bytes());
-      queue(std::move(rep));
+      queue(r, std::move(rep));
       return;
     }
-    reply_simple(r.cookie, code);
+    reply_simple(r, code);
   }
 
-  void reply_simple(uint64_t cookie, uint32_t err) {
+  void reply_simple(const Request& r, uint32_t err) {
     Reply rep;
-    put_simple(rep.head.data(), cookie, err);
+    put_simple(rep.head.data(), r.cookie, err);
     rep.head_len = kSimpleReplySize;
-    queue(std::move(rep));
+    queue(r, std::move(rep));
   }
 
-  // Queues a reply; the request's slot stays taken until it is sent.
-  void queue(Reply rep) {
+  // Queues the reply to r; the request's slot and bytes stay taken until
+  // it is sent.
+  void queue(const Request& r, Reply rep) {
+    rep.charge = charge(r);
     replies_.push_back(std::move(rep));
     if (!sending_) {
       sending_ = true;
@@ -407,7 +437,12 @@ class Connection {
           ::shutdown(s_.fd, SHUT_RDWR);
         }
       }
-      for (Reply& rep : batch) pool_.give(std::move(rep.data));
+      uint64_t charged = 0;
+      for (Reply& rep : batch) {
+        pool_.give(std::move(rep.data));
+        charged += rep.charge;
+      }
+      bytes_.release(charged);
       slots_.release(batch.size());
     }
     sending_ = false;
@@ -452,6 +487,7 @@ class Connection {
 
   Session& s_;
   CoSemaphore slots_;
+  CoSemaphore bytes_;  // of kMaxInflightBytes
   WaitGroup inflight_;  // handlers and the sender still running
   BufferPool pool_;
   std::vector<uint8_t> rbuf_;

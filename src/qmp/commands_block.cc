@@ -241,6 +241,21 @@ Task<Reply> query_named_block_nodes(Daemon& d, const OJson& args) {
   co_return Reply::ok(std::move(list));
 }
 
+// QEMU's bdrv_assign_node_name: user-given names are id_wellformed (so
+// they never clash with the generated "#blockNNN") and fit its 32-byte
+// array. Inline children's names are checked too, the root's first.
+Status check_node_names(const Json& opts) {
+  if (auto it = opts.find("node-name"); it != opts.end() && it->is_string()) {
+    const std::string name = it->get<std::string>();
+    if (!id_wellformed(name)) return Error(EINVAL, "Invalid node-name: '" + name + "'");
+    if (name.size() >= 32) return Error(EINVAL, "Node name too long");
+  }
+  for (auto it = opts.begin(); it != opts.end(); ++it)
+    if (it->is_object())
+      if (auto st = check_node_names(*it); !st) return st;
+  return {};
+}
+
 }  // namespace
 
 Result<std::shared_ptr<Node>> Daemon::blockdev_add(const Json& in) {
@@ -251,6 +266,7 @@ Result<std::shared_ptr<Node>> Daemon::blockdev_add(const Json& in) {
     return Error(EINVAL, "Parameter 'driver' does not accept value '" + opts["driver"].get<std::string>() + "'");
   if (!opts.contains("node-name")) return Error(EINVAL, "'node-name' must be specified for the root node");
   std::string name = opts["node-name"].is_string() ? opts["node-name"].get<std::string>() : "";
+  if (auto st = check_node_names(opts); !st) return st.take_error();
   if (graph.find(name)) return Error(EEXIST, "Duplicate nodes with node-name='" + name + "'");
   NodeSettings st;
   if (opts.contains("cache") && opts["cache"].is_object()) {

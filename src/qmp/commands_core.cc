@@ -43,7 +43,9 @@ Task<Reply> quit(Daemon& d, const OJson&) {
 }  // namespace
 
 Daemon::Daemon(Loop& l)
-    : loop(l), monitors(l, registry, version_json()), nbd_running(l), quit(l) {}
+    : loop(l), monitors(l, registry, version_json()), nbd_running(l), quit(l), clients_open(l) {
+  clients_open.set();
+}
 
 Daemon::~Daemon() = default;
 

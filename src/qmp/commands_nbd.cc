@@ -19,6 +19,7 @@ const std::vector<std::string> kAddrTypes = {"inet", "unix", "vsock", "fd"};
 // A server task owns its nbd::Server: the object lives until every
 // connection has ended, even after nbd-server-stop forgot it.
 Task<void> run_server(Daemon& d, std::unique_ptr<nbd::Server> s, Fd listener, std::string unix_path) {
+  co_await d.clients_open.wait();
   co_await s->serve(std::move(listener));
   if (!unix_path.empty()) ::unlink(unix_path.c_str());
   s.reset();

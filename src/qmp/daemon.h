@@ -75,6 +75,18 @@ struct Daemon {
 
   // `quit`, SIGTERM, SIGINT: set once; `vblk serve` then shuts down.
   CoEvent quit;
+  // Clients (QMP, NBD) are served once this is set (at once unless
+  // hold_clients() was called): a client that connects during startup
+  // waits until every command-line node, object and export exists.
+  CoEvent clients_open;
+  void hold_clients() {
+    clients_open.reset();
+    monitors.hold();
+  }
+  void open_clients() {
+    clients_open.set();
+    monitors.open();
+  }
 
   void emit(const std::string& event, OJson data = nullptr) { monitors.emit_event(event, std::move(data)); }
 

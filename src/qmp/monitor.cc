@@ -6,17 +6,46 @@
 
 namespace vblk::qmp {
 
+// What a client that does not read its replies can make the daemon hold.
+// QEMU's monitor stops reading requests while its queue is full (8
+// requests, QMP_REQ_QUEUE_LEN_MAX); here the measure is the output itself:
+// no further command is read while more than kMaxQueuedOutput bytes wait
+// to be sent (so at most one command's reply beyond it). Events are not
+// the client's doing and cannot wait, so a client with more than
+// kMaxEventBacklog bytes unread is cut off rather than let grow memory
+// without bound (QEMU 7.2 buffers them without limit).
+constexpr size_t kMaxQueuedOutput = 1u << 20;
+constexpr size_t kMaxEventBacklog = 16u << 20;
+constexpr std::chrono::seconds kLingerLimit{5};
+
 struct QmpServer::Session {
-  Session(Loop& loop, int fd) : fd(fd), out(loop), writer_done(loop) {}
+  Session(Loop& loop, int fd) : fd(fd), out(loop), writer_done(loop), drained(loop) { drained.set(); }
   int fd;
   bool negotiated = false;
   bool oob = false;
   CoQueue<std::string> out;
   CoEvent writer_done;
+  size_t queued = 0;  // bytes in `out` and being sent
+  CoEvent drained;    // set while queued <= kMaxQueuedOutput
+
+  bool writer_gone = false;
+
+  void push(std::string line) {
+    queued += line.size();
+    if (queued > kMaxQueuedOutput && !writer_gone) drained.reset();
+    // Unbounded queue: push completes at once.
+    spawn_detached([](Session* s, std::string l) -> Task<void> { (void)co_await s->out.push(std::move(l)); }(this, std::move(line)));
+  }
+  void sent(size_t n) {
+    queued -= n;
+    if (queued <= kMaxQueuedOutput) drained.set();
+  }
 };
 
 QmpServer::QmpServer(Loop& loop, Registry& registry, OJson version)
-    : loop_(loop), registry_(registry), version_(std::move(version)), running_(loop) {}
+    : loop_(loop), registry_(registry), version_(std::move(version)), running_(loop), open_(loop) {
+  open_.set();
+}
 
 QmpServer::~QmpServer() = default;
 
@@ -27,6 +56,7 @@ void QmpServer::add_monitor(Fd listener, std::string path) {
 }
 
 Task<void> QmpServer::run_monitor(Fd listener, std::string path) {
+  co_await open_.wait();
   while (!stopping_) {
     auto c = co_await accept_socket(loop_, listener.get());
     if (!c) {
@@ -54,8 +84,12 @@ Task<void> QmpServer::run_writer(Session& s) {
     auto line = co_await s.out.pop();
     if (!line) break;
     auto st = co_await send_all(loop_, s.fd, std::span(reinterpret_cast<const uint8_t*>(line->data()), line->size()));
+    s.sent(line->size());
     if (!st) break;  // the client went away; the reader notices too
   }
+  // Nothing more will be sent: the reader must not wait for it.
+  s.writer_gone = true;
+  s.drained.set();
   s.writer_done.set();
 }
 
@@ -66,20 +100,37 @@ Task<void> QmpServer::run_session(Fd fd) {
   OJson greeting = OJson::object();
   greeting["QMP"]["version"] = version_;
   greeting["QMP"]["capabilities"] = OJson::array({"oob"});
-  (void)co_await s.out.push(to_qmp_text(greeting) + "\r\n");
+  s.push(to_qmp_text(greeting) + "\r\n");
   JsonStreamer streamer;
   std::vector<char> buf(64 * 1024);
   std::vector<JsonMessage> msgs;
   while (!stopping_) {
+    co_await s.drained.wait();
+    if (stopping_) break;
     long n = co_await loop_.recv(s.fd, buf.data(), buf.size());
     if (n <= 0) break;
     msgs.clear();
     streamer.feed(std::string_view(buf.data(), static_cast<size_t>(n)), msgs);
-    for (auto& m : msgs) co_await handle(s, std::move(m));
+    for (auto& m : msgs) {
+      if (!stopping_) co_await s.drained.wait();
+      if (stopping_) break;
+      co_await handle(s, std::move(m));
+    }
   }
   sessions_.remove(&s);
   s.out.close();
+  // The queued replies (quit's among them) go out first, but a client that
+  // does not read them gets kLingerLimit, not forever: the shutdown
+  // fails the writer's send.
+  std::stop_source sent;
+  running_.add();
+  spawn_detached([](QmpServer* self, int fd, std::stop_token done) -> Task<void> {
+    bool expired = co_await self->loop_.sleep(kLingerLimit, done);
+    if (expired && !done.stop_requested()) ::shutdown(fd, SHUT_RDWR);
+    self->running_.done();
+  }(this, s.fd, sent.get_token()));
   co_await s.writer_done.wait();
+  sent.request_stop();
   fd.reset();
   running_.done();
 }
@@ -91,7 +142,7 @@ Task<void> QmpServer::handle(Session& s, JsonMessage msg) {
   } else {
     rsp = co_await dispatch(s, msg.value);
   }
-  (void)co_await s.out.push(to_qmp_text(rsp) + "\r\n");
+  s.push(to_qmp_text(rsp) + "\r\n");
 }
 
 // qmp_dispatch() of QEMU: checks the request's shape, finds the command
@@ -181,8 +232,11 @@ void QmpServer::emit_event(const std::string& name, OJson data) {
   std::string line = to_qmp_text(ev) + "\r\n";
   for (Session* s : sessions_) {
     if (!s->negotiated) continue;
-    // Unbounded queue: push completes at once.
-    spawn_detached([](Session* s, std::string l) -> Task<void> { (void)co_await s->out.push(std::move(l)); }(s, line));
+    if (s->queued > kMaxEventBacklog) {
+      ::shutdown(s->fd, SHUT_RDWR);  // ends its reader and writer
+      continue;
+    }
+    s->push(line);
   }
 }
 
@@ -191,7 +245,10 @@ void QmpServer::stop() {
   stopping_ = true;
   for (int fd : listeners_) ::shutdown(fd, SHUT_RDWR);
   // Readers end; writers send what is queued (the reply to quit) first.
-  for (Session* s : sessions_) ::shutdown(s->fd, SHUT_RD);
+  for (Session* s : sessions_) {
+    ::shutdown(s->fd, SHUT_RD);
+    s->drained.set();  // a reader held back by unread output ends too
+  }
 }
 
 Task<void> QmpServer::wait() { co_await running_.wait(); }

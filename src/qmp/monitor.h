@@ -31,6 +31,11 @@ class QmpServer {
   // Starts a monitor on an already listening socket; `path` is unlinked
   // when the monitor stops (empty: nothing to unlink).
   void add_monitor(Fd listener, std::string path);
+  // While held, monitors accept no client (they wait in the listen
+  // backlog): qemu-storage-daemon answers nothing before its command line
+  // has been processed. Not held unless asked.
+  void hold() { open_.reset(); }
+  void open() { open_.set(); }
 
   // {"event": name, "data": data, "timestamp": {...}} to every negotiated
   // client; data null: no "data" member.
@@ -55,6 +60,7 @@ class QmpServer {
   std::list<Session*> sessions_;
   std::vector<int> listeners_;
   WaitGroup running_;
+  CoEvent open_;
   bool stopping_ = false;
 };
 

@@ -2,8 +2,10 @@
 // thread-pool/epoll fallback) so the fallback is proven, not assumed.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -300,6 +302,88 @@ TEST_P(LoopTest, UnixAndTcpSocketsEcho) {
   EXPECT_TRUE(loop.run(run_pair(listen_unix(loop, path), true)));
   EXPECT_TRUE(loop.run(run_pair(listen_tcp(loop, "127.0.0.1", 0), false)));
   unlink(path.c_str());
+}
+
+// Far more sockets waiting on silent peers than the ring takes in (ring_entries
+// 8: 16 bounded requests and 256 peer waits) must not stop file I/O, other sockets
+// or a new connection; and each idle receive still completes once its peer
+// speaks or goes away.
+TEST_P(LoopTest, IdleSocketsDoNotStopOtherIo) {
+  Loop::Options o = opts();
+  o.ring_entries = 8;
+  Loop loop(o);
+  constexpr int kIdle = 400;
+  std::vector<int> peers;   // the silent ends
+  std::vector<int> waiting; // the loop's ends, each with a pending receive
+  for (int i = 0; i < kIdle; ++i) {
+    int sv[2];
+    int type = SOCK_STREAM | SOCK_CLOEXEC | (GetParam() ? 0 : SOCK_NONBLOCK);
+    ASSERT_EQ(socketpair(AF_UNIX, type, 0, sv), 0);
+    waiting.push_back(sv[0]);
+    peers.push_back(sv[1]);
+  }
+  int got = 0;
+  WaitGroup idle(loop);
+  auto idle_recv = [](Loop& l, int fd, int& n, WaitGroup& wg) -> Task<void> {
+    char c;
+    long r = co_await l.recv(fd, &c, 1);
+    if (r == 1 && c == 'x') ++n;
+    wg.done();
+  };
+  idle.add(kIdle);
+  for (int fd : waiting) spawn_detached(idle_recv(loop, fd, got, idle));
+  std::string path = temp_file(1 << 20);
+  int ffd = open(path.c_str(), O_RDWR);
+  ASSERT_GE(ffd, 0);
+  std::string sock = "/tmp/vblk-loop-idle-" + std::to_string(getpid()) + (GetParam() ? "u" : "t") + ".sock";
+  auto busy = [&]() -> Task<bool> {
+    // File I/O in parallel, more requests than the whole CQ.
+    WaitGroup wg(loop);
+    int ok = 0;
+    auto one = [](Loop& l, int f, uint64_t off, int& n, WaitGroup& w) -> Task<void> {
+      AlignedBuffer b(4096);
+      if (co_await l.pread(f, b.data(), 4096, off) == 4096) ++n;
+      w.done();
+    };
+    wg.add(64);
+    for (int i = 0; i < 64; ++i) spawn_detached(one(loop, ffd, uint64_t(i) * 4096, ok, wg));
+    co_await wg.wait();
+    if (ok != 64) co_return false;
+    // A new connection and an exchange on it.
+    auto listener = listen_unix(loop, sock);
+    if (!listener) co_return false;
+    auto server = [](Loop& l, int lfd) -> Task<void> {
+      auto c = co_await accept_socket(l, lfd);
+      if (!c) co_return;
+      uint8_t b[4];
+      if (co_await recv_exact(l, c->get(), b)) (void)co_await send_all(l, c->get(), b);
+    };
+    spawn_detached(server(loop, listener->get()));
+    auto c = co_await connect_unix(loop, sock);
+    if (!c) co_return false;
+    uint8_t out[4] = {1, 2, 3, 4}, in[4] = {};
+    if (!co_await send_all(loop, c->get(), out) || !co_await recv_exact(loop, c->get(), in)) co_return false;
+    co_return std::equal(in, in + 4, out);
+  };
+  EXPECT_TRUE(loop.run(busy()));
+  // Now the silent peers speak (half) or go away (the rest).
+  for (int i = 0; i < kIdle; ++i) {
+    if (i % 2 == 0) {
+      ASSERT_EQ(write(peers[i], "x", 1), 1);
+    } else {
+      close(peers[i]);
+      peers[i] = -1;
+    }
+  }
+  loop.run([](WaitGroup& wg) -> Task<void> { co_await wg.wait(); }(idle));
+  EXPECT_EQ(got, kIdle / 2);
+  EXPECT_EQ(loop.pending_io(), 0u);
+  for (int fd : peers)
+    if (fd >= 0) close(fd);
+  for (int fd : waiting) close(fd);
+  close(ffd);
+  unlink(path.c_str());
+  unlink(sock.c_str());
 }
 
 TEST_P(LoopTest, ConnectToNothingFailsCleanly) {

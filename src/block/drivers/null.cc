@@ -1,6 +1,7 @@
 // The `null-co` driver: a node of a given size that stores nothing. Writes
 // succeed at once; reads return zeroes only with read-zeroes=on (otherwise the
 // buffer is left as is, which is what makes it useful for benchmarks).
+#include <cstdint>
 #include <cstring>
 
 #include "block/drivers/drivers.h"
@@ -73,8 +74,19 @@ class NullNode final : public Node {
 namespace drivers {
 
 Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts) {
+  // A JSON number beyond int64 (QMP, JSON --blockdev): the QObject input
+  // visitor's words; a key=value string: the keyval visitor's (below).
+  if (auto it = opts.find("size"); it != opts.end() && it->is_number_unsigned() &&
+                                   it->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    return Error(EINVAL, "Invalid parameter type for 'size', expected: integer");
   auto size = take_size(opts, "size");
   VBLK_TRY(size);
+  // QEMU's size is an int64, and no node reaches past BDRV_MAX_LENGTH
+  // (bdrv_refresh_total_sectors), so nothing exports a negative size.
+  constexpr uint64_t kMaxLength = 0x7fffffffc0000000ull;
+  if (*size && **size > static_cast<uint64_t>(INT64_MAX)) return Error(EINVAL, "Parameter 'size' expects integer");
+  if (*size && (**size + 511) / 512 * 512 > kMaxLength)
+    return Error(EFBIG, "Could not refresh total sector count: File too large");
   auto rz = take_bool(opts, "read-zeroes");
   VBLK_TRY(rz);
   auto lat = take_size(opts, "latency-ns");
