@@ -68,7 +68,9 @@ def wait_socket(path, proc, timeout=20):
     raise SystemExit(f"server socket {path} did not come up")
 
 
-def server_argv(env, vblk, fmt, image, sock):
+def server_argv(env, vblk, fmt, image, sock, baseline=None):
+    if env == "vblk-base":
+        return [baseline, "nbd", "-f", fmt, "--cache=none", "--aio=io_uring", "-e", "8", "-t", "-k", sock, image]
     if env == "vblk":
         return [vblk, "nbd", "-f", fmt, "--cache=none", "--aio=io_uring", "-e", "8", "-t", "-k", sock, image]
     if env == "qemu-nbd":
@@ -114,8 +116,11 @@ def main():
     ap.add_argument("--envs", default=None, metavar="REGEX", help="environments matching REGEX")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--baseline", default=None, metavar="VBLK",
+                    help="an earlier vblk binary, run as environment vblk-base beside the others (regressions)")
     args = ap.parse_args()
     vblk = bi.resolve_tool(args.vblk, "vblk")
+    baseline = bi.resolve_tool(args.baseline, "vblk") if args.baseline else None
     for tool in ("qemu-nbd", "qemu-img", "nbdkit", "nbdinfo", "fio"):
         bi.resolve_tool(tool, tool)
     own_dir = not args.dir
@@ -127,7 +132,7 @@ def main():
     cases = [(img, rw, jobs) for img in images for rw in ("randread", "randwrite", "randrw") for jobs in (1, 4)]
     if args.only:
         cases = [c for c in cases if re.search(args.only, f"{c[0][0]}/{c[1]}/{c[2]}")]
-    envs = ["device", "client", "vblk", "qemu-nbd", "nbdkit"]
+    envs = ["device", "client", "vblk"] + (["vblk-base"] if baseline else []) + ["qemu-nbd", "nbdkit"]
     if args.envs:
         envs = [e for e in envs if re.search(args.envs, e)]
     meta = bi.run_meta(vblk, {"qemu_nbd_version": ["qemu-nbd", "--version"], "nbdkit_version": ["nbdkit", "--version"],
@@ -166,7 +171,7 @@ def main():
                         if os.path.exists(sock):
                             os.unlink(sock)
                         bi.drop_cache(image)
-                        proc = subprocess.Popen(server_argv(env, vblk, fmt, image, sock), stdout=subprocess.DEVNULL,
+                        proc = subprocess.Popen(server_argv(env, vblk, fmt, image, sock, baseline), stdout=subprocess.DEVNULL,
                                                 stderr=subprocess.PIPE)
                         try:
                             wait_socket(sock, proc)
@@ -194,7 +199,8 @@ def main():
     meta["loadavg_end"] = bi.loadavg()
     servers = [e for e in envs if e not in ("device", "client")]
     header = (["case"] + [f"{e} IOPS" for e in envs] + [f"{e} %dev" for e in servers] +
-              [f"{e} %cli" for e in servers if e != "nbdkit"] + ["vblk/qemu-nbd"])
+              [f"{e} %cli" for e in servers if e != "nbdkit"] + ["vblk/qemu-nbd"] +
+              (["vblk/base"] if baseline else []))
     rows = [header]
     short = []
     for key, per in iops.items():
@@ -212,6 +218,9 @@ def main():
         if per.get("vblk") and per.get("qemu-nbd"):
             ratio = f"{statistics.fmean(per['vblk']) / statistics.fmean(per['qemu-nbd']):.2f}"
         row.append(ratio)
+        if baseline:
+            row.append(f"{statistics.fmean(per['vblk']) / statistics.fmean(per['vblk-base']):.2f}"
+                       if per.get("vblk") and per.get("vblk-base") else "")
         rows.append(row)
         res = {"case": key, "iops": per}
         if dev:

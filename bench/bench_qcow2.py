@@ -40,10 +40,14 @@ def main():
     ap.add_argument("--size", type=bi.parse_size, default=bi.parse_size("1G"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline", default=None, metavar="VBLK",
+                    help="an earlier vblk binary, run beside the others as vblk-base (regressions)")
     args = ap.parse_args()
     vblk = bi.resolve_tool(args.vblk, "vblk")
     qemu = bi.resolve_tool(args.qemu_img, "qemu-img")
     tools = [("vblk", vblk), ("qemu-img", qemu)]
+    if args.baseline:
+        tools.append(("vblk-base", bi.resolve_tool(args.baseline, "vblk")))
     div = 10 if args.quick else 1
     step = bi.scatter_step(args.size)
     nblocks = args.size // bi.BLOCK
@@ -89,7 +93,8 @@ def main():
                           file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    rows = [["case", "count", "vblk (s)", "qemu-img (s)", "vblk speed", "qemu-img speed", "unit", "vblk/qemu"]]
+    rows = [["case", "count", "vblk (s)", "qemu-img (s)", "vblk speed", "qemu-img speed", "unit", "vblk/qemu"] +
+            (["vblk-base speed", "vblk/base"] if args.baseline else [])]
     out = []
     slower = []
     for case in cases:
@@ -102,6 +107,12 @@ def main():
         rows.append([case["name"], str(case["count"]), bi.fmt_pm(*bi.mean_sd(tv), 3), bi.fmt_pm(*bi.mean_sd(tq), 3),
                      bi.fmt_pm(*bi.mean_sd(sv), 0), bi.fmt_pm(*bi.mean_sd(sq), 0), unit,
                      f"{ratio:.2f} ± {statistics.stdev(paired) if len(paired) > 1 else 0:.2f}"])
+        if args.baseline:
+            tb = times[case["name"]]["vblk-base"]
+            sb = [bi.speed_of(case, t) for t in tb]
+            pb = [a / b for a, b in zip(sv, sb)]
+            rows[-1] += [bi.fmt_pm(*bi.mean_sd(sb), 0),
+                         f"{statistics.mean(sv) / statistics.mean(sb):.2f} ± {statistics.stdev(pb) if len(pb) > 1 else 0:.2f}"]
         out.append({"case": case["name"], "vblk_seconds": tv, "qemu_seconds": tq, "ratio": ratio})
         if ratio < 1:
             slower.append(case["name"])
