@@ -260,6 +260,24 @@ def shm_dir() -> Optional[str]:
     return None
 
 
+def end_process(proc, argv, sig=None, timeout=30):
+    """Sends `sig` (None: nothing, just wait) to a Popen started with piped
+    stdout/stderr, waits for it to exit (killing it and failing the test if
+    it does not), and returns (exit code, stderr text)."""
+    if sig is not None and proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("%s did not exit%s" % (argv, " on %s" % sig if sig is not None else ""))
+    err = proc.stderr.read().decode("utf-8", "replace")
+    proc.stdout.close()
+    proc.stderr.close()
+    return rc, err
+
+
 def lock_bytes(path):
     """The byte offsets of the OFD locks anybody holds on `path`'s inode
     (QEMU's and vblk's image locks: 100+i needed, 200+i not shared)."""

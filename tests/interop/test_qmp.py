@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import (MiB, InteropTestCase, VBLK, norm_qemu_err, norm_vblk_err, qemu, rand_bytes, run)  # noqa: E402
+from common import (MiB, InteropTestCase, VBLK, norm_qemu_err, norm_vblk_err, qemu, rand_bytes, run,
+                    end_process)  # noqa: E402
 import qmp_driver  # noqa: E402  (common.py puts bench/ on the path)
 
 QSD = shutil.which("qemu-storage-daemon")
@@ -70,28 +71,10 @@ class Daemon:
         return QMP(self.sock)
 
     def stop(self, sig=signal.SIGTERM, timeout=30):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError("%s did not exit on %s" % (self.argv, sig))
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        return rc
+        return end_process(self.proc, self.argv, sig, timeout)[0]
 
     def wait(self, timeout=30):
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError("%s did not exit" % self.argv)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        return rc
+        return end_process(self.proc, self.argv, None, timeout)[0]
 
 
 def norm_names(obj):

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, VBLK  # noqa: E402
+from common import MiB, InteropTestCase, VBLK, end_process  # noqa: E402
 import qmp_driver  # noqa: E402  (common.py puts bench/ on the path)
 
 QSD = shutil.which("qemu-storage-daemon")
@@ -214,18 +214,7 @@ class Proc:
             return False
 
     def stop(self, sig=signal.SIGTERM, timeout=60):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError("%s did not exit on %s" % (self.argv, sig))
-        err = self.proc.stderr.read().decode()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        return rc, err
+        return end_process(self.proc, self.argv, sig, timeout)
 
 
 class ServerLimitsTest(InteropTestCase):
