@@ -15,6 +15,11 @@
 //     report ends the job with the error, ignore retries, stop pauses the
 //     job (io-status failed/nospace, BLOCK_JOB_ERROR) until resumed;
 //     enospc/auto stop on ENOSPC and report otherwise.
+//   - with a COW buffer, the job completes only once the background call
+//     is done and the buffer empty; a failed drain write follows
+//     on-target-error like a failed copy (stop pauses the job with the data
+//     kept, resume writes it); pause stops the drain, cancel drops the
+//     buffer. query-jobs / query-block-jobs add "x-cow-buffer".
 //   - with a named bitmap of the source (QEMU's sync=bitmap / incremental,
 //     bitmap-mode on-success / never / always): sync=bitmap copies only the
 //     clusters the bitmap has dirty; the bitmap is frozen (busy) for the
@@ -61,6 +66,11 @@ struct BackupArgs {
   int64_t max_chunk = 0;
   // vblk: the engine's memory cap for this job (0: the engine's default).
   uint64_t max_memory = 0;
+  // vblk: the COW buffer (x-perf cow-buffer-size, cow-spill-dir,
+  // cow-spill-size; see include/vblk/copy_before_write.h).
+  int64_t cow_buffer_size = 0;
+  std::optional<std::string> cow_spill_dir;
+  int64_t cow_spill_size = 0;
 };
 
 class BackupJob : public BlockJob {
@@ -71,11 +81,13 @@ class BackupJob : public BlockJob {
   uint64_t progress_current() const override;
   uint64_t progress_total() const override;
   CopyBeforeWrite& filter() { return *cbw_; }
+  void query_extra(nlohmann::ordered_json& j) const override;
   std::shared_ptr<Node> filter_node() const { return cbw_; }
 
  protected:
   Task<Status> run() override;
   void on_pause() override;
+  void on_resume() override;
   bool on_cancel(bool force) override;
   void on_set_speed(uint64_t speed) override;
   void commit() override;
@@ -85,6 +97,12 @@ class BackupJob : public BlockJob {
  private:
   friend Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, const BackupArgs& args);
   Task<Status> copy_loop();
+  // Waits until the COW buffer is empty (ok) or a drain write failed and
+  // the error policy says to report it.
+  Task<Status> drain_loop();
+  // A failed drain write under on-target-error: the status that ends the
+  // job, or nullopt to go on (after a stop's pause, or at once for ignore).
+  Task<std::optional<Status>> on_drain_error();
   // QEMU's backup_cleanup_sync_bitmap.
   void cleanup_sync_bitmap(bool ok);
 
@@ -97,6 +115,7 @@ class BackupJob : public BlockJob {
   OnError on_source_error_ = OnError::Report, on_target_error_ = OnError::Report;
   std::shared_ptr<BlockCopyCall> call_;  // the background call, if any
   bool cleaned_ = false;
+  bool cow_buffer_ = false;
 };
 
 // Checks the arguments as QEMU's blockdev-backup does (same messages, same

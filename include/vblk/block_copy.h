@@ -114,7 +114,8 @@ class BlockCopyCall {
 
  private:
   friend class BlockCopyState;
-  explicit BlockCopyCall(BlockCopyState& s, uint64_t offset, uint64_t bytes, bool ignore_ratelimit);
+  explicit BlockCopyCall(BlockCopyState& s, uint64_t offset, uint64_t bytes, bool ignore_ratelimit,
+                         unsigned max_workers = 0);
 
   BlockCopyState& s_;
   uint64_t offset_, bytes_;
@@ -129,6 +130,26 @@ class BlockCopyCall {
   WaitGroup running_;     // this call's tasks in flight
   CoEvent done_;
   std::stop_source sleep_stop_;  // kicks the rate-limit sleep
+};
+
+// Clusters taken out of the engine by a copier of its own (the COW buffer,
+// see claim() below): the claimed runs, in flight until end_claim.
+class BlockCopyClaim {
+ public:
+  struct Range {
+    uint64_t offset, bytes;
+  };
+  ~BlockCopyClaim();
+  const std::vector<Range>& ranges() const { return ranges_; }
+  uint64_t bytes() const { return bytes_; }
+  bool empty() const { return ranges_.empty(); }
+
+ private:
+  friend class BlockCopyState;
+  BlockCopyClaim() = default;
+  std::vector<Range> ranges_;
+  uint64_t bytes_ = 0;
+  std::vector<void*> in_flight_;  // BlockCopyState::InFlight, one per range
 };
 
 class BlockCopyState {
@@ -148,9 +169,37 @@ class BlockCopyState {
   // (if given) tells a failed read from a failed write.
   Task<Status> copy(uint64_t offset, uint64_t bytes, bool ignore_ratelimit = false, bool* error_is_read = nullptr);
   // The same, running on its own; on_done runs when it finishes (from the
-  // call's coroutine: it must not destroy the state).
+  // call's coroutine: it must not destroy the state). max_workers caps this
+  // call's tasks below the state's (0: the state's).
   std::shared_ptr<BlockCopyCall> copy_async(uint64_t offset, uint64_t bytes, bool ignore_ratelimit = false,
-                                            std::function<void(BlockCopyCall&)> on_done = {});
+                                            std::function<void(BlockCopyCall&)> on_done = {},
+                                            unsigned max_workers = 0);
+
+  // ---- copies made outside the engine (the COW buffer)
+  //
+  // A copier that saves old data its own way takes the dirty clusters of a
+  // range away from the engine: claim() clears their bits and puts them in
+  // flight, so engine tasks and other claimers touching them wait, until
+  // end_claim. With keep, the clusters stay clean: the claimer owns their
+  // old data and they count as remaining work (pending) until it reports
+  // them copied with add_done; without keep their bits come back.
+  //
+  // Returns once no task or claim overlaps the range.
+  Task<void> wait_idle(uint64_t offset, uint64_t bytes);
+  // Dirty bytes in the range (whole clusters, clamped to the length).
+  uint64_t dirty_bytes(uint64_t offset, uint64_t bytes) const;
+  // Synchronous: nothing can change the bitmap between dirty_bytes and this.
+  std::unique_ptr<BlockCopyClaim> claim(uint64_t offset, uint64_t bytes);
+  void end_claim(std::unique_ptr<BlockCopyClaim> c, bool keep);
+  void add_done(uint64_t bytes);
+  // Claimed data the claimer has not yet written gets lost (a cancel).
+  void drop_pending(uint64_t bytes) { pending_bytes_ -= std::min(pending_bytes_, bytes); }
+  // While held, calls that respect the rate limit start no new tasks: the
+  // claimer writes its data to the target first.
+  void hold_background(bool on);
+  bool background_held() const { return held_; }
+  // Bytes of tasks and claims in flight.
+  uint64_t in_flight_bytes() const { return in_flight_bytes_; }
 
   // Changes the speed now and kicks every call sleeping for the limit.
   void set_speed(uint64_t bytes_per_sec);
@@ -159,7 +208,11 @@ class BlockCopyState {
   // Progress: bytes copied, and done + still to copy (dirty + in flight).
   // The total shrinks when skipped ranges are found, grows if bits are set.
   uint64_t progress_done() const { return done_bytes_; }
-  uint64_t progress_total() const { return done_bytes_ + bitmap_.count() + in_flight_bytes_; }
+  uint64_t progress_total() const { return done_bytes_ + bitmap_.count() + in_flight_bytes_ + pending_bytes_; }
+  // The rate limit, for a claimer that writes to the target: it waits
+  // rate_delay_ns() before a write and accounts its bytes, as a task does.
+  uint64_t rate_delay_ns() const;
+  void rate_account(uint64_t bytes);
   // Bytes of buffers held now and at most so far (tests, bench).
   uint64_t memory_in_use() const { return opts_.max_memory - memory_.available(); }
   uint64_t memory_peak() const { return memory_peak_; }
@@ -195,6 +248,8 @@ class BlockCopyState {
   uint64_t memory_peak_ = 0;
   uint64_t done_bytes_ = 0;
   uint64_t in_flight_bytes_ = 0;
+  uint64_t pending_bytes_ = 0;  // claimed and kept, not yet copied
+  bool held_ = false;
   std::vector<InFlight*> in_flight_;          // tasks of all calls
   std::vector<BlockCopyCall*> calls_;         // running calls (for kicks)
   std::vector<AlignedBuffer> slabs_;          // huge-page memory for data buffers

@@ -16,14 +16,30 @@
 // copy). cbw-timeout (seconds, 0 = none) bounds how long a guest write waits
 // for its copy: a timeout is an ETIMEDOUT copy failure.
 //
+// The COW buffer (CbwOptions::buffer.memory_size > 0; x-perf.cow-buffer-size
+// of blockdev-backup, x-cow-buffer-size of the filter): a guest write to
+// clusters not yet copied claims them in the BlockCopyState (waiting for
+// overlapping tasks; concurrent writers to them wait for the claim), reads
+// their old data into the CowBuffer (memory, then the spill file) and goes
+// on at once. A drain writes the buffer to the target, oldest first, ahead
+// of the background copy (held while the buffer has data) and through the
+// same rate limit. A drain write that fails keeps its data in the buffer
+// and stops the drain with drain_error(), for the job's error policy; the
+// data is never read from the source again, since the guest has overwritten
+// it there. With buffer and spill full, the guest write copies
+// synchronously as without a buffer (sync_copies counts these).
+//
 // Ownership: the filter owns references to its children (`file` = source,
-// `target`) and its BlockCopyState. Thread-safety: one loop.
+// `target`), its BlockCopyState and its CowBuffer. Thread-safety: one loop.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "vblk/block_copy.h"
+#include "vblk/cow_buffer.h"
 #include "vblk/filter_node.h"
 #include "vblk/node.h"
 #include "vblk/sync.h"
@@ -36,6 +52,7 @@ struct CbwOptions {
   BlockCopyOptions copy;  // cluster_size 0: max(64 KiB, target's cluster)
   OnCbwError on_error = OnCbwError::BreakGuestWrite;
   uint32_t timeout_s = 0;
+  CowBufferOptions buffer;  // memory_size 0: no COW buffer
 };
 
 class CopyBeforeWrite : public FilterNode {
@@ -53,6 +70,25 @@ class CopyBeforeWrite : public FilterNode {
   // Copies the old data under [offset, offset+bytes) if still needed.
   Task<Status> copy_before_write(uint64_t offset, uint64_t bytes);
 
+  // ---- the COW buffer (copy_before_write_buffer.cc)
+  // Creates the buffer (before the filter sees writes).
+  Status enable_buffer(const CowBufferOptions& opts);
+  bool has_buffer() const { return buffer_ != nullptr; }
+  CowBufferStats buffer_stats() const;
+  bool buffer_empty() const { return !buffer_ || buffer_->empty(); }
+  // The first failed drain write since the last clear (ok otherwise); the
+  // drain waits until clear_drain_error().
+  const Status& drain_error() const { return drain_error_; }
+  void clear_drain_error();
+  // A paused drain keeps its data and writes nothing (a paused job).
+  void set_drain_paused(bool paused);
+  // Called when the buffer became empty or the drain failed (the job waits
+  // for either).
+  void set_drain_listener(std::function<void()> fn) { drain_listener_ = std::move(fn); }
+  // Stops the drain, waits for its writes and for guest writes filling the
+  // buffer, and frees it; what it held is dropped (a cancelled backup).
+  Task<void> stop_buffer();
+
   std::string filename() const override { return filtered().filename(); }
   // The target is written by the filter alone and must keep its size; the
   // source, once the filter has users that write, is read consistently
@@ -64,14 +100,34 @@ class CopyBeforeWrite : public FilterNode {
   Task<Status> do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) override;
   Task<Status> do_discard(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_truncate(uint64_t length, bool exact) override;
+  Task<Status> do_close() override;
 
  private:
+  // The buffered copy-before-write of [begin, end): nullopt when buffer and
+  // spill are full (the caller copies synchronously).
+  Task<std::optional<Status>> buffered_copy(uint64_t begin, uint64_t end);
+  void kick_drain();
+  Task<void> drain_loop();
+  Task<void> drain_one(uint64_t offset);
+  void notify_drain_listener();
+
   Node* target_;
   OnCbwError on_error_;
   uint64_t timeout_ns_;
   Status snapshot_error_;
   std::unique_ptr<BlockCopyState> bcs_;
   WaitGroup orphans_;  // timed-out copy calls still running
+
+  std::unique_ptr<CowBuffer> buffer_;
+  uint64_t sync_copies_ = 0;  // copies made synchronously because the buffer was full
+  Status drain_error_;
+  bool drain_paused_ = false;
+  bool drain_running_ = false;  // drain_loop exists
+  bool buffer_stopping_ = false;
+  unsigned drain_writes_ = 0;  // drain writes in flight
+  std::unique_ptr<CoEvent> drain_wake_;
+  std::unique_ptr<WaitGroup> buffer_users_;  // drain loop, drain writes, buffered copies
+  std::function<void()> drain_listener_;
 };
 
 // The block-copy cluster size QEMU picks for a target: the target's

@@ -106,6 +106,8 @@ class Job : public std::enable_shared_from_this<Job> {
 
   // {"id","type","status","current-progress","total-progress","error"?}
   nlohmann::ordered_json query_job() const;
+  // Members a job type adds to its query-jobs / query-block-jobs entries.
+  virtual void query_extra(nlohmann::ordered_json& j) const { (void)j; }
 
  protected:
   Job(JobManager& mgr, std::string id, bool auto_finalize, bool auto_dismiss);

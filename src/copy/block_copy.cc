@@ -33,12 +33,14 @@ struct BlockCopyState::Chunk {
 
 // ---- calls
 
-BlockCopyCall::BlockCopyCall(BlockCopyState& s, uint64_t offset, uint64_t bytes, bool ignore_ratelimit)
+BlockCopyCall::BlockCopyCall(BlockCopyState& s, uint64_t offset, uint64_t bytes, bool ignore_ratelimit,
+                             unsigned max_workers)
     : s_(s),
       offset_(offset),
       bytes_(bytes),
       ignore_ratelimit_(ignore_ratelimit),
-      workers_(s.source().loop(), std::max(1u, s.options().max_workers)),
+      workers_(s.source().loop(),
+               std::max(1u, max_workers ? std::min(max_workers, s.options().max_workers) : s.options().max_workers)),
       running_(s.source().loop()),
       done_(s.source().loop()) {}
 
@@ -109,8 +111,9 @@ Task<Status> BlockCopyState::copy(uint64_t offset, uint64_t bytes, bool ignore_r
 }
 
 std::shared_ptr<BlockCopyCall> BlockCopyState::copy_async(uint64_t offset, uint64_t bytes, bool ignore_ratelimit,
-                                                          std::function<void(BlockCopyCall&)> on_done) {
-  std::shared_ptr<BlockCopyCall> call(new BlockCopyCall(*this, offset, bytes, ignore_ratelimit));
+                                                          std::function<void(BlockCopyCall&)> on_done,
+                                                          unsigned max_workers) {
+  std::shared_ptr<BlockCopyCall> call(new BlockCopyCall(*this, offset, bytes, ignore_ratelimit, max_workers));
   call->on_done_ = std::move(on_done);
   spawn_detached(run_call(call));
   return call;
@@ -165,6 +168,13 @@ Task<bool> BlockCopyState::scan(BlockCopyCall& call) {
     if (!call.status_.ok() || call.cancelled_) {
       call.workers_.release();
       break;
+    }
+    if (held_ && !call.ignore_ratelimit_) {
+      // A claimer writes its data first (hold_background kicks us).
+      call.workers_.release();
+      co_await loop.sleep(std::chrono::seconds(1), call.sleep_stop_.get_token());
+      if (call.sleep_stop_.stop_requested()) call.sleep_stop_ = std::stop_source();
+      continue;
     }
     if (!call.ignore_ratelimit_) {
       // Start a task only while the limit is not exceeded.
@@ -301,6 +311,92 @@ Task<void> BlockCopyState::run_task(BlockCopyCall& call, uint64_t offset, uint64
   call.workers_.release();
   call.running_.done();
 }
+
+// ---- copies made outside the engine
+
+BlockCopyClaim::~BlockCopyClaim() {
+  if (!in_flight_.empty()) {
+    std::fprintf(stderr, "vblk: internal error: block-copy claim dropped without end_claim\n");
+    std::abort();
+  }
+}
+
+Task<void> BlockCopyState::wait_idle(uint64_t offset, uint64_t bytes) {
+  const uint64_t begin = align_down(offset, opts_.cluster_size);
+  const uint64_t end = std::min(bitmap_.size(), align_up(std::min(offset + bytes, bitmap_.size()), opts_.cluster_size));
+  for (;;) {
+    InFlight* t = find_in_flight(begin, end);
+    if (!t) co_return;
+    struct Wait {
+      InFlight* t;
+      bool await_ready() noexcept { return false; }
+      void await_suspend(std::coroutine_handle<> h) { t->waiters.push_back(h); }
+      void await_resume() noexcept {}
+    };
+    co_await Wait{t};
+  }
+}
+
+uint64_t BlockCopyState::dirty_bytes(uint64_t offset, uint64_t bytes) const {
+  const uint64_t begin = align_down(offset, opts_.cluster_size);
+  const uint64_t end = std::min(bitmap_.size(), align_up(std::min(offset + bytes, bitmap_.size()), opts_.cluster_size));
+  return begin < end ? bitmap_.count(begin, end - begin) : 0;
+}
+
+std::unique_ptr<BlockCopyClaim> BlockCopyState::claim(uint64_t offset, uint64_t bytes) {
+  std::unique_ptr<BlockCopyClaim> c(new BlockCopyClaim());
+  const uint64_t begin = align_down(offset, opts_.cluster_size);
+  const uint64_t end = std::min(bitmap_.size(), align_up(std::min(offset + bytes, bitmap_.size()), opts_.cluster_size));
+  uint64_t pos = begin;
+  uint64_t off = 0, n = 0;
+  while (pos < end && bitmap_.next_dirty_area(pos, end, 0, off, n)) {
+    // The bitmap counts a partial last cluster as its real length.
+    n = std::min(n, bitmap_.size() - off);
+    auto* t = new InFlight{off, n, {}};
+    bitmap_.reset(off, n);
+    in_flight_.push_back(t);
+    in_flight_bytes_ += n;
+    c->ranges_.push_back({off, n});
+    c->in_flight_.push_back(t);
+    c->bytes_ += n;
+    pos = off + n;
+  }
+  return c;
+}
+
+void BlockCopyState::end_claim(std::unique_ptr<BlockCopyClaim> c, bool keep) {
+  for (void* p : c->in_flight_) {
+    auto* t = static_cast<InFlight*>(p);
+    in_flight_bytes_ -= t->bytes;
+    std::erase(in_flight_, t);
+    if (keep) {
+      pending_bytes_ += t->bytes;
+    } else {
+      bitmap_.set(t->offset, t->bytes);
+    }
+    for (auto h : t->waiters) source_.loop().post(h);
+    delete t;
+  }
+  c->in_flight_.clear();
+  // Bits that came back are work for the calls (a waiting call rescans).
+  if (!keep)
+    for (BlockCopyCall* call : calls_) call->kick();
+}
+
+void BlockCopyState::add_done(uint64_t bytes) {
+  pending_bytes_ -= std::min(pending_bytes_, bytes);
+  done_bytes_ += bytes;
+}
+
+void BlockCopyState::hold_background(bool on) {
+  if (held_ == on) return;
+  held_ = on;
+  if (!on)
+    for (BlockCopyCall* call : calls_) call->kick();
+}
+
+uint64_t BlockCopyState::rate_delay_ns() const { return rate_->delay_ns(Loop::now_ns()); }
+void BlockCopyState::rate_account(uint64_t bytes) { rate_->account(bytes, Loop::now_ns()); }
 
 Task<Status> BlockCopyState::copy_data(uint64_t offset, uint64_t bytes, bool& error_is_read) {
   if (use_copy_range_) {

@@ -7,6 +7,10 @@
 
 namespace vblk {
 
+namespace {
+constexpr unsigned kBufferedBackgroundWorkers = 4;
+}  // namespace
+
 BackupJob::BackupJob(JobManager& mgr, const std::string& id, bool auto_finalize, bool auto_dismiss)
     : BlockJob(mgr, id, auto_finalize, auto_dismiss) {}
 
@@ -19,14 +23,56 @@ Task<Status> BackupJob::run() {
   // Requests that reached the source before the filter did belong to the
   // time before the snapshot: let them finish first.
   co_await source_->drain();
+  Status st;
   if (sync_ == Sync::None) {
-    // Fleecing: only guest writes copy (through the filter) until cancelled.
-    while (!is_cancelled()) co_await yield();
-    co_return Status{};
+    // Fleecing: only guest writes copy (through the filter) until cancelled;
+    // a COW buffer drains meanwhile.
+    while (!is_cancelled() && st.ok()) {
+      if (!cbw_->drain_error().ok()) {
+        if (auto end = co_await on_drain_error()) st = *end;
+        continue;
+      }
+      co_await yield();
+    }
+  } else {
+    BlockCopyState& bcs = cbw_->bcs();
+    for (;;) {
+      st = co_await copy_loop();
+      if (!st.ok() || is_cancelled()) break;
+      st = co_await drain_loop();
+      if (!st.ok() || is_cancelled()) break;
+      // Done once nothing is dirty, claimed or buffered. Bits come back
+      // when a copy before a guest write failed after the background call
+      // had passed: copy them too.
+      if (bcs.bitmap().count() == 0 && bcs.in_flight_bytes() == 0 && cbw_->buffer_empty()) break;
+    }
+    if (st.ok() && !is_cancelled() && !cbw_->snapshot_error().ok()) st = cbw_->snapshot_error();
   }
-  Status st = co_await copy_loop();
-  if (st.ok() && !is_cancelled() && !cbw_->snapshot_error().ok()) st = cbw_->snapshot_error();
+  // A cancelled or failed job drops what its buffer still holds (a
+  // completed one has nothing left in it).
+  co_await cbw_->stop_buffer();
   co_return st;
+}
+
+Task<std::optional<Status>> BackupJob::on_drain_error() {
+  // A failed write of buffered data is a target write error like any other.
+  Status err = cbw_->drain_error();
+  ErrorAction act = error_action(on_target_error_, false, err.error().code);
+  if (act == ErrorAction::Report) co_return err;
+  if (act == ErrorAction::Stop) co_await pause_point();
+  cbw_->clear_drain_error();
+  co_return std::nullopt;
+}
+
+Task<Status> BackupJob::drain_loop() {
+  while (!is_cancelled() && !cbw_->buffer_empty()) {
+    if (!cbw_->drain_error().ok()) {
+      if (auto end = co_await on_drain_error()) co_return *end;
+      continue;
+    }
+    co_await yield();  // the drain wakes the job when it empties or fails
+  }
+  co_return Status{};
 }
 
 Task<Status> BackupJob::copy_loop() {
@@ -35,10 +81,26 @@ Task<Status> BackupJob::copy_loop() {
   std::weak_ptr<Job> weak = weak_from_this();
   for (;;) {
     if (is_cancelled()) co_return Status{};
-    call_ = bcs.copy_async(0, len, false, [weak](BlockCopyCall&) {
-      if (auto j = weak.lock()) static_cast<BackupJob*>(j.get())->enter();
-    });
-    while (!call_->finished() && !is_cancelled()) co_await yield();
+    // With a COW buffer, few background tasks: a guest write to a cluster
+    // a task has in flight waits for that task's write to the (slow)
+    // target, so the less the job has claimed, the less a guest can hit.
+    call_ = bcs.copy_async(
+        0, len, false,
+        [weak](BlockCopyCall&) {
+          if (auto j = weak.lock()) static_cast<BackupJob*>(j.get())->enter();
+        },
+        cow_buffer_ ? kBufferedBackgroundWorkers : 0);
+    for (;;) {
+      while (!call_->finished() && !is_cancelled() && cbw_->drain_error().ok()) co_await yield();
+      if (call_->finished() || is_cancelled()) break;
+      // The COW buffer's drain failed while the call runs.
+      if (auto end = co_await on_drain_error()) {
+        call_->cancel();
+        co_await call_->wait();
+        call_.reset();
+        co_return *end;
+      }
+    }
     std::shared_ptr<BlockCopyCall> call = call_;
     if (!call->finished()) {
       // Cancelled: stop the call and wait for its running tasks.
@@ -61,6 +123,26 @@ Task<Status> BackupJob::copy_loop() {
 
 void BackupJob::on_pause() {
   if (call_ && !call_->finished()) call_->cancel();
+  // Paused, the job writes nothing; the buffer keeps its data.
+  if (cbw_) cbw_->set_drain_paused(true);
+}
+
+void BackupJob::on_resume() {
+  if (cbw_) cbw_->set_drain_paused(false);
+}
+
+void BackupJob::query_extra(nlohmann::ordered_json& j) const {
+  if (!cbw_ || !cow_buffer_) return;
+  CowBufferStats s = cbw_->buffer_stats();
+  nlohmann::ordered_json b;
+  b["size"] = s.size;
+  b["used"] = s.used;
+  b["used-peak"] = s.used_peak;
+  b["spill-size"] = s.spill_size;
+  b["spilled"] = s.spilled;
+  b["spilled-peak"] = s.spilled_peak;
+  b["sync-copies"] = s.sync_copies;
+  j["x-cow-buffer"] = b;
 }
 
 bool BackupJob::on_cancel(bool force) {
@@ -175,6 +257,10 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   const std::string id = a.job_id.value_or(std::string());
   VBLK_TRY(mgr.check_new_id(id));
   if (a.speed && *a.speed < 0) return Error(EINVAL, "Parameter 'speed' expects a non-negative value");
+  if (a.cow_buffer_size < 0) return Error(EINVAL, "cow-buffer-size must be zero (no buffer) or positive");
+  if (a.cow_spill_size < 0) return Error(EINVAL, "cow-spill-size must be zero (no spill) or positive");
+  if (!a.cow_buffer_size && (a.cow_spill_size || a.cow_spill_dir))
+    return Error(EINVAL, "cow-spill-dir and cow-spill-size need cow-buffer-size");
   std::string fname = a.filter_node_name.value_or(std::string());
   if (!fname.empty() && graph.find(fname)) return Error(EEXIST, "Duplicate nodes with node-name='" + fname + "'");
   if (fname.empty()) fname = graph.generate_name();
@@ -197,6 +283,13 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   if (a.max_memory) o.copy.max_memory = a.max_memory;
   auto cbw = std::make_shared<CopyBeforeWrite>(src->loop(), src, tgt, o);
   cbw->set_node_name(fname);
+  if (a.cow_buffer_size) {
+    CowBufferOptions bo;
+    bo.memory_size = static_cast<uint64_t>(a.cow_buffer_size);
+    bo.spill_dir = a.cow_spill_dir.value_or(std::string());
+    bo.spill_size = static_cast<uint64_t>(a.cow_spill_size);
+    VBLK_TRY(cbw->enable_buffer(bo));
+  }
   // The point in time, for the bitmap too: from here the successor records
   // new writes, and sync=bitmap copies only what the bitmap has dirty
   // (backup_init_bcs_bitmap; done before any guest write can reach the
@@ -230,6 +323,13 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   job->on_source_error_ = a.on_source_error;
   job->on_target_error_ = a.on_target_error;
   job->speed_ = o.copy.speed;
+  job->cow_buffer_ = a.cow_buffer_size > 0;
+  if (job->cow_buffer_) {
+    std::weak_ptr<Job> weak = job;
+    cbw->set_drain_listener([weak] {
+      if (auto j = weak.lock()) static_cast<BackupJob*>(j.get())->enter();
+    });
+  }
   mgr.block(tgt.get(), job->type());
   job->start();
   return job;

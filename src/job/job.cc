@@ -125,6 +125,7 @@ nlohmann::ordered_json Job::query_job() const {
   j["current-progress"] = progress_current();
   j["total-progress"] = progress_total();
   if (!ret_.ok()) j["error"] = error_text();
+  query_extra(j);
   return j;
 }
 
@@ -459,6 +460,7 @@ nlohmann::ordered_json BlockJob::query_block_job() const {
   j["auto-finalize"] = auto_finalize();
   j["auto-dismiss"] = auto_dismiss();
   if (!result().ok()) j["error"] = error_text();
+  query_extra(j);
   return j;
 }
 

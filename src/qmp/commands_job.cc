@@ -39,6 +39,10 @@ Task<Reply> blockdev_backup(Daemon& d, const OJson& a) {
     if (p.contains("use-copy-range")) b.use_copy_range = p["use-copy-range"].get<bool>();
     if (p.contains("max-workers")) b.max_workers = p["max-workers"].get<int64_t>();
     if (p.contains("max-chunk")) b.max_chunk = p["max-chunk"].get<int64_t>();
+    // vblk's COW buffer (SPEC part 5).
+    if (p.contains("cow-buffer-size")) b.cow_buffer_size = p["cow-buffer-size"].get<int64_t>();
+    if (p.contains("cow-spill-dir")) b.cow_spill_dir = p["cow-spill-dir"].get<std::string>();
+    if (p.contains("cow-spill-size")) b.cow_spill_size = p["cow-spill-size"].get<int64_t>();
   }
   auto job = start_backup(d.jobs, d.graph, b);
   if (!job.ok()) co_return fail(job.error());
@@ -105,7 +109,12 @@ void register_job_commands(Daemon& d) {
                      ArgType::Struct,
                      false,
                      {},
-                     {{"use-copy-range", ArgType::Bool}, {"max-workers", ArgType::Int}, {"max-chunk", ArgType::Int}}},
+                     {{"use-copy-range", ArgType::Bool},
+                      {"max-workers", ArgType::Int},
+                      {"max-chunk", ArgType::Int},
+                      {"cow-buffer-size", ArgType::Int},
+                      {"cow-spill-dir", ArgType::Str},
+                      {"cow-spill-size", ArgType::Int}}},
                     {"target", ArgType::Str, true}}},
                   [&d](const OJson& a) { return blockdev_backup(d, a); }});
   for (const char* verb : {"pause", "resume", "complete"}) {

@@ -50,7 +50,14 @@ Task<Status> CopyBeforeWrite::copy_before_write(uint64_t offset, uint64_t bytes)
   const uint64_t end = std::min(align_up(offset + bytes, cs), align_up(length(), cs));
   if (begin >= end) co_return Status{};
   Status st;
-  if (!timeout_ns_) {
+  std::optional<Status> buffered;
+  if (buffer_ && !buffer_stopping_) {
+    buffered = co_await buffered_copy(begin, end);
+    if (!buffered) ++sync_copies_;  // buffer and spill full
+  }
+  if (buffered) {
+    st = *buffered;
+  } else if (!timeout_ns_) {
     st = co_await bcs_->copy(begin, end - begin, /*ignore_ratelimit=*/true);
   } else {
     // Wait for the copy at most cbw-timeout; a copy that takes longer is
@@ -137,9 +144,22 @@ Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opt
     if (**timeout > UINT32_MAX) return Error(EINVAL, "Parameter 'cbw-timeout' expects uint32_t");
     o.timeout_s = static_cast<uint32_t>(**timeout);
   }
+  // vblk's COW buffer in front of the target (fleecing: the fleecing image).
+  auto buf_size = take_size(opts, "x-cow-buffer-size");
+  VBLK_TRY(buf_size);
+  auto spill_dir = take_string(opts, "x-cow-spill-dir");
+  VBLK_TRY(spill_dir);
+  auto spill_size = take_size(opts, "x-cow-spill-size");
+  VBLK_TRY(spill_size);
+  o.buffer.memory_size = buf_size->value_or(0);
+  o.buffer.spill_dir = spill_dir->value_or("");
+  o.buffer.spill_size = spill_size->value_or(0);
+  if (!o.buffer.memory_size && (o.buffer.spill_size || *spill_dir))
+    return Error(EINVAL, "x-cow-spill-dir and x-cow-spill-size need x-cow-buffer-size");
   if ((*file)->length() != (*target)->length())
     return Error(EINVAL, "Source and target image have different sizes");
   auto cbw = std::make_shared<CopyBeforeWrite>(ctx.loop, *file, *target, o);
+  if (o.buffer.memory_size) VBLK_TRY(cbw->enable_buffer(o.buffer));
   if (sync_bitmap) {
     // block_copy_state_new: bdrv_merge_dirty_bitmap's checks, with its prefix.
     const std::string prefix =

@@ -1,0 +1,129 @@
+// CowBuffer: where copy-before-write keeps the old data of clusters a guest
+// overwrote before the backup copied them, so the guest write need not wait
+// for a slow target (SPEC part 5; the design of the 2019 "buffer and delay
+// backup COW write operation" series, with a bound and a spill file).
+//
+// The buffer holds whole clusters (the block-copy cluster size; the last one
+// of the disk may be shorter), each in one slot: a piece of memory while
+// there is room for memory_size bytes, else a slot of the spill file while
+// there is room for spill_size bytes. reserve() hands out the memory a slot
+// is filled through (for a spill slot a staging piece, written to the file by
+// commit_slot and then given back), insert() makes a filled slot an entry,
+// and entries leave in order of age (oldest()/next_to_drain()) once they are
+// on the target (remove()).
+//
+// The spill file is created in spill_dir with O_TMPFILE (or created and
+// unlinked at once where the filesystem has no O_TMPFILE): it has no name,
+// so a crash leaves nothing behind. It is opened with O_DIRECT where the
+// filesystem allows, so spilled data costs no page cache and the memory
+// bound is the real one.
+//
+// Ownership: the buffer owns its memory and the spill file; entries are
+// addressed by disk offset. Thread-safety: one loop.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "vblk/buffer.h"
+#include "vblk/loop.h"
+#include "vblk/result.h"
+#include "vblk/task.h"
+
+namespace vblk {
+
+struct CowBufferOptions {
+  uint64_t memory_size = 0;  // bytes of old data in memory
+  std::string spill_dir;     // "" = /var/tmp
+  uint64_t spill_size = 0;   // bytes of old data in the spill file (0 = none)
+};
+
+// Counters for query-jobs' x-cow-buffer (bytes).
+struct CowBufferStats {
+  uint64_t size = 0, used = 0, used_peak = 0;
+  uint64_t spill_size = 0, spilled = 0, spilled_peak = 0;
+  uint64_t sync_copies = 0;  // filled in by copy-before-write
+};
+
+class CowBuffer {
+ public:
+  // One cluster's place. data() is where the old data is read into.
+  struct Slot {
+    uint8_t* mem = nullptr;  // memory piece, or the staging piece of a spill slot
+    int64_t spill = -1;      // spill slot index, -1 for memory
+    std::span<uint8_t> data(uint64_t bytes) const { return {mem, static_cast<size_t>(bytes)}; }
+  };
+  struct Entry {
+    uint64_t offset = 0, bytes = 0;
+    Slot slot;  // for a spilled entry, mem is null
+    uint64_t seq = 0;
+    bool draining = false;  // a drain write of it is in flight
+  };
+
+  static Result<std::unique_ptr<CowBuffer>> create(Loop& loop, uint64_t cluster_size, CowBufferOptions opts);
+  ~CowBuffer();
+  CowBuffer(const CowBuffer&) = delete;
+  CowBuffer& operator=(const CowBuffer&) = delete;
+
+  uint64_t cluster_size() const { return cs_; }
+
+  // n slots, all or none: memory first, then spill (false: both full).
+  bool reserve(size_t n, std::vector<Slot>& out);
+  // Gives back a slot that was never inserted (its read failed).
+  void unreserve(const Slot& s);
+  // A spill slot's staging data goes to the file (the staging piece is then
+  // given back). A memory slot needs nothing.
+  Task<Status> commit_slot(Slot& s, uint64_t bytes);
+  void insert(uint64_t offset, uint64_t bytes, const Slot& s);
+
+  // The oldest entry no drain write is busy with (null if none).
+  Entry* next_to_drain();
+  // Fills dst (entry->bytes long) with the entry's data: a copy from memory
+  // or a read from the spill file.
+  Task<Status> read_entry(const Entry& e, std::span<uint8_t> dst);
+  // The entry's data where it is already in memory (empty if spilled).
+  std::span<const uint8_t> memory_of(const Entry& e) const;
+  void remove(uint64_t offset);
+  // The entry holding the cluster at offset (null if none).
+  Entry* find(uint64_t offset);
+
+  bool empty() const { return entries_.empty(); }
+  size_t entries() const { return entries_.size(); }
+  uint64_t bytes() const { return bytes_; }
+  CowBufferStats stats() const;
+
+  // A staging piece for reading spilled data out (given back with
+  // give_staging); null when the buffer has none to spare.
+  uint8_t* take_staging();
+  void give_staging(uint8_t* p);
+
+ private:
+  CowBuffer(Loop& loop, uint64_t cs, CowBufferOptions opts);
+  uint8_t* take_piece();
+  void give_piece(uint8_t* p);
+
+  Loop& loop_;
+  uint64_t cs_;
+  CowBufferOptions opts_;
+  int spill_fd_ = -1;
+  bool spill_direct_ = false;
+  uint64_t mem_slots_ = 0, spill_slots_ = 0;     // capacity
+  uint64_t mem_used_ = 0, spill_used_ = 0;       // slots in use
+  uint64_t mem_peak_ = 0, spill_peak_ = 0;
+  uint64_t spill_next_ = 0;                      // never-used spill slots start here
+  std::vector<int64_t> spill_free_;
+  std::vector<AlignedBuffer> slabs_;
+  std::vector<uint8_t*> free_pieces_;
+  uint64_t pieces_made_ = 0;
+  uint64_t staging_out_ = 0;  // staging pieces lent out
+  std::map<uint64_t, Entry> entries_;            // by offset
+  std::map<uint64_t, uint64_t> by_age_;          // seq -> offset
+  uint64_t seq_ = 0;
+  uint64_t bytes_ = 0;
+};
+
+}  // namespace vblk

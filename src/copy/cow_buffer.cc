@@ -1,0 +1,214 @@
+// The COW buffer's store (see include/vblk/cow_buffer.h): cluster pieces cut
+// from huge-page slabs, a spill file without a name, entries by offset and by
+// age.
+#include "vblk/cow_buffer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace vblk {
+
+namespace {
+// Staging pieces lent out at once (spill fills and spill reads in flight):
+// memory beyond memory_size, so it is small and fixed.
+constexpr uint64_t kMaxStaging = 32;
+
+Result<int> open_spill_file(const std::string& dir, bool& direct) {
+  // O_TMPFILE: the file never has a name. O_DIRECT where the filesystem
+  // takes it (tmpfs does not).
+  for (int flags : {O_TMPFILE | O_RDWR | O_DIRECT, O_TMPFILE | O_RDWR}) {
+    int fd = ::open(dir.c_str(), flags | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      direct = flags & O_DIRECT;
+      return fd;
+    }
+    if (errno == ENOENT || errno == ENOTDIR || errno == EACCES || errno == EROFS)
+      return Error(errno, "Could not create the COW spill file in '" + dir + "': " + std::strerror(errno));
+  }
+  // No O_TMPFILE here: create a file and unlink it at once.
+  std::string path = dir + "/vblk-cow-spill-XXXXXX";
+  int fd = ::mkostemp(path.data(), O_CLOEXEC);
+  if (fd < 0) return Error(errno, "Could not create the COW spill file in '" + dir + "': " + std::strerror(errno));
+  ::unlink(path.c_str());
+  direct = false;
+  return fd;
+}
+}  // namespace
+
+CowBuffer::CowBuffer(Loop& loop, uint64_t cs, CowBufferOptions opts) : loop_(loop), cs_(cs), opts_(std::move(opts)) {
+  mem_slots_ = opts_.memory_size / cs_;
+  spill_slots_ = opts_.spill_size / cs_;
+}
+
+Result<std::unique_ptr<CowBuffer>> CowBuffer::create(Loop& loop, uint64_t cluster_size, CowBufferOptions opts) {
+  if (opts.memory_size < cluster_size)
+    return Error(EINVAL, "cow-buffer-size must be at least the backup cluster size (" + std::to_string(cluster_size) +
+                             ")");
+  if (opts.spill_size && opts.spill_size < cluster_size)
+    return Error(EINVAL, "cow-spill-size must be 0 or at least the backup cluster size (" +
+                             std::to_string(cluster_size) + ")");
+  std::unique_ptr<CowBuffer> b(new CowBuffer(loop, cluster_size, opts));
+  if (b->spill_slots_) {
+    std::string dir = opts.spill_dir.empty() ? std::string("/var/tmp") : opts.spill_dir;
+    auto fd = open_spill_file(dir, b->spill_direct_);
+    VBLK_TRY(fd);
+    b->spill_fd_ = *fd;
+  }
+  return b;
+}
+
+CowBuffer::~CowBuffer() {
+  if (spill_fd_ >= 0) ::close(spill_fd_);
+}
+
+uint8_t* CowBuffer::take_piece() {
+  if (free_pieces_.empty()) {
+    constexpr uint64_t kSlab = 2 << 20;
+    // Slabs of 2 MiB, but no more than the buffer can hold (a 64 KiB buffer
+    // has no use for 2 MiB).
+    const uint64_t want = std::min<uint64_t>(kSlab, (mem_slots_ + kMaxStaging - pieces_made_) * cs_);
+    const uint64_t slab = std::max(cs_, want - want % cs_);
+    slabs_.push_back(slab >= kSlab ? AlignedBuffer::huge(slab) : AlignedBuffer(slab));
+    uint8_t* base = slabs_.back().data();
+    for (uint64_t off = 0; off + cs_ <= slab; off += cs_) free_pieces_.push_back(base + off);
+    pieces_made_ += slab / cs_;
+  }
+  uint8_t* p = free_pieces_.back();
+  free_pieces_.pop_back();
+  return p;
+}
+
+void CowBuffer::give_piece(uint8_t* p) { free_pieces_.push_back(p); }
+
+bool CowBuffer::reserve(size_t n, std::vector<Slot>& out) {
+  const uint64_t mem_free = mem_slots_ - mem_used_;
+  const uint64_t spill_free = spill_slots_ - spill_used_;
+  const uint64_t staging_free = kMaxStaging - staging_out_;
+  const uint64_t from_mem = std::min<uint64_t>(n, mem_free);
+  const uint64_t from_spill = n - from_mem;
+  if (from_spill > std::min(spill_free, staging_free)) return false;
+  for (uint64_t i = 0; i < from_mem; ++i) out.push_back(Slot{take_piece(), -1});
+  mem_used_ += from_mem;
+  mem_peak_ = std::max(mem_peak_, mem_used_);
+  for (uint64_t i = 0; i < from_spill; ++i) {
+    int64_t idx;
+    if (!spill_free_.empty()) {
+      idx = spill_free_.back();
+      spill_free_.pop_back();
+    } else {
+      idx = static_cast<int64_t>(spill_next_++);
+    }
+    out.push_back(Slot{take_piece(), idx});
+  }
+  staging_out_ += from_spill;
+  spill_used_ += from_spill;
+  spill_peak_ = std::max(spill_peak_, spill_used_);
+  return true;
+}
+
+void CowBuffer::unreserve(const Slot& s) {
+  if (s.mem) give_piece(s.mem);
+  if (s.spill >= 0) {
+    if (s.mem) --staging_out_;
+    spill_free_.push_back(s.spill);
+    --spill_used_;
+  } else {
+    --mem_used_;
+  }
+}
+
+Task<Status> CowBuffer::commit_slot(Slot& s, uint64_t bytes) {
+  if (s.spill < 0) co_return Status{};
+  // O_DIRECT writes whole pieces (a short last cluster is padded; the pad
+  // is never read back as data).
+  const uint64_t len = spill_direct_ ? cs_ : bytes;
+  long r = co_await loop_.pwrite(spill_fd_, s.mem, len, static_cast<uint64_t>(s.spill) * cs_);
+  if (r >= 0 && static_cast<uint64_t>(r) != len) r = -EIO;
+  if (r < 0) co_return Error(static_cast<int>(-r), "COW spill file write failed");
+  give_piece(s.mem);
+  --staging_out_;
+  s.mem = nullptr;
+  co_return Status{};
+}
+
+void CowBuffer::insert(uint64_t offset, uint64_t bytes, const Slot& s) {
+  Entry e{offset, bytes, s, ++seq_, false};
+  entries_.emplace(offset, e);
+  by_age_.emplace(e.seq, offset);
+  bytes_ += bytes;
+}
+
+CowBuffer::Entry* CowBuffer::next_to_drain() {
+  for (auto& [seq, off] : by_age_) {
+    Entry& e = entries_.at(off);
+    if (!e.draining) return &e;
+  }
+  return nullptr;
+}
+
+std::span<const uint8_t> CowBuffer::memory_of(const Entry& e) const {
+  if (e.slot.spill >= 0) return {};
+  return {e.slot.mem, static_cast<size_t>(e.bytes)};
+}
+
+Task<Status> CowBuffer::read_entry(const Entry& e, std::span<uint8_t> dst) {
+  if (e.slot.spill < 0) {
+    std::memcpy(dst.data(), e.slot.mem, e.bytes);
+    co_return Status{};
+  }
+  // dst must be a staging piece (aligned, cluster size) for O_DIRECT.
+  const uint64_t len = spill_direct_ ? cs_ : e.bytes;
+  long r = co_await loop_.pread(spill_fd_, dst.data(), len, static_cast<uint64_t>(e.slot.spill) * cs_);
+  if (r >= 0 && static_cast<uint64_t>(r) < e.bytes) r = -EIO;
+  if (r < 0) co_return Error(static_cast<int>(-r), "COW spill file read failed");
+  co_return Status{};
+}
+
+void CowBuffer::remove(uint64_t offset) {
+  auto it = entries_.find(offset);
+  if (it == entries_.end()) return;
+  Entry& e = it->second;
+  by_age_.erase(e.seq);
+  bytes_ -= e.bytes;
+  if (e.slot.spill >= 0) {
+    spill_free_.push_back(e.slot.spill);
+    --spill_used_;
+  } else {
+    give_piece(e.slot.mem);
+    --mem_used_;
+  }
+  entries_.erase(it);
+}
+
+CowBuffer::Entry* CowBuffer::find(uint64_t offset) {
+  auto it = entries_.find(offset - offset % cs_);
+  return it == entries_.end() ? nullptr : &it->second;
+}
+
+uint8_t* CowBuffer::take_staging() {
+  if (staging_out_ >= kMaxStaging) return nullptr;
+  ++staging_out_;
+  return take_piece();
+}
+
+void CowBuffer::give_staging(uint8_t* p) {
+  give_piece(p);
+  --staging_out_;
+}
+
+CowBufferStats CowBuffer::stats() const {
+  CowBufferStats s;
+  s.size = opts_.memory_size;
+  s.used = mem_used_ * cs_;
+  s.used_peak = mem_peak_ * cs_;
+  s.spill_size = opts_.spill_size;
+  s.spilled = spill_used_ * cs_;
+  s.spilled_peak = spill_peak_ * cs_;
+  return s;
+}
+
+}  // namespace vblk

@@ -1,0 +1,251 @@
+// The COW buffer: block-copy claims, the CowBuffer store (memory, spill,
+// age order) and copy-before-write with a buffer over fake nodes whose target
+// is slow or fails.
+#include "vblk/cow_buffer.h"
+
+#include <dirent.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "fake_node.h"
+#include "vblk/copy_before_write.h"
+
+using namespace vblk;
+using vblk::testing::FakeNode;
+
+namespace {
+
+constexpr uint64_t KiB = 1024, MiB = 1024 * 1024;
+
+void fill_pattern(FakeNode& n, uint8_t seed) {
+  auto& d = n.data();
+  for (size_t i = 0; i < d.size(); ++i) d[i] = static_cast<uint8_t>(seed + i * 7 + i / 4096);
+}
+
+void run_until(Loop& loop, const std::function<bool()>& pred) {
+  uint64_t deadline = Loop::now_ns() + 20'000'000'000ull;
+  ASSERT_TRUE(loop.run_until([&] { return pred() || Loop::now_ns() > deadline; }));
+  ASSERT_TRUE(pred()) << "timed out";
+}
+
+// Files in a directory other than . and ..
+int entries_in(const std::string& dir) {
+  int n = 0;
+  DIR* d = opendir(dir.c_str());
+  if (!d) return -1;
+  while (dirent* e = readdir(d))
+    if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") ++n;
+  closedir(d);
+  return n;
+}
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char t[] = "/tmp/vblk-cowtest-XXXXXX";
+    path = mkdtemp(t);
+  }
+  ~TempDir() { rmdir(path.c_str()); }
+};
+
+TEST(BlockCopyClaimTest, ClaimTakesDirtyClustersAndEndClaimKeepsOrGivesBack) {
+  Loop loop;
+  FakeNode src(loop, 1 * MiB), dst(loop, 1 * MiB);
+  BlockCopyOptions o;
+  o.cluster_size = 64 * KiB;
+  BlockCopyState bcs(src, dst, o);
+  bcs.bitmap().set_all();
+  bcs.bitmap().reset(128 * KiB, 64 * KiB);  // cluster 2 already copied
+  EXPECT_EQ(bcs.dirty_bytes(100 * KiB, 100 * KiB), 128 * KiB);  // clusters 1 and 3
+  auto c = bcs.claim(100 * KiB, 100 * KiB);
+  ASSERT_EQ(c->ranges().size(), 2u);
+  EXPECT_EQ(c->ranges()[0].offset, 64 * KiB);
+  EXPECT_EQ(c->ranges()[1].offset, 192 * KiB);
+  EXPECT_EQ(bcs.bitmap().count(), 1 * MiB - 192 * KiB);
+  EXPECT_EQ(bcs.in_flight_bytes(), 128 * KiB);
+  const uint64_t total = bcs.progress_total();
+  bcs.end_claim(std::move(c), true);
+  // Kept: clean, not in flight, still owed until the claimer reports it.
+  EXPECT_EQ(bcs.in_flight_bytes(), 0u);
+  EXPECT_EQ(bcs.progress_total(), total);
+  bcs.add_done(128 * KiB);
+  EXPECT_EQ(bcs.progress_done(), 128 * KiB);
+  auto c2 = bcs.claim(0, 64 * KiB);
+  bcs.end_claim(std::move(c2), false);
+  EXPECT_TRUE(bcs.bitmap().get(0));  // given back
+}
+
+TEST(BlockCopyClaimTest, AClaimWaitsForATaskAndACallWaitsForAClaim) {
+  Loop loop;
+  FakeNode src(loop, 1 * MiB), dst(loop, 1 * MiB);
+  src.latency_ns = 20'000'000;
+  dst.latency_ns = 20'000'000;
+  BlockCopyOptions o;
+  o.cluster_size = 64 * KiB;
+  BlockCopyState bcs(src, dst, o);
+  bcs.bitmap().set_all();
+  auto call = bcs.copy_async(0, 64 * KiB, true);
+  bool idle = false;
+  auto waiter = [](BlockCopyState& b, bool& flag) -> Task<void> {
+    co_await b.wait_idle(0, 64 * KiB);
+    flag = true;
+  };
+  spawn_detached(waiter(bcs, idle));
+  run_until(loop, [&] { return idle; });
+  EXPECT_TRUE(call->finished());  // the claimer waited for the task
+  // Now a claim is in flight: a call over it waits until it ends.
+  bcs.bitmap().set(0, 64 * KiB);
+  auto c = bcs.claim(0, 64 * KiB);
+  auto call2 = bcs.copy_async(0, 64 * KiB, true);
+  const uint64_t until = Loop::now_ns() + 50'000'000;
+  auto nap = [](Loop& l) -> Task<void> { co_await l.sleep(std::chrono::milliseconds(60)); };
+  spawn_detached(nap(loop));
+  loop.run_until([&] { return Loop::now_ns() > until; });
+  EXPECT_FALSE(call2->finished());
+  bcs.end_claim(std::move(c), true);
+  run_until(loop, [&] { return call2->finished(); });
+  EXPECT_TRUE(call2->succeeded());
+  EXPECT_EQ(dst.count('w', 0, 64 * KiB), 1);  // the claimed cluster was not copied again
+}
+
+TEST(CowBufferTest, MemoryThenSpillThenFull) {
+  Loop loop;
+  TempDir dir;
+  CowBufferOptions o{128 * KiB, dir.path, 128 * KiB};
+  auto b = CowBuffer::create(loop, 64 * KiB, o);
+  ASSERT_TRUE(b.ok()) << b.error().what();
+  CowBuffer& buf = **b;
+  EXPECT_EQ(entries_in(dir.path), 0);  // the spill file has no name
+  std::vector<CowBuffer::Slot> slots;
+  ASSERT_TRUE(buf.reserve(4, slots));
+  EXPECT_EQ(slots[0].spill, -1);
+  EXPECT_EQ(slots[1].spill, -1);
+  EXPECT_GE(slots[2].spill, 0);
+  EXPECT_GE(slots[3].spill, 0);
+  std::vector<CowBuffer::Slot> more;
+  EXPECT_FALSE(buf.reserve(1, more));
+  for (int i = 0; i < 4; ++i) {
+    std::memset(slots[i].mem, 0x10 + i, 64 * KiB);
+    Status st = loop.run(buf.commit_slot(slots[i], 64 * KiB));
+    ASSERT_TRUE(st.ok()) << st.error().what();
+    buf.insert(uint64_t(i) * MiB, 64 * KiB, slots[i]);
+  }
+  auto s = buf.stats();
+  EXPECT_EQ(s.used, 128 * KiB);
+  EXPECT_EQ(s.spilled, 128 * KiB);
+  // Oldest first, and spilled data reads back.
+  for (int i = 0; i < 4; ++i) {
+    CowBuffer::Entry* e = buf.next_to_drain();
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(e->offset, uint64_t(i) * MiB);
+    uint8_t* staging = buf.take_staging();
+    Status st = loop.run(buf.read_entry(*e, {staging, 64 * KiB}));
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(staging[0], 0x10 + i);
+    EXPECT_EQ(staging[64 * KiB - 1], 0x10 + i);
+    buf.give_staging(staging);
+    buf.remove(e->offset);
+  }
+  EXPECT_TRUE(buf.empty());
+  EXPECT_EQ(buf.stats().spilled_peak, 128 * KiB);
+  EXPECT_TRUE(buf.reserve(4, more));  // everything given back
+  for (auto& sl : more) buf.unreserve(sl);
+}
+
+TEST(CowBufferTest, BadSizesAndDirsAreRefused) {
+  Loop loop;
+  EXPECT_FALSE(CowBuffer::create(loop, 64 * KiB, {4 * KiB, "", 0}).ok());
+  EXPECT_FALSE(CowBuffer::create(loop, 64 * KiB, {1 * MiB, "/nonexistent/dir", 1 * MiB}).ok());
+}
+
+struct CbwFixture {
+  Loop loop;
+  std::shared_ptr<FakeNode> src = std::make_shared<FakeNode>(loop, 4 * MiB);
+  std::shared_ptr<FakeNode> dst = std::make_shared<FakeNode>(loop, 4 * MiB);
+  std::vector<uint8_t> before;
+  std::shared_ptr<CopyBeforeWrite> cbw;
+  CbwFixture(uint64_t mem, uint64_t spill, const std::string& dir) {
+    fill_pattern(*src, 3);
+    before = src->data();
+    dst->latency_ns = 30'000'000;  // a slow target
+    CbwOptions o;
+    o.copy.cluster_size = 64 * KiB;
+    cbw = std::make_shared<CopyBeforeWrite>(loop, src, dst, o);
+    if (mem) {
+      Status st = cbw->enable_buffer({mem, dir, spill});
+      EXPECT_TRUE(st.ok());
+    }
+  }
+  // A guest write through the filter; returns its duration in ms.
+  double guest_write(uint64_t off, uint64_t len, uint8_t v) {
+    std::vector<uint8_t> data(len, v);
+    uint64_t t0 = Loop::now_ns();
+    Status st = loop.run(cbw->write(off, data));
+    EXPECT_TRUE(st.ok());
+    return (Loop::now_ns() - t0) / 1e6;
+  }
+  void drain_all() {
+    run_until(loop, [&] { return cbw->buffer_empty(); });
+  }
+  bool target_has_old(uint64_t off, uint64_t len) {
+    return std::equal(before.begin() + off, before.begin() + off + len, dst->data().begin() + off);
+  }
+};
+
+TEST(CopyBeforeWriteBufferTest, GuestWritesDoNotWaitForTheTargetAndOldDataArrives) {
+  CbwFixture f(1 * MiB, 0, "");
+  double ms = f.guest_write(96 * KiB, 32 * KiB, 0xEE);
+  EXPECT_LT(ms, 25.0);  // less than one target write
+  EXPECT_FALSE(f.target_has_old(64 * KiB, 64 * KiB));  // its drain write is still on the way
+  EXPECT_EQ(f.cbw->buffer_stats().used, 64 * KiB);
+  f.drain_all();
+  EXPECT_TRUE(f.target_has_old(64 * KiB, 64 * KiB));
+  EXPECT_EQ(f.src->data()[96 * KiB], 0xEE);
+  EXPECT_FALSE(f.cbw->bcs().bitmap().get(64 * KiB));
+  EXPECT_EQ(f.cbw->bcs().progress_done(), 64 * KiB);
+  // A second write there copies nothing more.
+  f.guest_write(64 * KiB, 64 * KiB, 0x11);
+  f.drain_all();
+  EXPECT_EQ(f.dst->count('w', 64 * KiB, 64 * KiB), 1);
+  EXPECT_TRUE(f.target_has_old(64 * KiB, 64 * KiB));
+}
+
+TEST(CopyBeforeWriteBufferTest, FullBufferAndSpillFallBackToSynchronousCopies) {
+  TempDir dir;
+  CbwFixture f(64 * KiB, 64 * KiB, dir.path);
+  f.guest_write(0, 4 * KiB, 1);         // memory
+  f.guest_write(1 * MiB, 4 * KiB, 2);   // spill
+  EXPECT_EQ(f.cbw->buffer_stats().spilled, 64 * KiB);
+  double ms = f.guest_write(2 * MiB, 4 * KiB, 3);  // full: waits for its copy
+  EXPECT_GE(ms, 25.0);
+  EXPECT_EQ(f.cbw->buffer_stats().sync_copies, 1u);
+  f.drain_all();
+  for (uint64_t off : {uint64_t{0}, 1 * MiB, 2 * MiB}) EXPECT_TRUE(f.target_has_old(off, 64 * KiB)) << off;
+  f.loop.run(f.cbw->stop_buffer());
+  EXPECT_EQ(entries_in(dir.path), 0);
+}
+
+TEST(CopyBeforeWriteBufferTest, AFailedDrainWriteKeepsTheDataUntilCleared) {
+  CbwFixture f(1 * MiB, 0, "");
+  f.dst->faults.push_back({'w', 0, 64 * KiB, EIO, true});
+  f.guest_write(0, 64 * KiB, 0x55);
+  run_until(f.loop, [&] { return !f.cbw->drain_error().ok(); });
+  EXPECT_FALSE(f.cbw->buffer_empty());
+  EXPECT_FALSE(f.cbw->bcs().bitmap().get(0));  // never re-read from the (overwritten) source
+  f.cbw->clear_drain_error();
+  f.drain_all();
+  EXPECT_TRUE(f.target_has_old(0, 64 * KiB));
+}
+
+TEST(CopyBeforeWriteBufferTest, AFailedSourceReadGivesTheClustersBack) {
+  CbwFixture f(1 * MiB, 0, "");
+  f.src->faults.push_back({'r', 0, 64 * KiB, EIO, true});
+  std::vector<uint8_t> data(4 * KiB, 9);
+  Status st = f.loop.run(f.cbw->write(0, data));
+  EXPECT_FALSE(st.ok());  // break-guest-write: the guest write fails
+  EXPECT_TRUE(f.cbw->bcs().bitmap().get(0));
+  EXPECT_TRUE(f.cbw->buffer_empty());
+  EXPECT_EQ(f.src->data()[0], f.before[0]);
+}
+
+}  // namespace
