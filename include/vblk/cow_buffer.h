@@ -12,6 +12,11 @@
 // and entries leave in order of age (oldest()/next_to_drain()) once they are
 // on the target (remove()).
 //
+// While memory is more than three quarters full, the youngest memory entries
+// move to the spill file in the background (spill-out): the oldest are the
+// next to drain and stay in memory, and a guest write finds memory free, so
+// it waits only for its read, not for a spill write too.
+//
 // The spill file is created in spill_dir with O_TMPFILE (or created and
 // unlinked at once where the filesystem has no O_TMPFILE): it has no name,
 // so a crash leaves nothing behind. It is opened with O_DIRECT where the
@@ -23,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -32,6 +38,7 @@
 #include "vblk/buffer.h"
 #include "vblk/loop.h"
 #include "vblk/result.h"
+#include "vblk/sync.h"
 #include "vblk/task.h"
 
 namespace vblk {
@@ -62,6 +69,7 @@ class CowBuffer {
     Slot slot;  // for a spilled entry, mem is null
     uint64_t seq = 0;
     bool draining = false;  // a drain write of it is in flight
+    bool spilling = false;  // a spill-out write of it is in flight
   };
 
   static Result<std::unique_ptr<CowBuffer>> create(Loop& loop, uint64_t cluster_size, CowBufferOptions opts);
@@ -79,6 +87,12 @@ class CowBuffer {
   // given back). A memory slot needs nothing.
   Task<Status> commit_slot(Slot& s, uint64_t bytes);
   void insert(uint64_t offset, uint64_t bytes, const Slot& s);
+  // Called when a spill-out write ends: the entry can be drained again.
+  void set_on_spilled(std::function<void()> fn) { on_spilled_ = std::move(fn); }
+  // Waits for spill-out writes (before the buffer is destroyed).
+  Task<void> quiesce();
+  // A failed spill-out write (the entry stays in memory; spill-out stops).
+  const Status& spill_error() const { return spill_error_; }
 
   // The oldest entry no drain write is busy with (null if none).
   Entry* next_to_drain();
@@ -105,6 +119,9 @@ class CowBuffer {
   CowBuffer(Loop& loop, uint64_t cs, CowBufferOptions opts);
   uint8_t* take_piece();
   void give_piece(uint8_t* p);
+  int64_t take_spill_slot();
+  void maybe_spill_out();
+  Task<void> spill_out(uint64_t offset, int64_t idx);
 
   Loop& loop_;
   uint64_t cs_;
@@ -124,6 +141,10 @@ class CowBuffer {
   std::map<uint64_t, uint64_t> by_age_;          // seq -> offset
   uint64_t seq_ = 0;
   uint64_t bytes_ = 0;
+  unsigned spill_outs_ = 0;  // spill-out writes in flight
+  Status spill_error_;
+  std::unique_ptr<WaitGroup> busy_;  // spill-out writes
+  std::function<void()> on_spilled_;
 };
 
 }  // namespace vblk

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 namespace vblk {
@@ -16,6 +18,8 @@ namespace {
 // Staging pieces lent out at once (spill fills and spill reads in flight):
 // memory beyond memory_size, so it is small and fixed.
 constexpr uint64_t kMaxStaging = 32;
+// Spill-out writes in flight at once.
+constexpr unsigned kSpillOuts = 4;
 
 Result<int> open_spill_file(const std::string& dir, bool& direct) {
   // O_TMPFILE: the file never has a name. O_DIRECT where the filesystem
@@ -39,7 +43,8 @@ Result<int> open_spill_file(const std::string& dir, bool& direct) {
 }
 }  // namespace
 
-CowBuffer::CowBuffer(Loop& loop, uint64_t cs, CowBufferOptions opts) : loop_(loop), cs_(cs), opts_(std::move(opts)) {
+CowBuffer::CowBuffer(Loop& loop, uint64_t cs, CowBufferOptions opts)
+    : loop_(loop), cs_(cs), opts_(std::move(opts)), busy_(std::make_unique<WaitGroup>(loop)) {
   mem_slots_ = opts_.memory_size / cs_;
   spill_slots_ = opts_.spill_size / cs_;
 }
@@ -62,7 +67,68 @@ Result<std::unique_ptr<CowBuffer>> CowBuffer::create(Loop& loop, uint64_t cluste
 }
 
 CowBuffer::~CowBuffer() {
+  if (spill_outs_) {
+    std::fprintf(stderr, "vblk: internal error: COW buffer destroyed with spill writes running\n");
+    std::abort();
+  }
   if (spill_fd_ >= 0) ::close(spill_fd_);
+}
+
+Task<void> CowBuffer::quiesce() { co_await busy_->wait(); }
+
+int64_t CowBuffer::take_spill_slot() {
+  if (!spill_free_.empty()) {
+    int64_t idx = spill_free_.back();
+    spill_free_.pop_back();
+    return idx;
+  }
+  return static_cast<int64_t>(spill_next_++);
+}
+
+void CowBuffer::maybe_spill_out() {
+  while (spill_error_.ok() && spill_outs_ < kSpillOuts && mem_used_ * 4 > mem_slots_ * 3 &&
+         spill_used_ < spill_slots_) {
+    // The youngest entry in memory that nothing else is writing out.
+    Entry* pick = nullptr;
+    for (auto it = by_age_.rbegin(); it != by_age_.rend(); ++it) {
+      Entry& e = entries_.at(it->second);
+      if (e.slot.spill < 0 && !e.draining && !e.spilling) {
+        pick = &e;
+        break;
+      }
+    }
+    if (!pick) return;
+    pick->spilling = true;
+    ++spill_outs_;
+    ++spill_used_;
+    spill_peak_ = std::max(spill_peak_, spill_used_);
+    busy_->add();
+    spawn_detached(spill_out(pick->offset, take_spill_slot()));
+  }
+}
+
+Task<void> CowBuffer::spill_out(uint64_t offset, int64_t idx) {
+  Entry* e = find(offset);
+  const uint64_t len = spill_direct_ ? cs_ : e->bytes;
+  long r = co_await loop_.pwrite(spill_fd_, e->slot.mem, len, static_cast<uint64_t>(idx) * cs_);
+  if (r >= 0 && static_cast<uint64_t>(r) != len) r = -EIO;
+  // Only the drain removes entries, and it leaves spilling ones alone.
+  e = find(offset);
+  e->spilling = false;
+  --spill_outs_;
+  if (r < 0) {
+    spill_free_.push_back(idx);
+    --spill_used_;
+    if (spill_error_.ok()) spill_error_ = Error(static_cast<int>(-r), "COW spill file write failed");
+  } else {
+    give_piece(e->slot.mem);
+    --mem_used_;
+    e->slot.mem = nullptr;
+    e->slot.spill = idx;
+    maybe_spill_out();
+  }
+  if (on_spilled_) on_spilled_();
+  busy_->done();
 }
 
 uint8_t* CowBuffer::take_piece() {
@@ -86,7 +152,8 @@ void CowBuffer::give_piece(uint8_t* p) { free_pieces_.push_back(p); }
 
 bool CowBuffer::reserve(size_t n, std::vector<Slot>& out) {
   const uint64_t mem_free = mem_slots_ - mem_used_;
-  const uint64_t spill_free = spill_slots_ - spill_used_;
+  // After a spill write failed, the spill file takes nothing more.
+  const uint64_t spill_free = spill_error_.ok() ? spill_slots_ - spill_used_ : 0;
   const uint64_t staging_free = kMaxStaging - staging_out_;
   const uint64_t from_mem = std::min<uint64_t>(n, mem_free);
   const uint64_t from_spill = n - from_mem;
@@ -94,16 +161,7 @@ bool CowBuffer::reserve(size_t n, std::vector<Slot>& out) {
   for (uint64_t i = 0; i < from_mem; ++i) out.push_back(Slot{take_piece(), -1});
   mem_used_ += from_mem;
   mem_peak_ = std::max(mem_peak_, mem_used_);
-  for (uint64_t i = 0; i < from_spill; ++i) {
-    int64_t idx;
-    if (!spill_free_.empty()) {
-      idx = spill_free_.back();
-      spill_free_.pop_back();
-    } else {
-      idx = static_cast<int64_t>(spill_next_++);
-    }
-    out.push_back(Slot{take_piece(), idx});
-  }
+  for (uint64_t i = 0; i < from_spill; ++i) out.push_back(Slot{take_piece(), take_spill_slot()});
   staging_out_ += from_spill;
   spill_used_ += from_spill;
   spill_peak_ = std::max(spill_peak_, spill_used_);
@@ -128,7 +186,10 @@ Task<Status> CowBuffer::commit_slot(Slot& s, uint64_t bytes) {
   const uint64_t len = spill_direct_ ? cs_ : bytes;
   long r = co_await loop_.pwrite(spill_fd_, s.mem, len, static_cast<uint64_t>(s.spill) * cs_);
   if (r >= 0 && static_cast<uint64_t>(r) != len) r = -EIO;
-  if (r < 0) co_return Error(static_cast<int>(-r), "COW spill file write failed");
+  if (r < 0) {
+    if (spill_error_.ok()) spill_error_ = Error(static_cast<int>(-r), "COW spill file write failed");
+    co_return spill_error_;
+  }
   give_piece(s.mem);
   --staging_out_;
   s.mem = nullptr;
@@ -140,12 +201,13 @@ void CowBuffer::insert(uint64_t offset, uint64_t bytes, const Slot& s) {
   entries_.emplace(offset, e);
   by_age_.emplace(e.seq, offset);
   bytes_ += bytes;
+  maybe_spill_out();
 }
 
 CowBuffer::Entry* CowBuffer::next_to_drain() {
   for (auto& [seq, off] : by_age_) {
     Entry& e = entries_.at(off);
-    if (!e.draining) return &e;
+    if (!e.draining && !e.spilling) return &e;
   }
   return nullptr;
 }

@@ -213,9 +213,11 @@ TEST(CopyBeforeWriteBufferTest, GuestWritesDoNotWaitForTheTargetAndOldDataArrive
 TEST(CopyBeforeWriteBufferTest, FullBufferAndSpillFallBackToSynchronousCopies) {
   TempDir dir;
   CbwFixture f(64 * KiB, 64 * KiB, dir.path);
-  f.guest_write(0, 4 * KiB, 1);         // memory
-  f.guest_write(1 * MiB, 4 * KiB, 2);   // spill
-  EXPECT_EQ(f.cbw->buffer_stats().spilled, 64 * KiB);
+  f.guest_write(0, 4 * KiB, 1);  // memory, then moved to the spill file
+  run_until(f.loop, [&] { return f.cbw->buffer_stats().spilled == 64 * KiB && f.cbw->buffer_stats().used == 0; });
+  f.guest_write(1 * MiB, 4 * KiB, 2);  // memory
+  EXPECT_EQ(f.cbw->buffer_stats().used, 64 * KiB);
+  EXPECT_EQ(f.cbw->buffer_stats().sync_copies, 0u);
   double ms = f.guest_write(2 * MiB, 4 * KiB, 3);  // full: waits for its copy
   EXPECT_GE(ms, 25.0);
   EXPECT_EQ(f.cbw->buffer_stats().sync_copies, 1u);

@@ -19,6 +19,7 @@ Status CopyBeforeWrite::enable_buffer(const CowBufferOptions& opts) {
   VBLK_TRY(b);
   buffer_ = std::move(*b);
   drain_wake_ = std::make_unique<CoEvent>(loop());
+  buffer_->set_on_spilled([this] { drain_wake_->set(); });
   buffer_users_ = std::make_unique<WaitGroup>(loop());
   return {};
 }
@@ -80,19 +81,21 @@ Task<std::optional<Status>> CopyBeforeWrite::buffered_copy(uint64_t begin, uint6
     slots.swap(keep_slots);
   }
   Status st;
+  bool spill_failed = false;
   for (size_t i = 0; i < pieces.size() && st.ok(); ++i) {
-    if (i >= slots.size()) {
-      st = Error(EIO, "COW buffer reservation lost");
-      break;
-    }
     st = co_await filtered().read(pieces[i].offset, slots[i].data(pieces[i].bytes));
-    if (st.ok()) st = co_await buffer_->commit_slot(slots[i], pieces[i].bytes);
+    if (!st.ok()) break;
+    st = co_await buffer_->commit_slot(slots[i], pieces[i].bytes);
+    spill_failed = !st.ok();
   }
   if (!st.ok()) {
-    // Nothing was saved: the clusters are dirty again, the error is the
-    // copy's (on-cbw-error decides).
+    // Nothing was saved and the source is unchanged: the clusters are dirty
+    // again. A failed source read is the copy's error (on-cbw-error
+    // decides); a failed spill write only means the buffer cannot take
+    // them, so they are copied synchronously.
     for (auto& s : slots) buffer_->unreserve(s);
     bcs_->end_claim(std::move(claim), false);
+    if (spill_failed) co_return std::nullopt;
     co_return st;
   }
   for (size_t i = 0; i < pieces.size(); ++i) buffer_->insert(pieces[i].offset, pieces[i].bytes, slots[i]);
@@ -197,6 +200,7 @@ Task<void> CopyBeforeWrite::stop_buffer() {
   buffer_stopping_ = true;
   drain_wake_->set();
   co_await buffer_users_->wait();
+  co_await buffer_->quiesce();
   bcs_->drop_pending(buffer_->bytes());
   bcs_->hold_background(false);
   buffer_.reset();
