@@ -102,6 +102,11 @@ class CowBuffer {
   // The entry's data where it is already in memory (empty if spilled).
   std::span<const uint8_t> memory_of(const Entry& e) const;
   void remove(uint64_t offset);
+  // Old data for a snapshot reader: fills dst with [offset, offset+dst.size())
+  // (inside one cluster) from the entry holding it; nullopt when no entry
+  // does. A spilled entry's slot stays reserved until the read is done even
+  // if the entry is drained meanwhile.
+  Task<std::optional<Status>> read_old(uint64_t offset, std::span<uint8_t> dst);
   // The entry holding the cluster at offset (null if none).
   Entry* find(uint64_t offset);
 
@@ -120,6 +125,7 @@ class CowBuffer {
   uint8_t* take_piece();
   void give_piece(uint8_t* p);
   int64_t take_spill_slot();
+  void free_spill_slot(int64_t idx);
   void maybe_spill_out();
   Task<void> spill_out(uint64_t offset, int64_t idx);
 
@@ -145,6 +151,8 @@ class CowBuffer {
   Status spill_error_;
   std::unique_ptr<WaitGroup> busy_;  // spill-out writes
   std::function<void()> on_spilled_;
+  std::map<int64_t, unsigned> slot_readers_;  // spill slots being read by read_old
+  std::vector<int64_t> freed_while_read_;
 };
 
 }  // namespace vblk

@@ -85,6 +85,47 @@ int64_t CowBuffer::take_spill_slot() {
   return static_cast<int64_t>(spill_next_++);
 }
 
+void CowBuffer::free_spill_slot(int64_t idx) {
+  if (slot_readers_.count(idx)) {
+    freed_while_read_.push_back(idx);  // given back when its reader is done
+  } else {
+    spill_free_.push_back(idx);
+    --spill_used_;
+  }
+}
+
+Task<std::optional<Status>> CowBuffer::read_old(uint64_t offset, std::span<uint8_t> dst) {
+  Entry* e = find(offset);
+  if (!e) co_return std::nullopt;
+  const uint64_t in = offset - e->offset;
+  if (in + dst.size() > e->bytes) co_return Status(Error(EINVAL, "read across COW buffer entries"));
+  if (e->slot.mem) {
+    // In memory (also while a spill-out write of it runs).
+    std::memcpy(dst.data(), e->slot.mem + in, dst.size());
+    co_return Status{};
+  }
+  const int64_t idx = e->slot.spill;
+  const uint64_t bytes = e->bytes;
+  ++slot_readers_[idx];
+  busy_->add();
+  AlignedBuffer staging(cs_);
+  const uint64_t len = spill_direct_ ? cs_ : bytes;
+  long r = co_await loop_.pread(spill_fd_, staging.data(), len, static_cast<uint64_t>(idx) * cs_);
+  if (r >= 0 && static_cast<uint64_t>(r) < bytes) r = -EIO;
+  if (r >= 0) std::memcpy(dst.data(), staging.data() + in, dst.size());
+  if (--slot_readers_[idx] == 0) {
+    slot_readers_.erase(idx);
+    if (auto it = std::find(freed_while_read_.begin(), freed_while_read_.end(), idx); it != freed_while_read_.end()) {
+      freed_while_read_.erase(it);
+      spill_free_.push_back(idx);
+      --spill_used_;
+    }
+  }
+  busy_->done();
+  if (r < 0) co_return Status(Error(static_cast<int>(-r), "COW spill file read failed"));
+  co_return Status{};
+}
+
 void CowBuffer::maybe_spill_out() {
   while (spill_error_.ok() && spill_outs_ < kSpillOuts && mem_used_ * 4 > mem_slots_ * 3 &&
          spill_used_ < spill_slots_) {
@@ -237,8 +278,7 @@ void CowBuffer::remove(uint64_t offset) {
   by_age_.erase(e.seq);
   bytes_ -= e.bytes;
   if (e.slot.spill >= 0) {
-    spill_free_.push_back(e.slot.spill);
-    --spill_used_;
+    free_spill_slot(e.slot.spill);
   } else {
     give_piece(e.slot.mem);
     --mem_used_;

@@ -152,6 +152,41 @@ TEST(CowBufferTest, MemoryThenSpillThenFull) {
   for (auto& sl : more) buf.unreserve(sl);
 }
 
+TEST(CowBufferTest, ReadOldServesMemoryAndSpilledEntriesAndKeepsASlotWhileRead) {
+  Loop loop;
+  TempDir dir;
+  auto b = CowBuffer::create(loop, 64 * KiB, {64 * KiB, dir.path, 64 * KiB});
+  ASSERT_TRUE(b.ok());
+  CowBuffer& buf = **b;
+  std::vector<CowBuffer::Slot> slots;
+  ASSERT_TRUE(buf.reserve(2, slots));
+  for (int i = 0; i < 2; ++i) {
+    for (uint64_t k = 0; k < 64 * KiB; ++k) slots[i].mem[k] = static_cast<uint8_t>(i * 100 + k / 512);
+    ASSERT_TRUE(loop.run(buf.commit_slot(slots[i], 64 * KiB)).ok());
+    buf.insert(uint64_t(i) * 64 * KiB, 64 * KiB, slots[i]);
+  }
+  std::vector<uint8_t> got(1024);
+  auto r = loop.run(buf.read_old(0 + 4096, got));  // memory
+  ASSERT_TRUE(r && r->ok());
+  EXPECT_EQ(got[0], 4096 / 512);
+  // The spilled entry is drained (removed) while its read is in flight: the
+  // read still returns the old data, and the slot is reused only after it.
+  auto reader = [](CowBuffer& bb, std::vector<uint8_t>& out, std::optional<Status>& res) -> Task<void> {
+    res = co_await bb.read_old(64 * KiB + 8192, out);
+  };
+  std::optional<Status> res;
+  spawn_detached(reader(buf, got, res));
+  buf.remove(64 * KiB);
+  std::vector<CowBuffer::Slot> again;
+  EXPECT_FALSE(buf.reserve(1, again));  // the slot is still held by the reader
+  run_until(loop, [&] { return res.has_value(); });
+  ASSERT_TRUE(res->ok());
+  EXPECT_EQ(got[0], 100 + 8192 / 512);
+  EXPECT_TRUE(buf.reserve(1, again));
+  for (auto& sl : again) buf.unreserve(sl);
+  EXPECT_FALSE(loop.run(buf.read_old(5 * MiB, got)).has_value());
+}
+
 TEST(CowBufferTest, BadSizesAndDirsAreRefused) {
   Loop loop;
   EXPECT_FALSE(CowBuffer::create(loop, 64 * KiB, {4 * KiB, "", 0}).ok());
