@@ -145,6 +145,7 @@ class CowBuffer {
   uint64_t staging_out_ = 0;  // staging pieces lent out
   std::map<uint64_t, Entry> entries_;            // by offset
   std::map<uint64_t, uint64_t> by_age_;          // seq -> offset
+  std::map<uint64_t, uint64_t> mem_by_age_;      // seq -> offset, entries in memory
   uint64_t seq_ = 0;
   uint64_t bytes_ = 0;
   unsigned spill_outs_ = 0;  // spill-out writes in flight

@@ -131,9 +131,9 @@ void CowBuffer::maybe_spill_out() {
          spill_used_ < spill_slots_) {
     // The youngest entry in memory that nothing else is writing out.
     Entry* pick = nullptr;
-    for (auto it = by_age_.rbegin(); it != by_age_.rend(); ++it) {
+    for (auto it = mem_by_age_.rbegin(); it != mem_by_age_.rend(); ++it) {
       Entry& e = entries_.at(it->second);
-      if (e.slot.spill < 0 && !e.draining && !e.spilling) {
+      if (!e.draining && !e.spilling) {
         pick = &e;
         break;
       }
@@ -164,6 +164,7 @@ Task<void> CowBuffer::spill_out(uint64_t offset, int64_t idx) {
   } else {
     give_piece(e->slot.mem);
     --mem_used_;
+    mem_by_age_.erase(e->seq);
     e->slot.mem = nullptr;
     e->slot.spill = idx;
     maybe_spill_out();
@@ -241,6 +242,7 @@ void CowBuffer::insert(uint64_t offset, uint64_t bytes, const Slot& s) {
   Entry e{offset, bytes, s, ++seq_, false};
   entries_.emplace(offset, e);
   by_age_.emplace(e.seq, offset);
+  if (s.spill < 0) mem_by_age_.emplace(e.seq, offset);
   bytes_ += bytes;
   maybe_spill_out();
 }
@@ -276,6 +278,7 @@ void CowBuffer::remove(uint64_t offset) {
   if (it == entries_.end()) return;
   Entry& e = it->second;
   by_age_.erase(e.seq);
+  mem_by_age_.erase(e.seq);
   bytes_ -= e.bytes;
   if (e.slot.spill >= 0) {
     free_spill_slot(e.slot.spill);
