@@ -5,6 +5,8 @@
 #include "vblk/graph.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <stop_token>
 
 #include "block/drivers/drivers.h"
@@ -29,7 +31,14 @@ CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::sh
   bcs_->bitmap().set_all();
 }
 
-CopyBeforeWrite::~CopyBeforeWrite() = default;
+CopyBeforeWrite::~CopyBeforeWrite() {
+  // The drain and buffered copies refer to the filter: stop_buffer() (run
+  // by close() and by the backup job) must have waited for them.
+  if (buffer_users_ && buffer_users_->count()) {
+    std::fprintf(stderr, "vblk: internal error: copy-before-write destroyed with its COW buffer busy\n");
+    std::abort();
+  }
+}
 
 PermPair CopyBeforeWrite::child_perm(const Child& c, PermPair self) const {
   if (c.role == "target") return PermPair{kPermWrite, kPermAll & ~kPermResize};
