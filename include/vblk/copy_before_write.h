@@ -120,6 +120,7 @@ class CopyBeforeWrite : public FilterNode {
 
   std::unique_ptr<CowBuffer> buffer_;
   uint64_t sync_copies_ = 0;  // copies made synchronously because the buffer was full
+  CowBufferStats final_stats_;  // the buffer's counters when stop_buffer freed it
   Status drain_error_;
   bool drain_paused_ = false;
   bool drain_running_ = false;  // drain_loop exists

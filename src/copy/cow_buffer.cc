@@ -56,6 +56,13 @@ Result<std::unique_ptr<CowBuffer>> CowBuffer::create(Loop& loop, uint64_t cluste
   if (opts.spill_size && opts.spill_size < cluster_size)
     return Error(EINVAL, "cow-spill-size must be 0 or at least the backup cluster size (" +
                              std::to_string(cluster_size) + ")");
+  // Whole clusters: a size that is not would silently hold less.
+  if (opts.memory_size % cluster_size)
+    return Error(EINVAL, "cow-buffer-size must be a multiple of the backup cluster size (" +
+                             std::to_string(cluster_size) + ")");
+  if (opts.spill_size % cluster_size)
+    return Error(EINVAL, "cow-spill-size must be a multiple of the backup cluster size (" +
+                             std::to_string(cluster_size) + ")");
   std::unique_ptr<CowBuffer> b(new CowBuffer(loop, cluster_size, opts));
   if (b->spill_slots_) {
     std::string dir = opts.spill_dir.empty() ? std::string("/var/tmp") : opts.spill_dir;

@@ -261,6 +261,12 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   if (a.cow_spill_size < 0) return Error(EINVAL, "cow-spill-size must be zero (no spill) or positive");
   if (!a.cow_buffer_size && (a.cow_spill_size || a.cow_spill_dir))
     return Error(EINVAL, "cow-spill-dir and cow-spill-size need cow-buffer-size");
+  // With sync=none the target itself is what is read (fleecing), and old
+  // data still in the buffer is not on it yet: readers would see the
+  // guest's new data. Buffered fleecing reads through snapshot-access.
+  if (a.cow_buffer_size && sync == BackupJob::Sync::None)
+    return Error(EINVAL, "cow-buffer-size cannot be used with sync mode 'none': the target is read directly; "
+                         "use a copy-before-write filter with x-cow-buffer-size read through snapshot-access");
   std::string fname = a.filter_node_name.value_or(std::string());
   if (!fname.empty() && graph.find(fname)) return Error(EEXIST, "Duplicate nodes with node-name='" + fname + "'");
   if (fname.empty()) fname = graph.generate_name();

@@ -25,7 +25,7 @@ Status CopyBeforeWrite::enable_buffer(const CowBufferOptions& opts) {
 }
 
 CowBufferStats CopyBeforeWrite::buffer_stats() const {
-  CowBufferStats s;
+  CowBufferStats s = final_stats_;
   if (buffer_) s = buffer_->stats();
   s.sync_copies = sync_copies_;
   return s;
@@ -201,7 +201,10 @@ Task<void> CopyBeforeWrite::stop_buffer() {
   drain_wake_->set();
   co_await buffer_users_->wait();
   co_await buffer_->quiesce();
-  bcs_->drop_pending(buffer_->bytes());
+  // What it held stays in the job's total (QEMU's len counts the work a
+  // cancelled job did not do), and its counters stay for query-jobs.
+  final_stats_ = buffer_->stats();
+  final_stats_.used = final_stats_.spilled = 0;  // freed; the peaks stay
   bcs_->hold_background(false);
   buffer_.reset();
 }
