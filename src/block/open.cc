@@ -23,6 +23,7 @@ const DriverInfo kDrivers[] = {
     {"null-co", true, drivers::open_null, nullptr},
     {"qcow2", false, drivers::open_qcow2, drivers::probe_qcow2},
     {"raw", false, drivers::open_raw, drivers::probe_raw},
+    {"snapshot-access", false, drivers::open_snapshot_access, nullptr},
     {"throttle", false, drivers::open_throttle, nullptr},
 };
 
