@@ -21,8 +21,11 @@ namespace {
 
 class SnapshotAccessNode final : public Node {
  public:
-  SnapshotAccessNode(Loop& loop, std::shared_ptr<Node> file)
-      : Node(loop, "snapshot-access"), file_(file.get()), cbw_(dynamic_cast<CopyBeforeWrite*>(file.get())) {
+  SnapshotAccessNode(Loop& loop, std::shared_ptr<Node> file, bool discard_unmap)
+      : Node(loop, "snapshot-access"),
+        file_(file.get()),
+        cbw_(dynamic_cast<CopyBeforeWrite*>(file.get())),
+        discard_unmap_(discard_unmap) {
     // Byte-granular: the filter's children align their own requests.
     limits_ = BlockLimits{};
     limits_.max_transfer = file_->limits().max_transfer;
@@ -43,6 +46,9 @@ class SnapshotAccessNode final : public Node {
   Task<Status> do_write(uint64_t, std::span<const uint8_t>, uint32_t) override { co_return Error(ENOTSUP); }
   Task<Status> do_write_zeroes(uint64_t, uint64_t, uint32_t) override { co_return Error(ENOTSUP); }
   Task<Status> do_discard(uint64_t offset, uint64_t bytes) override {
+    // Without discard=unmap QEMU drops discards before the driver sees them
+    // (an NBD trim then leaves the snapshot whole).
+    if (!discard_unmap_) co_return Status{};
     if (!cbw_) co_return Error(ENOTSUP);
     co_return co_await cbw_->snapshot_discard(offset, bytes);
   }
@@ -58,6 +64,7 @@ class SnapshotAccessNode final : public Node {
  private:
   Node* file_;
   CopyBeforeWrite* cbw_;  // file_ when it offers the snapshot API, else null
+  bool discard_unmap_;
 };
 
 }  // namespace
@@ -65,9 +72,10 @@ class SnapshotAccessNode final : public Node {
 namespace drivers {
 
 Result<std::shared_ptr<Node>> open_snapshot_access(OpenContext& ctx, Json& opts) {
+  if (!opts.contains("file")) return Error(EINVAL, "Parameter 'file' is missing");
   auto file = open_child(ctx, opts, "file", true);
   VBLK_TRY(file);
-  return std::shared_ptr<Node>(std::make_shared<SnapshotAccessNode>(ctx.loop, *file));
+  return std::shared_ptr<Node>(std::make_shared<SnapshotAccessNode>(ctx.loop, *file, ctx.discard_unmap));
 }
 
 }  // namespace drivers
