@@ -33,9 +33,11 @@
 // `target`), its BlockCopyState and its CowBuffer. Thread-safety: one loop.
 #pragma once
 
+#include <coroutine>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "vblk/block_copy.h"
@@ -129,6 +131,55 @@ class CopyBeforeWrite : public FilterNode {
   std::unique_ptr<CoEvent> drain_wake_;
   std::unique_ptr<WaitGroup> buffer_users_;  // drain loop, drain writes, buffered copies
   std::function<void()> drain_listener_;
+
+ public:
+  // ---- Fleecing: the snapshot API (QEMU 7.2's bdrv_co_preadv_snapshot,
+  // bdrv_co_snapshot_block_status, bdrv_co_pdiscard_snapshot), which the
+  // snapshot-access driver exposes. In copy_before_write_snapshot.cc.
+  //
+  // The snapshot is the source as it was when the filter was created,
+  // limited to access_bitmap(): the clusters that were then to be copied
+  // (all, or those of the `bitmap` option). A snapshot cluster reads from
+  // the target once a copy-before-write has put it there (done_bitmap()),
+  // else from the source, registered as a frozen read meanwhile: a guest
+  // write that has copied its old data waits for the frozen reads over its
+  // clusters before it changes the source. Outside the access bitmap, or
+  // once break-snapshot broke the snapshot, requests fail with EACCES.
+  //
+  // The point in time: the access bitmap starts as the block-copy bitmap
+  // is now (the constructor calls it; call again after changing that bitmap
+  // before any write, as the `bitmap` option does).
+  void snapshot_begin();
+  Task<Status> snapshot_read(uint64_t offset, std::span<uint8_t> buf);
+  // The status of the child that [offset, ...) is read from (one run).
+  Task<Result<BlockStatus>> snapshot_block_status(uint64_t offset, uint64_t bytes);
+  // Drops the whole clusters of the range from the snapshot: no longer
+  // readable, no longer copied before writes, discarded on the target.
+  Task<Status> snapshot_discard(uint64_t offset, uint64_t bytes);
+  const DirtyBitmap& access_bitmap() const { return *access_; }
+  const DirtyBitmap& done_bitmap() const { return *done_; }
+
+ private:
+  struct FrozenRead;
+  // Where a run of the snapshot is read from: old data still in the COW
+  // buffer first (it is not on the target yet, whatever done says), then
+  // the target where done, else the source.
+  enum class SnapshotFrom { Buffer, Target, Source };
+  struct SnapshotSpan {
+    SnapshotFrom from;
+    uint64_t bytes;
+  };
+  // The run of the snapshot at offset (at most bytes) and where it is, with
+  // a read of the source registered in `fr`; nullopt if not readable.
+  std::optional<SnapshotSpan> snapshot_lock(uint64_t offset, uint64_t bytes, FrozenRead& fr);
+  void snapshot_unlock(FrozenRead& fr);
+  // After the copy-before-write of [begin, end): marks it done if copied,
+  // then waits for the frozen reads over it.
+  Task<void> snapshot_release(uint64_t begin, uint64_t end, bool copied);
+
+  std::optional<DirtyBitmap> access_;  // set by snapshot_begin()
+  std::optional<DirtyBitmap> done_;
+  std::vector<FrozenRead*> frozen_reads_;  // in the readers' frames
 };
 
 // The block-copy cluster size QEMU picks for a target: the target's

@@ -31,6 +31,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -109,6 +110,8 @@ class CowBuffer {
   Task<std::optional<Status>> read_old(uint64_t offset, std::span<uint8_t> dst);
   // The entry holding the cluster at offset (null if none).
   Entry* find(uint64_t offset);
+  // Where the first entry at or after offset begins (nullopt if none).
+  std::optional<uint64_t> next_entry(uint64_t offset) const;
 
   bool empty() const { return entries_.empty(); }
   size_t entries() const { return entries_.size(); }

@@ -29,7 +29,8 @@ class Graph {
   // what backup needs). insert_filter adds `filter` (whose child is already
   // `below`) to the graph and re-points every NodeRef to `below` at it, so
   // exports and devices write through the filter from now on. Node parents
-  // are not re-pointed: if a named node has `below` as a child, EBUSY.
+  // are not re-pointed: if a named node has `below` as a child other than
+  // its backing file (which reads the same through the filter), EBUSY.
   Status insert_filter(const std::shared_ptr<Node>& below, const std::shared_ptr<Node>& filter);
   // Undoes insert_filter: the filter's NodeRefs point at `below` again and
   // the filter leaves the graph (callers keep it alive until its in-flight

@@ -48,9 +48,16 @@ std::shared_ptr<Node> Graph::parent_of(const Node& n, const Node* except) const 
 }
 
 Status Graph::insert_filter(const std::shared_ptr<Node>& below, const std::shared_ptr<Node>& filter) {
-  if (auto p = parent_of(*below, filter.get()))
-    return Error(EBUSY, "Cannot insert a filter above node '" + below->node_name() + "': it is a child of node '" +
-                            p->node_name() + "'");
+  // A node that only reads `below` as its backing file (fleecing's temporary
+  // image over the source) reads the same through the filter, so it may
+  // keep its child as it is; any other parent would bypass the filter.
+  for (auto& [name, p] : nodes_) {
+    if (p == filter) continue;
+    for (auto& c : p->children())
+      if (c.node == below && c.role != "backing")
+        return Error(EBUSY, "Cannot insert a filter above node '" + below->node_name() + "': it is a child of node '" +
+                                p->node_name() + "'");
+  }
   if (auto st = add(filter); !st) return st;
   // Copy the list first: reset() edits it.
   std::vector<NodeRef*> refs = below->refs();

@@ -23,6 +23,7 @@ const DriverInfo kDrivers[] = {
     {"null-co", true, drivers::open_null, nullptr},
     {"qcow2", false, drivers::open_qcow2, drivers::probe_qcow2},
     {"raw", false, drivers::open_raw, drivers::probe_raw},
+    {"snapshot-access", false, drivers::open_snapshot_access, nullptr},
     {"throttle", false, drivers::open_throttle, nullptr},
 };
 
@@ -72,9 +73,11 @@ Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
     nctx.cache_direct = direct->value_or(ctx.cache_direct);
     nctx.cache_no_flush = no_flush->value_or(ctx.cache_no_flush);
   }
+  nctx.discard_unmap = false;
   for (const char* k : {"discard", "detect-zeroes"}) {
     auto v = take_string(opts, k);
     VBLK_TRY(v);
+    if (std::string(k) == "discard" && *v) nctx.discard_unmap = **v == "unmap" || **v == "on";
   }
   auto auto_ro = take_bool(opts, "auto-read-only");
   VBLK_TRY(auto_ro);

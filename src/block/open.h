@@ -40,6 +40,10 @@ struct OpenContext {
   // force-share=on for the node being opened and the children it opens
   // itself (qemu-img -U; QEMU inherits the option the same way).
   bool force_share = false;
+  // discard=unmap|on for the node being opened (QEMU's BDRV_O_UNMAP; QEMU
+  // ignores discards without it). Only snapshot-access reads it so far:
+  // the other drivers pass every discard on, as before.
+  bool discard_unmap = false;
 };
 
 // A parent that writes to `file` without being allowed to resize it (raw, or

@@ -301,6 +301,12 @@ CowBuffer::Entry* CowBuffer::find(uint64_t offset) {
   return it == entries_.end() ? nullptr : &it->second;
 }
 
+std::optional<uint64_t> CowBuffer::next_entry(uint64_t offset) const {
+  auto it = entries_.lower_bound(offset);
+  if (it == entries_.end()) return std::nullopt;
+  return it->first;
+}
+
 uint8_t* CowBuffer::take_staging() {
   if (staging_out_ >= kMaxStaging) return nullptr;
   ++staging_out_;

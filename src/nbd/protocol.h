@@ -130,14 +130,16 @@ enum WireErr : uint32_t {
 inline uint32_t errno_to_wire(int e) {
   switch (e) {
     case EPERM: case EROFS: return kErrPerm;
+    case EIO: return kErrIo;
     case ENOMEM: return kErrNoMem;
-    case EINVAL: return kErrInval;
-    case ENOMEDIUM: return kErrInval;  // a dropped qcow2 driver: QEMU's default, EINVAL
     case ENOSPC: case EFBIG: case EDQUOT: return kErrNoSpc;
     case EOVERFLOW: return kErrOverflow;
     case ENOTSUP: return kErrNotSup;
     case ESHUTDOWN: return kErrShutdown;
-    default: return kErrIo;
+    // Everything else, as QEMU's system_errno_to_nbd_errno: EINVAL (a
+    // dropped qcow2 driver's ENOMEDIUM, a broken snapshot's EACCES, a
+    // copy-before-write's ETIMEDOUT).
+    default: return kErrInval;
   }
 }
 inline int wire_to_errno(uint32_t e) {

@@ -63,6 +63,23 @@ Task<Reply> block_export_add(Daemon& d, const OJson& args) {
   co_return Reply::ok();
 }
 
+// The legacy form (QEMU 7.2's qmp_nbd_server_add): block-export-add with
+// the device as export name and id, its one `bitmap` as the list, and a
+// read-only node exported read-only rather than refused.
+Task<Reply> nbd_server_add(Daemon& d, const OJson& args) {
+  std::string dev = args.at("device");
+  auto node = d.graph.find(dev);
+  if (!node) co_return Reply::fail("Cannot find device='" + dev + "' nor node-name='" + dev + "'");
+  std::string name = args.contains("name") ? args.at("name").get<std::string>() : dev;
+  OJson o = {{"type", "nbd"}, {"id", name}, {"node-name", dev}, {"name", name}};
+  if (args.contains("description")) o["description"] = args.at("description");
+  if (args.contains("writable")) o["writable"] = args.at("writable").get<bool>() && !node->read_only();
+  if (args.contains("bitmap")) o["bitmaps"] = OJson::array({args.at("bitmap")});
+  auto st = add_block_export(d, o);
+  if (!st) co_return Reply::fail(st.error().what());
+  co_return Reply::ok();
+}
+
 // Removes the export, ends its clients (mode=hard) and waits until they
 // let go of it, so the node is free when the BLOCK_EXPORT_DELETED event
 // and the reply go out. (QEMU sends the event once the clients' coroutines
@@ -147,9 +164,11 @@ Status start_nbd_server(Daemon& d, const OJson& addr, unsigned max_connections) 
 
 Task<void> Daemon::nbd_stop() {
   if (!nbd) co_return;
+  // In the order they were added, as QEMU's BLOCK_EXPORT_DELETED events
+  // come (its bottom halves run in the reverse of its export list's order).
   std::vector<std::string> ids;
-  for (auto it = export_order.rbegin(); it != export_order.rend(); ++it)
-    if (exports.at(*it).type == "nbd") ids.push_back(*it);
+  for (const auto& id : export_order)
+    if (exports.at(id).type == "nbd") ids.push_back(id);
   for (auto& id : ids) co_await delete_export(*this, id);
   nbd->stop();
   nbd = nullptr;
@@ -242,6 +261,13 @@ void register_nbd_commands(Daemon& d) {
                     {"bitmaps", ArgType::List},
                     {"allocation-depth", ArgType::Bool}}},
                   [&d](const OJson& a) { return block_export_add(d, a); }});
+  d.registry.add({"nbd-server-add",
+                  {{{"device", ArgType::Str, true},
+                    {"name", ArgType::Str},
+                    {"description", ArgType::Str},
+                    {"writable", ArgType::Bool},
+                    {"bitmap", ArgType::Str}}},
+                  [&d](const OJson& a) { return nbd_server_add(d, a); }});
   d.registry.add({"block-export-del",
                   {{{"id", ArgType::Str, true}, {"mode", ArgType::Enum, false, {"safe", "hard"}}}},
                   [&d](const OJson& a) { return block_export_del(d, a); }});

@@ -29,6 +29,7 @@ CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::sh
   // Without a bitmap option every cluster is still to be copied: the
   // snapshot is the whole disk as of now.
   bcs_->bitmap().set_all();
+  snapshot_begin();
 }
 
 CopyBeforeWrite::~CopyBeforeWrite() {
@@ -88,10 +89,12 @@ Task<Status> CopyBeforeWrite::copy_before_write(uint64_t offset, uint64_t bytes)
       st = Error(ECANCELED);
     }
   }
-  if (st.ok()) co_return st;
-  if (on_error_ == OnCbwError::BreakGuestWrite) co_return st;
+  if (!st.ok() && on_error_ == OnCbwError::BreakGuestWrite) co_return st;
   // break-snapshot: the guest write wins; the snapshot is no longer whole.
-  if (snapshot_error_.ok()) snapshot_error_ = st;
+  if (!st.ok() && snapshot_error_.ok()) snapshot_error_ = st;
+  // Fleecing: the snapshot now reads these clusters from the target; reads
+  // of the source still running must end before the guest changes it.
+  co_await snapshot_release(begin, end, st.ok());
   co_return Status{};
 }
 
@@ -181,6 +184,7 @@ Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opt
                                std::to_string(sync_bitmap->bits.size()) + ") and can't be merged");
     bits.reset_all();
     bits.merge_from(sync_bitmap->bits);
+    cbw->snapshot_begin();  // the snapshot holds the bitmap's clusters only
   }
   return std::shared_ptr<Node>(cbw);
 }

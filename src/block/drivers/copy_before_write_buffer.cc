@@ -168,6 +168,8 @@ Task<void> CopyBeforeWrite::drain_one(uint64_t offset) {
   e = buffer_->find(offset);
   if (st.ok()) {
     bcs_->add_done(bytes);
+    // Snapshot readers find it on the target from now on.
+    done_->set(offset, bytes);
     buffer_->remove(offset);
   } else {
     e->draining = false;
@@ -203,6 +205,9 @@ Task<void> CopyBeforeWrite::stop_buffer() {
   co_await buffer_->quiesce();
   // What it held stays in the job's total (QEMU's len counts the work a
   // cancelled job did not do), and its counters stay for query-jobs.
+  // Old data dropped unwritten: the snapshot is no longer whole, and its
+  // readers must get errors rather than the guest's new data.
+  if (!buffer_->empty() && snapshot_error_.ok()) snapshot_error_ = Error(ECANCELED, "COW buffer dropped");
   final_stats_ = buffer_->stats();
   final_stats_.used = final_stats_.spilled = 0;  // freed; the peaks stay
   bcs_->hold_background(false);

@@ -16,6 +16,7 @@ Result<std::shared_ptr<Node>> open_qcow2(OpenContext& ctx, Json& opts);
 int probe_qcow2(std::span<const uint8_t> head);
 Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_throttle(OpenContext& ctx, Json& opts);
+Result<std::shared_ptr<Node>> open_snapshot_access(OpenContext& ctx, Json& opts);
 
 // Creates (or truncates) a file the way qemu-img create does for raw/file:
 // size rounded up to 512, preallocation off|falloc|full, first block written

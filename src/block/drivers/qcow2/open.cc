@@ -196,6 +196,15 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   }
   auto file = open_child(cctx, opts, "file", true);
   VBLK_TRY(file);
+  // `backing` given (a node name or options, as fleecing's temporary image
+  // backed by the node it snapshots) overrides the header's backing file.
+  std::shared_ptr<Node> given_backing;
+  if (opts.contains("backing")) {
+    auto b = open_child(cctx, opts, "backing", true);
+    VBLK_TRY(b);
+    given_backing = *b;
+    no_backing = true;
+  }
   auto node = std::make_shared<Qcow2Node>(ctx.loop, *file);
   // The file's locks before the first write (a dirty image's repair, the
   // bitmaps' in_use bits): a writable qcow2 node writes its file whoever
@@ -255,6 +264,10 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
     if (!b) return b.error().prefixed("Could not open backing file");
     node->backing_ = b->get();
     node->add_child("backing", *b);
+  }
+  if (given_backing) {
+    node->backing_ = given_backing.get();
+    node->add_child("backing", std::move(given_backing));
   }
   if (*l2size) node->l2_cache_->set_capacity(**l2size / node->cs_);
   if (*rbsize) node->rb_cache_->set_capacity(**rbsize / node->cs_);
