@@ -118,6 +118,10 @@ class BackupJob : public BlockJob {
   bool cow_buffer_ = false;
 };
 
+// The x-cow-buffer member of query-jobs / query-block-jobs (and of
+// query-named-block-nodes for a copy-before-write filter with a buffer).
+nlohmann::ordered_json cow_buffer_json(const CowBufferStats& s);
+
 // Checks the arguments as QEMU's blockdev-backup does (same messages, same
 // order), inserts the filter, creates and starts the job.
 Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, const BackupArgs& args);

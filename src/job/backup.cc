@@ -133,7 +133,10 @@ void BackupJob::on_resume() {
 
 void BackupJob::query_extra(nlohmann::ordered_json& j) const {
   if (!cbw_ || !cow_buffer_) return;
-  CowBufferStats s = cbw_->buffer_stats();
+  j["x-cow-buffer"] = cow_buffer_json(cbw_->buffer_stats());
+}
+
+nlohmann::ordered_json cow_buffer_json(const CowBufferStats& s) {
   nlohmann::ordered_json b;
   b["size"] = s.size;
   b["used"] = s.used;
@@ -142,7 +145,7 @@ void BackupJob::query_extra(nlohmann::ordered_json& j) const {
   b["spilled"] = s.spilled;
   b["spilled-peak"] = s.spilled_peak;
   b["sync-copies"] = s.sync_copies;
-  j["x-cow-buffer"] = b;
+  return b;
 }
 
 bool BackupJob::on_cancel(bool force) {

@@ -5,6 +5,8 @@
 
 #include "block/open.h"
 #include "qmp/daemon.h"
+#include "vblk/backup.h"
+#include "vblk/copy_before_write.h"
 
 namespace vblk::qmp {
 
@@ -227,6 +229,9 @@ OJson node_info(Daemon& d, Node& n, bool flat) {
   o["cache"] = {{"writeback", true}, {"direct", st.direct}, {"no-flush", st.no_flush}};
   o["write_threshold"] = 0;
   if (n.bitmaps().has_named()) o["dirty-bitmaps"] = dirty_bitmaps_info(n);
+  // vblk: a copy-before-write filter's COW buffer (fleecing).
+  if (auto* cbw = dynamic_cast<CopyBeforeWrite*>(&n); cbw && cbw->has_buffer())
+    o["x-cow-buffer"] = cow_buffer_json(cbw->buffer_stats());
   return o;
 }
 
