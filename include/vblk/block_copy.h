@@ -41,6 +41,7 @@
 #include <functional>
 #include <memory>
 #include <stop_token>
+#include <utility>
 #include <vector>
 
 #include "vblk/buffer.h"
@@ -233,6 +234,8 @@ class BlockCopyState {
   void give_buffer(std::span<uint8_t> b);
   InFlight* find_in_flight(uint64_t offset, uint64_t end);
   uint64_t call_end(const BlockCopyCall& call) const;
+  // [offset, offset+bytes) widened to whole clusters, clamped to the length.
+  std::pair<uint64_t, uint64_t> cluster_hull(uint64_t offset, uint64_t bytes) const;
   uint64_t data_chunk_limit() const;
   uint64_t zero_chunk_limit() const;
 

@@ -23,6 +23,16 @@ enum Kind : int { kSkip, kZero, kData };
 struct BlockCopyState::InFlight {
   uint64_t offset, bytes;
   std::vector<std::coroutine_handle<>> waiters;
+  // co_await t->finished(): resumed when the task or claim ends.
+  auto finished() {
+    struct Wait {
+      InFlight* t;
+      bool await_ready() noexcept { return false; }
+      void await_suspend(std::coroutine_handle<> h) { t->waiters.push_back(h); }
+      void await_resume() noexcept {}
+    };
+    return Wait{this};
+  }
 };
 
 struct BlockCopyState::Chunk {
@@ -144,13 +154,7 @@ Task<void> BlockCopyState::run_call(std::shared_ptr<BlockCopyCall> call) {
     // range: wait for it, then rescan (its bits are back if it failed).
     InFlight* t = find_in_flight(begin, end);
     if (!t) break;
-    struct Wait {
-      InFlight* t;
-      bool await_ready() noexcept { return false; }
-      void await_suspend(std::coroutine_handle<> h) { t->waiters.push_back(h); }
-      void await_resume() noexcept {}
-    };
-    co_await Wait{t};
+    co_await t->finished();
   }
   std::erase(calls_, call.get());
   call->finished_ = true;
@@ -321,32 +325,29 @@ BlockCopyClaim::~BlockCopyClaim() {
   }
 }
 
+std::pair<uint64_t, uint64_t> BlockCopyState::cluster_hull(uint64_t offset, uint64_t bytes) const {
+  const uint64_t len = bitmap_.size();
+  const uint64_t end = std::min(offset + std::min(bytes, UINT64_MAX - offset), len);
+  return {align_down(offset, opts_.cluster_size), std::min(len, align_up(end, opts_.cluster_size))};
+}
+
 Task<void> BlockCopyState::wait_idle(uint64_t offset, uint64_t bytes) {
-  const uint64_t begin = align_down(offset, opts_.cluster_size);
-  const uint64_t end = std::min(bitmap_.size(), align_up(std::min(offset + bytes, bitmap_.size()), opts_.cluster_size));
+  const auto [begin, end] = cluster_hull(offset, bytes);
   for (;;) {
     InFlight* t = find_in_flight(begin, end);
     if (!t) co_return;
-    struct Wait {
-      InFlight* t;
-      bool await_ready() noexcept { return false; }
-      void await_suspend(std::coroutine_handle<> h) { t->waiters.push_back(h); }
-      void await_resume() noexcept {}
-    };
-    co_await Wait{t};
+    co_await t->finished();
   }
 }
 
 uint64_t BlockCopyState::dirty_bytes(uint64_t offset, uint64_t bytes) const {
-  const uint64_t begin = align_down(offset, opts_.cluster_size);
-  const uint64_t end = std::min(bitmap_.size(), align_up(std::min(offset + bytes, bitmap_.size()), opts_.cluster_size));
+  const auto [begin, end] = cluster_hull(offset, bytes);
   return begin < end ? bitmap_.count(begin, end - begin) : 0;
 }
 
 std::unique_ptr<BlockCopyClaim> BlockCopyState::claim(uint64_t offset, uint64_t bytes) {
   std::unique_ptr<BlockCopyClaim> c(new BlockCopyClaim());
-  const uint64_t begin = align_down(offset, opts_.cluster_size);
-  const uint64_t end = std::min(bitmap_.size(), align_up(std::min(offset + bytes, bitmap_.size()), opts_.cluster_size));
+  const auto [begin, end] = cluster_hull(offset, bytes);
   uint64_t pos = begin;
   uint64_t off = 0, n = 0;
   while (pos < end && bitmap_.next_dirty_area(pos, end, 0, off, n)) {

@@ -10,15 +10,12 @@
 using namespace vblk;
 using vblk::testing::Concurrency;
 using vblk::testing::FakeNode;
+using vblk::testing::fill_pattern;
+using vblk::testing::run_until;
 
 namespace {
 
 constexpr uint64_t KiB = 1024, MiB = 1024 * 1024;
-
-void fill_pattern(FakeNode& n, uint8_t seed) {
-  auto& d = n.data();
-  for (size_t i = 0; i < d.size(); ++i) d[i] = static_cast<uint8_t>(seed + i * 7 + i / 4096);
-}
 
 // Only the target's requests of one kind, in order.
 std::vector<FakeNode::Op> ops_of(const FakeNode& n, char op) {
@@ -32,13 +29,6 @@ BlockCopyOptions opts(uint64_t cluster = 64 * KiB) {
   BlockCopyOptions o;
   o.cluster_size = cluster;
   return o;
-}
-
-// Runs the loop until pred() holds (with a safety timeout).
-void run_until(Loop& loop, const std::function<bool()>& pred) {
-  uint64_t deadline = Loop::now_ns() + 20'000'000'000ull;
-  ASSERT_TRUE(loop.run_until([&] { return pred() || Loop::now_ns() > deadline; }));
-  ASSERT_TRUE(pred()) << "timed out";
 }
 
 // Runs fn on the loop after ns (a timer, so the loop wakes for it).

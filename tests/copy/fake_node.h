@@ -10,6 +10,10 @@
 #include <cstring>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include <functional>
+
 #include "vblk/node.h"
 
 namespace vblk::testing {
@@ -123,5 +127,18 @@ class FakeNode : public Node {
   std::vector<uint8_t> data_;
   Concurrency* conc_;
 };
+
+// A recognisable, position-dependent pattern.
+inline void fill_pattern(FakeNode& n, uint8_t seed) {
+  auto& d = n.data();
+  for (size_t i = 0; i < d.size(); ++i) d[i] = static_cast<uint8_t>(seed + i * 7 + i / 4096);
+}
+
+// Runs the loop until pred() holds (with a safety timeout).
+inline void run_until(Loop& loop, const std::function<bool()>& pred) {
+  uint64_t deadline = Loop::now_ns() + 20'000'000'000ull;
+  ASSERT_TRUE(loop.run_until([&] { return pred() || Loop::now_ns() > deadline; }));
+  ASSERT_TRUE(pred()) << "timed out";
+}
 
 }  // namespace vblk::testing
