@@ -69,6 +69,7 @@ BlockCopyState::BlockCopyState(Node& source, Node& target, BlockCopyOptions opts
   // Holes are fine where the target can unmap: write_zeroes guarantees that
   // the range reads back as zeroes either way.
   if (opts_.unmap_zeroes && target.caps().discard) zero_flags_ = kReqMayUnmap;
+  zero_flags_ |= opts_.write_flags & kReqSerialising;  // zero chunks serialise as data does
   rate_->set_speed(opts_.speed, Loop::now_ns());
 }
 
