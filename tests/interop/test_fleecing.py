@@ -435,6 +435,14 @@ class FleecingInteropTest(InteropTestCase):
             log.append(q.cmd("blockdev-add", {"driver": "snapshot-access", "node-name": "fl-unmap",
                                               "file": "fl-cbw", "discard": "unmap"}))
             log.append(q.cmd("blockdev-add", {"driver": "snapshot-access", "node-name": "x"}))
+            # What query-named-block-nodes says of it (not a filter: no
+            # backing image below it).
+            for flat in (True, False):
+                for n in q.ok("query-named-block-nodes", flat=flat):
+                    if n["node-name"] == "fl-access":
+                        img = {k: (v == src if k == "filename" else v) for k, v in n["image"].items()
+                               if k != "actual-size"}
+                        log.append((n["drv"], n["backing_file_depth"], n["ro"], n["file"] == src, img))
             q.ok("nbd-server-start", addr={"type": "unix", "data": {"path": sock}})
             log.append(q.cmd("block-export-add", {"type": "nbd", "id": "rw", "node-name": "fl-access",
                                                   "writable": True}))
