@@ -528,6 +528,12 @@ class FleecingInteropTest(InteropTestCase):
             with self.subTest(mode=mode):
                 seen = self.each_daemon(lambda q, d: self.cbw_fault(q, d, mode, timeout=True))
                 self.assertSame(seen)
+                log = list(seen.values())[0]
+                if mode == "break-guest-write":
+                    # ETIMEDOUT, which NBD carries as EINVAL; the snapshot still reads.
+                    self.assertEqual(log[7:9], [(1, ["write failed: Invalid argument"]), (0, [])])
+                else:
+                    self.assertEqual(log[7:9], [(0, []), (1, ["read failed: Invalid argument"])])
 
 
 if __name__ == "__main__":
