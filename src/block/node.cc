@@ -429,7 +429,9 @@ Task<Status> Node::copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, u
   VBLK_CO_TRY(check_range(offset, bytes, false));
   VBLK_CO_TRY(dst.check_range(dst_offset, bytes, true));
   if (!caps_.copy_range) co_return Error(ENOTSUP);
-  Tracked t1{offset, offset + bytes, false}, t2{dst_offset, dst_offset + bytes, false};
+  // kReqSerialising is about the destination's overlapping requests.
+  Tracked t1{offset, offset + bytes, false}, t2{dst_offset, dst_offset + bytes, (flags & kReqSerialising) != 0};
+  flags &= ~kReqSerialising;
   if (find_conflict(t1)) co_await wait_conflicts(t1);
   link(t1);
   if (dst.find_conflict(t2)) co_await dst.wait_conflicts(t2);

@@ -305,7 +305,7 @@ Task<void> BlockCopyState::run_task(BlockCopyCall& call, uint64_t offset, uint64
 
 Task<Status> BlockCopyState::copy_data(uint64_t offset, uint64_t bytes, bool& error_is_read) {
   if (use_copy_range_) {
-    Status st = co_await source_.copy_range(offset, target_, offset, bytes, 0);
+    Status st = co_await source_.copy_range(offset, target_, offset, bytes, opts_.write_flags & kReqSerialising);
     if (st.ok()) {
       copy_range_works_ = true;
       co_return st;
