@@ -41,6 +41,11 @@ enum ReqFlags : uint32_t {
   kReqMayUnmap = 1u << 1,    // write_zeroes: holes are fine
   kReqNoFallback = 1u << 2,  // write_zeroes: fail with ENOTSUP rather than write zero buffers
   kReqCompressed = 1u << 3,  // write: store compressed (whole clusters; ENOTSUP if the driver cannot)
+  // write, write_zeroes, copy_range (at its destination): waits for every
+  // overlapping request in flight and holds new ones back until done
+  // (QEMU's BDRV_REQ_SERIALISING); taken by the request path, never passed
+  // to drivers.
+  kReqSerialising = 1u << 4,
 };
 
 // Block status flags (the values QEMU uses, so the mapping is obvious).

@@ -155,7 +155,8 @@ Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t
   }
   // A padded write reads and rewrites its edge blocks: it must not overlap
   // anything in flight, or it could write back stale bytes.
-  Tracked t{begin, end, !aligned};
+  Tracked t{begin, end, !aligned || (flags & kReqSerialising) != 0};
+  flags &= ~kReqSerialising;
   if (find_conflict(t)) co_await wait_conflicts(t);
   link(t);
   Status st;
@@ -221,6 +222,8 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
   if (bytes == 0) co_return Status{};
   VBLK_CO_TRY(check_range(offset, bytes, true));
   if (writethrough_) flags |= kReqFua;
+  const bool serialising = flags & kReqSerialising;
+  flags &= ~kReqSerialising;
   const uint64_t align = limits_.request_alignment;
   // Unaligned head and tail become ordinary padded writes of zeroes.
   uint64_t head_end = std::min(offset + bytes, align_up(offset, align));
@@ -229,7 +232,7 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
   }
   uint64_t mid_end = std::max(head_end, align_down(offset + bytes, align));
   if (mid_end > head_end) {
-    Tracked t{head_end, mid_end, caps_.serialise_zeroes};
+    Tracked t{head_end, mid_end, caps_.serialise_zeroes || serialising};
     if (find_conflict(t)) co_await wait_conflicts(t);
   link(t);
     Status st;
@@ -426,7 +429,9 @@ Task<Status> Node::copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, u
   VBLK_CO_TRY(check_range(offset, bytes, false));
   VBLK_CO_TRY(dst.check_range(dst_offset, bytes, true));
   if (!caps_.copy_range) co_return Error(ENOTSUP);
-  Tracked t1{offset, offset + bytes, false}, t2{dst_offset, dst_offset + bytes, false};
+  // kReqSerialising is about the destination's overlapping requests.
+  Tracked t1{offset, offset + bytes, false}, t2{dst_offset, dst_offset + bytes, (flags & kReqSerialising) != 0};
+  flags &= ~kReqSerialising;
   if (find_conflict(t1)) co_await wait_conflicts(t1);
   link(t1);
   if (dst.find_conflict(t2)) co_await dst.wait_conflicts(t2);

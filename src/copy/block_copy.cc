@@ -81,6 +81,7 @@ BlockCopyState::BlockCopyState(Node& source, Node& target, BlockCopyOptions opts
   // Holes are fine where the target can unmap: write_zeroes guarantees that
   // the range reads back as zeroes either way.
   if (opts_.unmap_zeroes && target.caps().discard) zero_flags_ = kReqMayUnmap;
+  zero_flags_ |= opts_.write_flags & kReqSerialising;  // zero chunks serialise as data does
   rate_->set_speed(opts_.speed, Loop::now_ns());
 }
 
@@ -401,7 +402,7 @@ void BlockCopyState::rate_account(uint64_t bytes) { rate_->account(bytes, Loop::
 
 Task<Status> BlockCopyState::copy_data(uint64_t offset, uint64_t bytes, bool& error_is_read) {
   if (use_copy_range_) {
-    Status st = co_await source_.copy_range(offset, target_, offset, bytes, 0);
+    Status st = co_await source_.copy_range(offset, target_, offset, bytes, opts_.write_flags & kReqSerialising);
     if (st.ok()) {
       copy_range_works_ = true;
       co_return st;

@@ -177,7 +177,9 @@ Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
 // QEMU's bdrv_filter_or_cow_child: the backing file, or what a filter
 // filters. Non-flat queries walk this chain (depth, backing-image).
 // Filter drivers are listed here (add copy-before-write, throttle, ...).
-const char* const kFilterDrivers[] = {"blkdebug", "copy-before-write", "throttle", "snapshot-access"};
+// snapshot-access is not one: its `file` is data, not filtered (QEMU shows
+// no backing image under it).
+const char* const kFilterDrivers[] = {"blkdebug", "copy-before-write", "throttle"};
 
 Node* filter_or_cow_child(const Node& n) {
   if (Node* b = n.child("backing")) return b;

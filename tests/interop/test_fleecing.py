@@ -17,7 +17,8 @@ and the images afterwards.
 - test_pull_point_in_time / test_push_point_in_time: random guest writes
   through the guest's export while nbdcopy copies the snapshot-access export
   (pull) or a backup job copies from it (push); the copy equals the disk at
-  the start, bit-exact, every repetition.
+  the start, bit-exact, every repetition. test_pull_point_in_time_qcow2_temp:
+  the same pull from graph (b)'s temporary qcow2.
 - test_dirty_bitmap_export: qemu:dirty-bitmap on the snapshot-access export
   (a bitmap of the fleecing node), for an incremental pull.
 - test_snapshot_access_requests: what the driver refuses or drops.
@@ -256,30 +257,38 @@ class FleecingInteropTest(InteropTestCase):
                     self.assertIn(("read -P0 0x00f8000 32k", (1, ["read failed: Invalid argument"])), log)
 
     # -- point in time under random guest writes ---------------------------
-    def pit_setup(self, q, d, size, rep, push):
+    def pit_setup(self, q, d, size, push, qcow2_temp):
         """A fresh fleecing graph over src (raw): fl-cbw, fl-access, the
-        guest's export on fl-cbw; for pull an export of fl-access."""
-        fleece = os.path.join(d, "fleece.raw")
-        with open(fleece, "wb") as f:
-            f.truncate(size)
-        q.ok("blockdev-add", **{"node-name": "temp", "driver": "file", "filename": fleece})
+        guest's export on fl-cbw; for pull an export of fl-access — or, with
+        qcow2_temp, of the temporary qcow2 backed by src (graph (b))."""
+        fleece = os.path.join(d, "fleece.img")
+        if qcow2_temp:
+            self.img("create", "-q", "-f", "qcow2", fleece, str(size))
+            q.ok("blockdev-add", **{"driver": "qcow2", "node-name": "temp", "backing": "src",
+                                    "file": {"driver": "file", "filename": fleece}})
+        else:
+            with open(fleece, "wb") as f:
+                f.truncate(size)
+            q.ok("blockdev-add", **{"node-name": "temp", "driver": "file", "filename": fleece})
         q.ok("blockdev-add", **{"driver": "copy-before-write", "node-name": "fl-cbw", "file": "src",
                                 "target": "temp"})
-        q.ok("blockdev-add", **{"driver": "snapshot-access", "node-name": "fl-access", "file": "fl-cbw"})
+        if not qcow2_temp:
+            q.ok("blockdev-add", **{"driver": "snapshot-access", "node-name": "fl-access", "file": "fl-cbw"})
         q.ok("block-export-add", {"type": "nbd", "id": "guest", "node-name": "fl-cbw", "name": "guest", "writable": True})
         if not push:
-            q.ok("block-export-add", {"type": "nbd", "id": "snap", "node-name": "fl-access", "name": "snap"})
+            q.ok("block-export-add", {"type": "nbd", "id": "snap", "node-name": "temp" if qcow2_temp else "fl-access",
+                                      "name": "snap"})
 
-    def pit_teardown(self, q, push):
+    def pit_teardown(self, q, push, qcow2_temp):
         for e in (["guest"] if push else ["guest", "snap"]):
             q.ok("block-export-del", id=e)
             q.event("BLOCK_EXPORT_DELETED", 30)
-        for n in ("fl-access", "fl-cbw", "temp"):
+        for n in (("fl-cbw", "temp") if qcow2_temp else ("fl-access", "fl-cbw", "temp")):
             q.ok("blockdev-del", **{"node-name": n})
         q.drain_events(0.01)
         q.events.clear()
 
-    def point_in_time(self, push):
+    def point_in_time(self, push, qcow2_temp=False):
         if not NBDCOPY and not push:
             self.skipTest("needs nbdcopy")
 
@@ -301,7 +310,7 @@ class FleecingInteropTest(InteropTestCase):
             for rep in range(REPS):
                 with open(src, "rb") as f:
                     before = f.read()
-                self.pit_setup(q, d, size, rep, push)
+                self.pit_setup(q, d, size, push, qcow2_temp)
                 cmds = []
                 for _ in range(24):
                     n = rng.randint(1, 512 * 1024)
@@ -333,7 +342,7 @@ class FleecingInteropTest(InteropTestCase):
                     self.assertTrue(f.read() == before, "rep %d: the copy is not the point-in-time image" % rep)
                 with open(src, "rb") as f:
                     self.assertFalse(f.read() == before, "rep %d: the guest's writes did not land" % rep)
-                self.pit_teardown(q, push)
+                self.pit_teardown(q, push, qcow2_temp)
             return REPS
         self.assertSame(self.each_daemon(run_reps))
 
@@ -342,6 +351,11 @@ class FleecingInteropTest(InteropTestCase):
 
     def test_push_point_in_time(self):
         self.point_in_time(push=True)
+
+    def test_pull_point_in_time_qcow2_temp(self):
+        # Graph (b): the copy-before-write's writes to the temporary image
+        # wait for reads of it in flight (QEMU's serialising fleecing writes).
+        self.point_in_time(push=False, qcow2_temp=True)
 
     # -- qemu:dirty-bitmap on the snapshot-access export -------------------
     @unittest.skipUnless(NBDINFO, "needs nbdinfo")
@@ -421,6 +435,14 @@ class FleecingInteropTest(InteropTestCase):
             log.append(q.cmd("blockdev-add", {"driver": "snapshot-access", "node-name": "fl-unmap",
                                               "file": "fl-cbw", "discard": "unmap"}))
             log.append(q.cmd("blockdev-add", {"driver": "snapshot-access", "node-name": "x"}))
+            # What query-named-block-nodes says of it (not a filter: no
+            # backing image below it).
+            for flat in (True, False):
+                for n in q.ok("query-named-block-nodes", flat=flat):
+                    if n["node-name"] == "fl-access":
+                        img = {k: (v == src if k == "filename" else v) for k, v in n["image"].items()
+                               if k != "actual-size"}
+                        log.append((n["drv"], n["backing_file_depth"], n["ro"], n["file"] == src, img))
             q.ok("nbd-server-start", addr={"type": "unix", "data": {"path": sock}})
             log.append(q.cmd("block-export-add", {"type": "nbd", "id": "rw", "node-name": "fl-access",
                                                   "writable": True}))
@@ -506,6 +528,12 @@ class FleecingInteropTest(InteropTestCase):
             with self.subTest(mode=mode):
                 seen = self.each_daemon(lambda q, d: self.cbw_fault(q, d, mode, timeout=True))
                 self.assertSame(seen)
+                log = list(seen.values())[0]
+                if mode == "break-guest-write":
+                    # ETIMEDOUT, which NBD carries as EINVAL; the snapshot still reads.
+                    self.assertEqual(log[7:9], [(1, ["write failed: Invalid argument"]), (0, [])])
+                else:
+                    self.assertEqual(log[7:9], [(0, []), (1, ["read failed: Invalid argument"])])
 
 
 if __name__ == "__main__":

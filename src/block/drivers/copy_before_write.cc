@@ -16,6 +16,20 @@ namespace vblk {
 
 uint64_t cbw_cluster_size(const Node& target) { return std::max<uint64_t>(64 << 10, target.cluster_size()); }
 
+namespace {
+// Whether `base` is `top` or below it through backing files and filters
+// (QEMU's bdrv_chain_contains over bdrv_filter_or_cow_bs).
+bool chain_contains(const Node& top, const Node& base) {
+  for (const Node* n = &top; n;) {
+    if (n == &base) return true;
+    const Node* next = n->child("backing");
+    if (!next && dynamic_cast<const FilterNode*>(n)) next = n->file_child();
+    n = next;
+  }
+  return false;
+}
+}  // namespace
+
 CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::shared_ptr<Node> target,
                                  CbwOptions opts)
     : FilterNode(loop, "copy-before-write", std::move(file)),
@@ -24,6 +38,11 @@ CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::sh
       timeout_ns_(uint64_t{opts.timeout_s} * 1000000000ull),
       orphans_(loop) {
   if (!opts.copy.cluster_size) opts.copy.cluster_size = cbw_cluster_size(*target_);
+  // A target over the source (fleecing's temporary image backed by it) is
+  // read by others while copies land: a copy waits for their reads of the
+  // range, or a read could find the cluster unallocated, go down to the
+  // source and see the guest's new data (QEMU's is_fleecing).
+  if (chain_contains(*target_, filtered())) opts.copy.write_flags |= kReqSerialising;
   add_child("target", std::move(target));
   bcs_ = std::make_unique<BlockCopyState>(filtered(), *target_, opts.copy);
   // Without a bitmap option every cluster is still to be copied: the

@@ -36,6 +36,8 @@ class SnapshotAccessNode final : public Node {
   }
 
   std::string filename() const override { return file_->filename(); }
+  // No image info of its own (QEMU's driver has no bdrv_get_info).
+  bool reports_dirty_flag() const override { return false; }
   PermPair child_perm(const Child&, PermPair) const override { return PermPair{0, kPermAll}; }
 
  protected:
