@@ -155,6 +155,35 @@ class FleecingBufferTest(InteropTestCase):
         if spill:
             self.assertTrue(any(p[1] > 0 for p in peaks), peaks)
 
+    def test_refused_where_the_target_is_read_directly(self):
+        """A buffer would hide old data from those who read the target
+        itself: a fleecing image backed by the source (QEMU's graph (b)),
+        or a backup with sync=none. Both are refused and leave nothing."""
+        d = self.subdir("refused")
+        dm = Daemon([VBLK, "serve"], os.path.join(d, "qmp.sock"), os.path.join(d, "daemon.log"))
+        q = dm.qmp
+        try:
+            src = os.path.join(d, "src.raw")
+            with open(src, "wb") as f:
+                f.truncate(4 * MiB)
+            fleece = os.path.join(d, "fleece.qcow2")
+            subprocess.run(["qemu-img", "create", "-f", "qcow2", fleece, "4M"], check=True, capture_output=True)
+            q.ok("blockdev-add", **{"driver": "raw", "node-name": "src",
+                                    "file": {"driver": "file", "filename": src}})
+            q.ok("blockdev-add", **{"driver": "qcow2", "node-name": "temp", "backing": "src",
+                                    "file": {"driver": "file", "filename": fleece}})
+            r = q.cmd("blockdev-add", **{"driver": "copy-before-write", "node-name": "fl-cbw", "file": "src",
+                                         "target": "temp", "x-cow-buffer-size": MiB})
+            self.assertIn("backed by the source", r["error"]["desc"])
+            r = q.cmd("blockdev-backup", **{"job-id": "j", "device": "src", "target": "temp", "sync": "none",
+                                            "x-perf": {"cow-buffer-size": MiB}})
+            self.assertIn("sync mode 'none'", r["error"]["desc"])
+            names = sorted(n["node-name"] for n in q.ok("query-named-block-nodes"))
+            self.assertNotIn("fl-cbw", names)
+            self.assertEqual(q.ok("query-jobs"), [])
+        finally:
+            dm.quit()
+
     def test_pull(self):
         self.check(push=False)
 
