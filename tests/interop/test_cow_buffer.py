@@ -1,0 +1,877 @@
+#!/usr/bin/env python3
+"""Interop: blockdev-backup's COW buffer (`x-perf.cow-buffer-size`, spill).
+
+With a COW buffer, copy-before-write claims the clusters a guest write hits
+before the backup copied them, reads their old data into memory (beyond the
+memory size into an unlinked spill file in `x-perf.cow-spill-dir`, up to
+`x-perf.cow-spill-size`), lets the guest write go on at once and a drain task
+writes the old data to the target ahead of the background copy. When memory
+and spill are full, copy-before-write falls back to the synchronous copy.
+
+What this file checks, against `vblk serve` (the buffer is vblk-only):
+- the point-in-time guarantee under a writer on the source's NBD export, for
+  buffer off / large / spilling / falling back to synchronous copies, raw and
+  qcow2, with the `x-cow-buffer` statistics proving the buffer was used and
+  its limits kept; at BLOCK_JOB_COMPLETED the buffer is empty and the target
+  already complete;
+- target write errors (on-target-error stop / report / ignore) with data in
+  the buffer, events and outcome equal to qemu-storage-daemon running the same
+  QMP without the x-perf cow options; a failed drain write keeps its data;
+- cancel with a full buffer (the memory is given back), pause with data
+  buffered (kept, no drain while paused), kill -9 with a spill file (every
+  acknowledged write is in the source, the spill dir stays empty, qcow2
+  checks clean);
+- argument errors.
+
+Environment: VBLK (binary under test), VBLK_COW_REPS (point-in-time
+repetitions per configuration, default 20).
+
+Only the Python standard library is used.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import unittest  # noqa: E402
+
+from common import KiB, MiB, InteropTestCase, VBLK, rand_bytes, wait_unlocked  # noqa: E402
+from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
+
+QSD = shutil.which("qemu-storage-daemon")
+QEMU_IO = shutil.which("qemu-io")
+QEMU_IMG = shutil.which("qemu-img")
+REPS = int(os.environ.get("VBLK_COW_REPS", "20"))
+
+CLUSTER = 64 * KiB
+SIZE = 16 * MiB
+VBLK_NAME = "vblk serve"
+QSD_NAME = "qemu-storage-daemon"
+
+
+def vblk_has_serve():
+    try:
+        r = subprocess.run([VBLK, "serve", "--help"], capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+HAVE_SERVE = vblk_has_serve()
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+def file_node(name, path, fmt="raw"):
+    return {"driver": fmt, "node-name": name, "file": {"driver": "file", "filename": path}}
+
+
+def target_node(name, path, fmt="raw", group=None, rule=None):
+    """fmt over file, blkdebug (with `rule`) in between, a throttle node
+    (in throttle group `group`) on top."""
+    proto = {"driver": "file", "filename": path}
+    if rule is not None:
+        proto = {"driver": "blkdebug", "inject-error": [rule], "image": proto}
+    node = {"driver": fmt, "file": proto}
+    if group is not None:
+        node = {"driver": "throttle", "throttle-group": group, "file": node}
+    node["node-name"] = name
+    return node
+
+
+def cow(size, spill=None, spill_dir=None):
+    x = {"cow-buffer-size": size}
+    if spill is not None:
+        x["cow-spill-size"] = spill
+    if spill_dir is not None:
+        x["cow-spill-dir"] = spill_dir
+    return x
+
+
+def compare(a, b, fmt_a="raw", fmt_b="raw"):
+    r = subprocess.run([QEMU_IMG, "compare", "-f", fmt_a, "-F", fmt_b, a, b], capture_output=True, text=True)
+    return r.returncode, r.stdout.strip() + r.stderr.strip()
+
+
+def img_check(path):
+    r = subprocess.run([QEMU_IMG, "check", path], capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+def job_statuses(events, job="j"):
+    """JOB_STATUS_CHANGE statuses, without QEMU's internal pause/resume pairs."""
+    out = []
+    for e in events:
+        if e["event"] == "JOB_STATUS_CHANGE" and e["data"]["id"] == job:
+            s = e["data"]["status"]
+            if s == "running" and out and out[-1] == "paused":
+                out.pop()
+                continue
+            out.append(s)
+    return out
+
+
+def block_events(events):
+    return [(e["event"], e["data"]) for e in events if e["event"].startswith("BLOCK_JOB_")]
+
+
+def rss(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * KiB
+    raise AssertionError("no VmRSS for %d" % pid)
+
+
+def deleted_fds_in(pid, d):
+    """The open files of `pid` that were unlinked from directory `d`."""
+    out = []
+    fd_dir = "/proc/%d/fd" % pid
+    for fd in os.listdir(fd_dir):
+        try:
+            t = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if t.startswith(d.rstrip("/") + "/") and t.endswith(" (deleted)"):
+            out.append(t)
+    return out
+
+
+def random_writes(rng, size, n, big_first=False):
+    """(offset, length, pattern) of n writes: unaligned sub-sector, sub-cluster
+    and multi-cluster, some repeating an earlier place exactly or shifted a
+    little. big_first: the first write is 1 MiB in the upper half of the disk
+    (clusters the backup has not reached yet)."""
+    out = []
+    if big_first:
+        out.append((rng.randrange(size // 2, size - MiB), MiB, rng.randint(1, 255)))
+    while len(out) < n:
+        r = rng.random()
+        if out and r < 0.1:
+            off, ln, _ = rng.choice(out)
+        elif out and r < 0.2:
+            off, ln, _ = rng.choice(out)
+            off = max(0, min(size - ln, off + rng.randint(-4096, 4096)))
+        else:
+            if r < 0.4:
+                ln = rng.randint(1, 4096)
+            elif r < 0.7:
+                ln = rng.randint(4097, CLUSTER)
+            else:
+                ln = rng.randint(CLUSTER + 1, 512 * KiB)
+            off = rng.randrange(0, size - ln)
+        out.append((off, ln, rng.randint(1, 255)))
+    return out
+
+
+def apply_writes(image, writes):
+    b = bytearray(image)
+    for off, ln, pat in writes:
+        b[off:off + ln] = bytes([pat]) * ln
+    return bytes(b)
+
+
+# -- a small NBD client -------------------------------------------------------
+
+NBDMAGIC = 0x4e42444d41474943
+IHAVEOPT = 0x49484156454F5054
+OPT_REPLY_MAGIC = 0x3e889045565a9
+REQ_MAGIC = 0x25609513
+SIMPLE_MAGIC = 0x67446698
+OPT_GO, REP_ACK, REP_INFO = 7, 1, 3
+CMD_READ, CMD_WRITE, CMD_DISC, CMD_FLUSH = 0, 1, 2, 3
+FLAG_FUA = 1
+TFLAG_SEND_FUA = 8
+
+
+class Nbd:
+    """Fixed-newstyle NBD client, one request in flight at a time."""
+
+    def __init__(self, path, name, timeout=60):
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.settimeout(timeout)
+        self.s.connect(path)
+        magic, opt, _ = struct.unpack(">QQH", self._recv(18))
+        assert (magic, opt) == (NBDMAGIC, IHAVEOPT), (magic, opt)
+        self.s.sendall(struct.pack(">I", 3))  # fixed newstyle, no zeroes
+        data = struct.pack(">I", len(name)) + name.encode() + struct.pack(">H", 0)
+        self.s.sendall(struct.pack(">QII", IHAVEOPT, OPT_GO, len(data)) + data)
+        self.size = self.flags = None
+        while True:
+            magic, _, typ, ln = struct.unpack(">QIII", self._recv(20))
+            assert magic == OPT_REPLY_MAGIC, hex(magic)
+            payload = self._recv(ln)
+            assert not typ & 2 ** 31, (typ, payload)
+            if typ == REP_INFO and struct.unpack(">H", payload[:2])[0] == 0:
+                self.size, self.flags = struct.unpack(">QH", payload[2:12])
+            if typ == REP_ACK:
+                break
+        self.cookie = 0
+
+    def _recv(self, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = self.s.recv(n - len(buf))
+            if not chunk:
+                raise EOFError("NBD connection closed after %d of %d bytes" % (len(buf), n))
+            buf += chunk
+        return buf
+
+    def _request(self, cmd, offset, length, flags=0, payload=b"", data_len=0):
+        self.cookie += 1
+        self.s.sendall(struct.pack(">IHHQQI", REQ_MAGIC, flags, cmd, self.cookie, offset, length) + payload)
+        magic, err, cookie = struct.unpack(">IIQ", self._recv(16))
+        assert magic == SIMPLE_MAGIC and cookie == self.cookie, (hex(magic), cookie)
+        return err, (self._recv(data_len) if err == 0 and data_len else b"")
+
+    def write(self, offset, data, fua=False):
+        """The NBD error code (0: acknowledged)."""
+        return self._request(CMD_WRITE, offset, len(data), FLAG_FUA if fua else 0, data)[0]
+
+    def read(self, offset, length):
+        err, data = self._request(CMD_READ, offset, length, data_len=length)
+        assert err == 0, "NBD read error %d" % err
+        return data
+
+    def read_all(self):
+        return b"".join(self.read(o, min(MiB, self.size - o)) for o in range(0, self.size, MiB))
+
+    def flush(self):
+        return self._request(CMD_FLUSH, 0, 0)[0]
+
+    def close(self):
+        try:
+            self.s.sendall(struct.pack(">IHHQQI", REQ_MAGIC, 0, CMD_DISC, 0, 0, 0))
+        except OSError:
+            pass
+        self.s.close()
+
+
+class Writer(threading.Thread):
+    """Writes `writes` ((offset, length, pattern)) one after the other through
+    an NBD connection, at most one every `gap` seconds, until they run out or
+    stop() is called; `acked` lists the acknowledged ones, `failed` those
+    answered with an error, `inflight` the one sent and not answered when the
+    connection broke."""
+
+    def __init__(self, sock, writes, gap=0.0, fua=False, loop=False):
+        super().__init__(daemon=True)
+        self.nbd = Nbd(sock, "src")
+        self.writes, self.gap, self.fua, self.loop = writes, gap, fua, loop
+        self.acked, self.failed = [], []
+        self.inflight = None
+        self.broken = None
+        self._halt = threading.Event()
+
+    def run(self):
+        i = 0
+        try:
+            while not self._halt.is_set() and (self.loop or i < len(self.writes)):
+                w = self.writes[i % len(self.writes)]
+                i += 1
+                self.inflight = w
+                err = self.nbd.write(w[0], bytes([w[2]]) * w[1], self.fua)
+                self.inflight = None
+                (self.failed if err else self.acked).append(w)
+                if self.gap:
+                    self._halt.wait(self.gap)
+        except (OSError, EOFError, AssertionError) as e:
+            self.broken = e
+
+    def stop(self):
+        self._halt.set()
+        self.join(60)
+        assert not self.is_alive(), "NBD writer hangs"
+        self.nbd.close()
+
+
+# ---------------------------------------------------------------------------
+
+@unittest.skipUnless(QSD and QEMU_IMG, "needs qemu-storage-daemon and qemu-img")
+@unittest.skipUnless(HAVE_SERVE, "needs vblk serve")
+class CowBufferTest(InteropTestCase):
+
+    # -- helpers ----------------------------------------------------------
+    def source(self, d, fmt="raw", seed=1, size=SIZE):
+        raw = os.path.join(d, "src.raw")
+        with open(raw, "wb") as f:
+            f.write(rand_bytes(size, seed))
+        if fmt == "raw":
+            return raw
+        path = os.path.join(d, "src.qcow2")
+        subprocess.run([QEMU_IMG, "convert", "-O", "qcow2", raw, path], check=True)
+        os.unlink(raw)
+        return path
+
+    def fresh_target(self, d, fmt="raw", size=SIZE):
+        path = os.path.join(d, "tgt." + fmt)
+        if fmt == "raw":
+            with open(path, "wb") as f:
+                f.truncate(size)
+        else:
+            if os.path.exists(path):
+                os.unlink(path)
+            subprocess.run([QEMU_IMG, "create", "-q", "-f", fmt, path, str(size)], check=True)
+        return path
+
+    def start(self, name, d):
+        cmd = [VBLK, "serve"] if name == VBLK_NAME else [QSD]
+        dm = Daemon(cmd, os.path.join(d, "qmp.sock"), os.path.join(d, "daemon.log"))
+        self.addCleanup(dm.kill)
+        return dm
+
+    def each_daemon(self, scenario):
+        """Runs scenario(name, daemon, workdir) for qemu-storage-daemon and
+        vblk serve; returns {name: observation}."""
+        seen = {}
+        for name in (QSD_NAME, VBLK_NAME):
+            with self.subTest(daemon=name):
+                d = self.subdir(name.replace(" ", "_"))
+                dm = self.start(name, d)
+                try:
+                    seen[name] = scenario(name, dm, d)
+                finally:
+                    dm.quit()
+        return seen
+
+    def assertSame(self, seen):
+        self.assertEqual(len(seen), 2, "a daemon's scenario failed")
+        vals = list(seen.values())
+        for name, v in seen.items():
+            self.assertEqual(v, vals[0], "%s differs from %s" % (name, list(seen)[0]))
+
+    def export(self, q, d, node="src"):
+        sock = os.path.join(d, "nbd.sock")
+        q.ok("nbd-server-start", addr={"type": "unix", "data": {"path": sock}})
+        q.ok("block-export-add", type="nbd", id="e0", **{"node-name": node}, writable=True)
+        return sock
+
+    def job(self, q, verb="query-block-jobs", job="j"):
+        for j in q.ok(verb):
+            if j.get("device", j.get("id")) == job:
+                return j
+        return None
+
+    def wait_for(self, q, pred, what, timeout=30):
+        end = time.monotonic() + timeout
+        while True:
+            j = self.job(q)
+            if j is not None and pred(j):
+                return j
+            if time.monotonic() > end:
+                raise AssertionError("%s: not within %ss; job %r" % (what, timeout, j))
+            time.sleep(0.02)
+
+    # -- point in time ----------------------------------------------------
+    def point_in_time(self, xperf, reps, seed, src_fmt="raw", tgt_fmt="raw", speed=32 * MiB,
+                      throttle=None, big_first=False):
+        """`reps` backups of a source under a qemu-io writer on its NBD
+        export, the job limited to `speed` or (with throttle=bps) the target
+        behind a throttle node. Returns the x-cow-buffer member of each
+        concluded job (None without a buffer)."""
+        if not QEMU_IO:
+            self.skipTest("needs qemu-io")
+        d = self.subdir("pit")
+        spill_dir = xperf.get("cow-spill-dir") if xperf else None
+        dm = self.start(VBLK_NAME, d)
+        q = dm.qmp
+        src = self.source(d, src_fmt, seed)
+        pit = os.path.join(d, "pit.raw")
+        if throttle:
+            q.ok("object-add", **{"qom-type": "throttle-group", "id": "tg", "limits": {"bps-total": throttle}})
+            speed = 0
+        q.ok("blockdev-add", **file_node("src", src, src_fmt))
+        sock = self.export(q, d)
+        reader = Nbd(sock, "src")
+        before = reader.read_all()
+        rng = random.Random(seed)
+        stats = []
+        for rep in range(reps):
+            tgt = self.fresh_target(d, tgt_fmt)
+            q.ok("blockdev-add", **target_node("tgt", tgt, tgt_fmt, group="tg" if throttle else None))
+            writes = random_writes(rng, SIZE, 20, big_first)
+            cmds = []
+            for off, ln, pat in writes:
+                cmds += ["-c", "write -P 0x%02x %d %d" % (pat, off, ln)]
+            args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "full", "auto-dismiss": False,
+                    "speed": speed}
+            if xperf:
+                args["x-perf"] = xperf
+            q.ok("blockdev-backup", **args)
+            w = subprocess.run([QEMU_IO, "-f", "raw"] + cmds + ["nbd+unix:///src?socket=" + sock],
+                               capture_output=True, text=True, timeout=60)
+            self.assertEqual(w.returncode, 0, w.stdout + w.stderr)
+            self.assertNotIn("failed", w.stdout + w.stderr)
+            # The writes raced the backup: it is still copying.
+            j = self.job(q)
+            self.assertEqual(j["status"], "running", "rep %d: the backup ended before the writer did" % rep)
+            self.assertLess(j["offset"], j["len"])
+            done = q.event("BLOCK_JOB_COMPLETED", 120)
+            self.assertNotIn("error", done["data"], "rep %d" % rep)
+            if tgt_fmt == "raw":
+                # At BLOCK_JOB_COMPLETED the buffer was empty: every byte of
+                # the point-in-time image is on the target already.
+                with open(tgt, "rb") as f:
+                    self.assertTrue(f.read() == before,
+                                    "rep %d: target incomplete at BLOCK_JOB_COMPLETED" % rep)
+            jq = self.job(q, "query-jobs")
+            jb = self.job(q)
+            self.assertEqual(jq["status"], "concluded")
+            if xperf:
+                xb = jq.get("x-cow-buffer")
+                self.assertIsNotNone(xb, "rep %d: no x-cow-buffer in query-jobs: %r" % (rep, jq))
+                self.assertEqual(jb.get("x-cow-buffer"), xb, "query-block-jobs and query-jobs differ")
+                self.assertEqual((xb["used"], xb["spilled"]), (0, 0),
+                                 "rep %d: concluded with data in the buffer: %r" % (rep, xb))
+                self.assertEqual(xb["size"], xperf["cow-buffer-size"])
+                self.assertEqual(xb["spill-size"], xperf.get("cow-spill-size", 0))
+                self.assertLessEqual(xb["used-peak"], xb["size"], "memory over its limit: %r" % xb)
+                self.assertLessEqual(xb["spilled-peak"], xb["spill-size"], "spill over its limit: %r" % xb)
+                self.assertGreater(xb["used-peak"], 0, "rep %d: the buffer was never used: %r" % (rep, xb))
+                stats.append(xb)
+            else:
+                self.assertNotIn("x-cow-buffer", jq)
+                self.assertNotIn("x-cow-buffer", jb)
+                stats.append(None)
+            q.ok("job-dismiss", id="j")
+            q.drain_events()
+            q.ok("blockdev-del", **{"node-name": "tgt"})
+            with open(pit, "wb") as f:
+                f.write(before)
+            self.assertEqual(compare(pit, tgt, "raw", tgt_fmt), (0, "Images are identical."),
+                             "rep %d: backup is not the point-in-time image" % rep)
+            if spill_dir:
+                self.assertEqual(os.listdir(spill_dir), [], "spill dir not empty")
+            after = reader.read_all()
+            self.assertTrue(after == apply_writes(before, writes), "rep %d: source lost a write" % rep)
+            before = after
+        reader.close()
+        q.ok("block-export-del", id="e0")
+        dm.quit()
+        if tgt_fmt == "qcow2":
+            self.assertEqual(img_check(tgt)[0], 0, img_check(tgt)[1])
+        if src_fmt == "qcow2":
+            self.assertEqual(img_check(src)[0], 0, img_check(src)[1])
+        return stats
+
+    def test_pit_buffer_off(self):
+        self.point_in_time(None, REPS, 11)
+
+    def test_pit_buffer_large(self):
+        stats = self.point_in_time(cow(64 * MiB), REPS, 12)
+        for xb in stats:
+            self.assertEqual((xb["spilled-peak"], xb["sync-copies"]), (0, 0), xb)
+
+    def test_pit_buffer_spills(self):
+        spill = self.subdir("spill")
+        stats = self.point_in_time(cow(256 * KiB, 64 * MiB, spill), REPS, 13, big_first=True)
+        for xb in stats:
+            self.assertGreater(xb["spilled-peak"], 0, "a 1 MiB write into 256 KiB did not spill: %r" % xb)
+            self.assertEqual(xb["sync-copies"], 0, xb)
+
+    def test_pit_spill_full_falls_back_to_sync(self):
+        spill = self.subdir("spill")
+        stats = self.point_in_time(cow(128 * KiB, 128 * KiB, spill), REPS, 14, big_first=True)
+        for xb in stats:
+            self.assertGreater(xb["sync-copies"], 0, "a 1 MiB write into 128+128 KiB was not synchronous: %r" % xb)
+
+    def test_pit_qcow2_source_and_target(self):
+        spill = self.subdir("spill")
+        reps = max(3, REPS // 4)
+        stats = self.point_in_time(cow(256 * KiB, 64 * MiB, spill), reps, 15, "qcow2", "qcow2", big_first=True)
+        self.assertTrue(any(xb["spilled-peak"] > 0 for xb in stats), stats)
+
+    def test_pit_qcow2_target_large_buffer(self):
+        self.point_in_time(cow(64 * MiB), max(3, REPS // 4), 16, "raw", "qcow2")
+
+    def test_pit_throttled_target_large_buffer(self):
+        """The target behind a throttle node (no job speed): the guest's
+        writes go on at once, the backup still runs when they are done."""
+        self.point_in_time(cow(64 * MiB), max(3, REPS // 4), 17, throttle=32 * MiB)
+
+    # -- target write errors ------------------------------------------------
+    def test_target_error_background_copy_with_buffer(self):
+        """The background copy's write at 4 MiB fails (once) while a writer
+        keeps putting old data of the upper half into the buffer. Events and
+        outcome equal qemu-storage-daemon's without a buffer; under stop the
+        job keeps the buffer while paused and does not drain it."""
+        def run(name, dm, d):
+            q = dm.qmp
+            src = self.source(d, seed=21)
+            q.ok("blockdev-add", **file_node("src", src))
+            sock = self.export(q, d)
+            out = {}
+            for k, policy in enumerate(("stop", "report", "ignore")):
+                reader = Nbd(sock, "src")
+                before = reader.read_all()
+                reader.close()
+                tgt = self.fresh_target(d)
+                rule = {"event": "write_aio", "errno": 5, "sector": 4 * MiB // 512, "once": True}
+                q.ok("blockdev-add", **target_node("tgt", tgt, rule=rule))
+                args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                        "on-target-error": policy, "speed": 8 * MiB}
+                if name == VBLK_NAME:
+                    args["x-perf"] = cow(64 * MiB)
+                q.ok("blockdev-backup", **args)
+                # 64 KiB every 20 ms to distinct clusters of the upper half.
+                cl = list(range(SIZE // 2, SIZE, CLUSTER))
+                random.Random(k).shuffle(cl)
+                writes = [(o + 100, CLUSTER - 200, 0x40 + k) for o in cl]
+                wr = Writer(sock, writes, gap=0.02)
+                wr.start()
+                err = q.event("BLOCK_JOB_ERROR")
+                paused = None
+                buf = []
+                if policy == "stop":
+                    j = self.wait_for(q, lambda j: j["status"] == "paused", "pause on error")
+                    time.sleep(0.3)  # the writer goes on meanwhile
+                    a = self.job(q)
+                    time.sleep(0.3)
+                    b = self.job(q)
+                    paused = {k2: a[k2] for k2 in ("status", "paused", "io-status")}
+                    if name == VBLK_NAME:
+                        buf = [a["x-cow-buffer"]["used"], b["x-cow-buffer"]["used"]]
+                        self.assertGreater(buf[0], 0, "nothing buffered while paused on error: %r" % a)
+                        self.assertGreaterEqual(buf[1], buf[0], "drained while paused: %r %r" % (a, b))
+                    q.ok("block-job-resume", device="j")
+                elif name == VBLK_NAME:
+                    j = self.job(q)
+                    if j is not None and "x-cow-buffer" in j:
+                        buf = [j["x-cow-buffer"]["used-peak"] > 0]
+                done = q.event("BLOCK_JOB_COMPLETED", 120)
+                wr.stop()
+                self.assertEqual((wr.failed, wr.broken), ([], None), "guest writes failed")
+                q.drain_events()
+                q.ok("blockdev-del", **{"node-name": "tgt"})
+                with open(tgt, "rb") as f:
+                    pit_ok = f.read() == before
+                reader = Nbd(sock, "src")
+                self.assertTrue(reader.read_all() == apply_writes(before, wr.acked), "source lost a write")
+                reader.close()
+                out[policy] = (err["data"], paused, done["data"].get("error"), pit_ok,
+                               job_statuses(q.events), len(wr.acked) > 0)
+                self.seen_buffer[name + policy] = buf
+                q.events.clear()
+            return out
+        self.seen_buffer = {}
+        seen = self.each_daemon(run)
+        self.assertSame(seen)
+        out = list(seen.values())[0]
+        self.assertEqual(out["stop"][:4], ({"device": "j", "operation": "write", "action": "stop"},
+                                           {"status": "paused", "paused": True, "io-status": "failed"}, None, True))
+        self.assertEqual(out["report"][:4], ({"device": "j", "operation": "write", "action": "report"}, None,
+                                             "Input/output error", False))
+        self.assertEqual(out["ignore"][:4], ({"device": "j", "operation": "write", "action": "ignore"}, None,
+                                             None, True))
+
+    def test_failed_drain_write_keeps_data(self):
+        """vblk only: the writes hit the last MiB, far ahead of the background
+        copy; the drain's write of their old data fails once. The guest
+        writes succeed, the policy acts as for a job write (the events QEMU
+        sends for a background-copy error) and the data is not lost: stop
+        and ignore end with the point-in-time image."""
+        d = self.subdir("drain")
+        dm = self.start(VBLK_NAME, d)
+        q = dm.qmp
+        src = self.source(d, seed=31)
+        q.ok("blockdev-add", **file_node("src", src))
+        sock = self.export(q, d)
+        region = SIZE - MiB
+        for k, policy in enumerate(("stop", "report", "ignore")):
+            with self.subTest(policy=policy):
+                reader = Nbd(sock, "src")
+                before = reader.read_all()
+                reader.close()
+                tgt = self.fresh_target(d)
+                rule = {"event": "write_aio", "errno": 5, "sector": (region + MiB // 2) // 512, "once": True}
+                q.ok("blockdev-add", **target_node("tgt", tgt, rule=rule))
+                q.ok("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                                           "on-target-error": policy, "auto-dismiss": False, "speed": 4 * MiB,
+                                           "x-perf": cow(64 * MiB)})
+                writes = [(region + i * CLUSTER + 7, CLUSTER - 9, 0x60 + k) for i in range(16)]
+                wr = Writer(sock, writes)
+                wr.start()
+                wr.join(30)
+                self.assertFalse(wr.is_alive(), "guest writes did not go on at once")
+                wr.stop()
+                self.assertEqual((wr.failed, wr.broken, len(wr.acked)), ([], None, 16), "guest writes failed")
+                err = q.event("BLOCK_JOB_ERROR", 30)
+                self.assertEqual(err["data"], {"device": "j", "operation": "write", "action": policy})
+                if policy == "stop":
+                    j = self.wait_for(q, lambda j: j["status"] == "paused", "pause on error")
+                    time.sleep(0.3)
+                    j = self.job(q)
+                    self.assertEqual((j["paused"], j["io-status"]), (True, "failed"))
+                    self.assertGreater(j["x-cow-buffer"]["used"] + j["x-cow-buffer"]["spilled"], 0,
+                                       "the failed drain write dropped its data: %r" % j)
+                    q.ok("block-job-resume", device="j")
+                done = q.event("BLOCK_JOB_COMPLETED", 60)
+                jq = self.job(q, "query-jobs")
+                self.assertEqual((jq["x-cow-buffer"]["used"], jq["x-cow-buffer"]["spilled"]), (0, 0), jq)
+                q.ok("job-dismiss", id="j")
+                q.drain_events()
+                q.ok("blockdev-del", **{"node-name": "tgt"})
+                with open(tgt, "rb") as f:
+                    pit_ok = f.read() == before
+                if policy == "report":
+                    self.assertEqual(done["data"].get("error"), "Input/output error")
+                else:
+                    self.assertNotIn("error", done["data"])
+                    self.assertTrue(pit_ok, "%s: backup is not the point-in-time image" % policy)
+                q.events.clear()
+        dm.quit()
+
+    # -- cancel, pause, kill ---------------------------------------------------
+    def test_cancel_with_full_buffer(self):
+        """8 MiB of old data buffered (the job crawls at 1 MiB/s); cancel:
+        the same events as qemu-storage-daemon, the memory is given back,
+        twice over, and the source holds every write."""
+        def run(name, dm, d):
+            q = dm.qmp
+            src = self.source(d, seed=41)
+            q.ok("blockdev-add", **file_node("src", src))
+            sock = self.export(q, d)
+            out = []
+            rss_log = []
+            for cycle in range(2):
+                reader = Nbd(sock, "src")
+                before = reader.read_all()
+                tgt = self.fresh_target(d)
+                q.ok("blockdev-add", **file_node("tgt", tgt))
+                base = rss(dm.proc.pid)
+                args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "full", "speed": MiB}
+                if name == VBLK_NAME:
+                    args["x-perf"] = cow(64 * MiB)
+                q.ok("blockdev-backup", **args)
+                writes = [(4 * MiB + i * 256 * KiB, 256 * KiB, 0x70 + cycle) for i in range(32)]
+                wr = Writer(sock, writes)
+                wr.start()
+                wr.join(60)
+                wr.stop()
+                self.assertEqual((wr.failed, wr.broken, len(wr.acked)), ([], None, 32))
+                j = self.job(q)
+                if name == VBLK_NAME:
+                    xb = j["x-cow-buffer"]
+                    self.assertGreaterEqual(xb["used"], 6 * MiB, "buffer not full: %r" % xb)
+                    full = rss(dm.proc.pid)
+                    self.assertGreater(full - base, 4 * MiB, "the buffer is not in RSS? %d -> %d" % (base, full))
+                q.ok("block-job-cancel", device="j")
+                e = q.event("BLOCK_JOB_CANCELLED")
+                q.drain_events()
+                self.assertEqual(q.ok("query-block-jobs"), [])
+                self.assertEqual(q.ok("query-jobs"), [])
+                if name == VBLK_NAME:
+                    time.sleep(0.2)
+                    after = rss(dm.proc.pid)
+                    rss_log.append((base, full, after))
+                    self.assertLess(after - base, (full - base) / 2,
+                                    "cycle %d: RSS did not fall back after cancel: %d -> %d -> %d"
+                                    % (cycle, base, full, after))
+                q.ok("blockdev-del", **{"node-name": "tgt"})
+                self.assertTrue(reader.read_all() == apply_writes(before, wr.acked), "source lost a write")
+                reader.close()
+                out.append((e["data"]["len"], e["data"]["speed"], e["data"]["offset"] < e["data"]["len"],
+                            job_statuses(q.events), block_events(q.events)))
+                q.events.clear()
+            if rss_log:
+                self.assertLess(rss_log[1][2] - rss_log[0][2], 2 * MiB, "RSS grows cycle over cycle: %r" % rss_log)
+            return out
+        seen = self.each_daemon(run)
+        self.assertSame(seen)
+        self.assertEqual(list(seen.values())[0][0][3], ["created", "running", "aborting", "concluded", "null"])
+
+    def test_pause_keeps_buffer(self):
+        """Data buffered, pause: query shows it kept and not drained while
+        paused; more writes while paused are buffered; resume completes with
+        the point-in-time image. Job fields and events as qemu-storage-daemon's."""
+        def run(name, dm, d):
+            q = dm.qmp
+            src = self.source(d, seed=51)
+            q.ok("blockdev-add", **file_node("src", src))
+            sock = self.export(q, d)
+            reader = Nbd(sock, "src")
+            before = reader.read_all()
+            tgt = self.fresh_target(d)
+            q.ok("blockdev-add", **file_node("tgt", tgt))
+            args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "full", "speed": MiB}
+            if name == VBLK_NAME:
+                args["x-perf"] = cow(64 * MiB)
+            q.ok("blockdev-backup", **args)
+            wr = Writer(sock, [(8 * MiB + i * CLUSTER + 3, CLUSTER, 0x81) for i in range(32)])
+            wr.start()
+            wr.join(60)
+            wr.stop()
+            q.ok("block-job-pause", device="j")
+            self.wait_for(q, lambda j: j["status"] == "paused", "pause")
+            time.sleep(0.3)
+            a = self.job(q)
+            time.sleep(0.5)
+            b = self.job(q)
+            self.assertEqual(a["offset"], b["offset"], "progress while paused")
+            wr2 = Writer(sock, [(12 * MiB + i * CLUSTER, CLUSTER // 2, 0x82) for i in range(16)])
+            wr2.start()
+            wr2.join(60)
+            wr2.stop()
+            c = self.job(q)
+            if name == VBLK_NAME:
+                ua, ub, uc = (x["x-cow-buffer"]["used"] for x in (a, b, c))
+                self.assertGreater(ua, 0, "nothing buffered at pause: %r" % a)
+                self.assertEqual(ua, ub, "the buffer changed while paused: %r %r" % (a, b))
+                self.assertGreater(uc, ub, "writes while paused were not buffered: %r %r" % (b, c))
+            for w in (wr, wr2):
+                self.assertEqual((w.failed, w.broken), ([], None))
+            q.ok("block-job-set-speed", device="j", speed=0)
+            q.ok("block-job-resume", device="j")
+            done = q.event("BLOCK_JOB_COMPLETED", 60)
+            q.drain_events()
+            q.ok("blockdev-del", **{"node-name": "tgt"})
+            with open(tgt, "rb") as f:
+                self.assertTrue(f.read() == before, "backup is not the point-in-time image")
+            self.assertTrue(reader.read_all() == apply_writes(apply_writes(before, wr.acked), wr2.acked))
+            reader.close()
+            return ({k: a[k] for k in ("status", "paused", "busy", "io-status", "ready", "speed", "len")},
+                    done["data"], job_statuses(q.events))
+        seen = self.each_daemon(run)
+        self.assertSame(seen)
+
+    def kill_mid_backup(self, src_fmt, tgt_fmt, seed):
+        d = self.subdir("kill-" + src_fmt)
+        spill = self.subdir("kill-spill-" + src_fmt)
+        dm = self.start(VBLK_NAME, d)
+        q = dm.qmp
+        src = self.source(d, src_fmt, seed)
+        tgt = self.fresh_target(d, tgt_fmt)
+        q.ok("blockdev-add", **file_node("src", src, src_fmt))
+        q.ok("blockdev-add", **file_node("tgt", tgt, tgt_fmt))
+        sock = self.export(q, d)
+        reader = Nbd(sock, "src")
+        base = reader.read_all()
+        reader.close()
+        q.ok("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                                   "speed": MiB, "x-perf": cow(256 * KiB, 64 * MiB, spill)})
+        rng = random.Random(seed)
+        writes = random_writes(rng, SIZE, 400)
+        wr = Writer(sock, writes, gap=0.002, fua=True, loop=True)
+        wr.start()
+        j = self.wait_for(q, lambda j: j["x-cow-buffer"]["spilled"] > 0, "spill")
+        held = deleted_fds_in(dm.proc.pid, spill)
+        listing = os.listdir(spill)
+        time.sleep(0.1)
+        dm.proc.send_signal(signal.SIGKILL)
+        dm.proc.wait()
+        wr.join(30)
+        self.assertFalse(wr.is_alive())
+        wr.nbd.s.close()
+        self.assertEqual(listing, [], "spill file visible in the spill dir")
+        self.assertTrue(held, "no unlinked spill file open in %s while %d bytes spilled" % (spill, j["x-cow-buffer"]["spilled"]))
+        self.assertEqual(os.listdir(spill), [], "spill dir not empty after kill -9")
+        self.assertEqual(wr.failed, [])
+        self.assertGreater(len(wr.acked), 10)
+        wait_unlocked(src)
+        wait_unlocked(tgt)
+        if src_fmt == "qcow2":
+            rc, text = img_check(src)
+            self.assertEqual(rc, 0, text)
+            flat = os.path.join(d, "flat.raw")
+            subprocess.run([QEMU_IMG, "convert", "-O", "raw", src, flat], check=True)
+        else:
+            flat = src
+        with open(flat, "rb") as f:
+            got = f.read()
+        want = bytearray(apply_writes(base, wr.acked))
+        if wr.inflight is not None:  # sent, never answered: old or new bytes
+            off, ln, pat = wr.inflight
+            for i in range(off, off + ln):
+                if got[i] == pat:
+                    want[i] = pat
+        self.assertTrue(got == bytes(want), "the source lacks acknowledged writes")
+        if tgt_fmt == "qcow2":
+            rc, text = img_check(tgt)
+            self.assertIn(rc, (0, 3), text)  # leaked clusters after a crash are allowed
+
+    def test_kill9_raw(self):
+        self.kill_mid_backup("raw", "raw", 61)
+
+    def test_kill9_qcow2(self):
+        self.kill_mid_backup("qcow2", "qcow2", 62)
+
+    # -- arguments --------------------------------------------------------------
+    def test_argument_errors(self):
+        d = self.subdir("args")
+        dm = self.start(VBLK_NAME, d)
+        q = dm.qmp
+        src = self.source(d, size=4 * MiB)
+        tgt = self.fresh_target(d, size=4 * MiB)
+        q.ok("blockdev-add", **file_node("src", src))
+        q.ok("blockdev-add", **file_node("tgt", tgt))
+        spill = self.subdir("args-spill")
+        afile = os.path.join(d, "afile")
+        open(afile, "w").close()
+        bad = [
+            ({"cow-buffer-size": -1}, "cow-buffer-size"),
+            ({"cow-buffer-size": -MiB, "cow-spill-size": MiB}, "cow-buffer-size"),
+            ({"cow-buffer-size": 65537}, "cow-buffer-size"),
+            ({"cow-buffer-size": 1000}, "cow-buffer-size"),
+            ({"cow-buffer-size": MiB, "cow-spill-size": -1}, "cow-spill-size"),
+            ({"cow-buffer-size": MiB, "cow-spill-size": 1000, "cow-spill-dir": spill}, "cow-spill-size"),
+            ({"cow-spill-size": MiB}, "cow-buffer-size"),
+            ({"cow-spill-size": MiB, "cow-spill-dir": spill}, "cow-buffer-size"),
+            ({"cow-buffer-size": 0, "cow-spill-size": MiB}, "cow-buffer-size"),
+            ({"cow-spill-dir": spill}, "cow-buffer-size"),
+            ({"cow-buffer-size": MiB, "cow-spill-size": MiB, "cow-spill-dir": os.path.join(d, "nope")},
+             "cow-spill-dir"),
+            ({"cow-buffer-size": MiB, "cow-spill-size": MiB, "cow-spill-dir": afile}, "cow-spill-dir"),
+            ({"cow-buffer-size": MiB, "cow-spill-size": MiB, "cow-spill-dir": ""}, "cow-spill-dir"),
+        ]
+        nodes = sorted(n["node-name"] for n in q.ok("query-named-block-nodes"))
+        for xperf, member in bad:
+            with self.subTest(xperf=xperf):
+                r = q.cmd("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                                                "x-perf": xperf})
+                if "error" not in r:  # accepted: end the job for the next case, then fail
+                    q.ok("job-cancel", id="j")
+                    q.event("BLOCK_JOB_CANCELLED")
+                    q.drain_events()
+                    q.events.clear()
+                    self.fail("accepted: %r" % xperf)
+                self.assertEqual(r["error"]["class"], "GenericError", r)
+                self.assertIn(member, r["error"]["desc"], "the error does not name %s: %r" % (member, r))
+                self.assertNotIn("is unexpected", r["error"]["desc"], "x-perf cow options unknown")
+                self.assertEqual(q.ok("query-jobs"), [], "a job started")
+                self.assertEqual(sorted(n["node-name"] for n in q.ok("query-named-block-nodes")), nodes)
+                self.assertEqual(os.listdir(spill), [])
+                self.assertEqual(q.drain_events(), [], "events for a refused backup")
+        # Type errors read like QEMU's for the other x-perf members.
+        for member, value, want in (("cow-buffer-size", "big", "integer"), ("cow-spill-size", True, "integer"),
+                                    ("cow-spill-dir", 7, "string")):
+            with self.subTest(member=member):
+                x = {"cow-buffer-size": MiB, "cow-spill-size": MiB}
+                x[member] = value
+                r = q.cmd("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                                                "x-perf": x})
+                self.assertEqual(r.get("error"), {"class": "GenericError", "desc":
+                                 "Invalid parameter type for 'x-perf.%s', expected: %s" % (member, want)})
+        # And the nodes are free for a good one.
+        q.ok("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                                   "x-perf": cow(MiB, MiB, spill)})
+        done = q.event("BLOCK_JOB_COMPLETED", 60)
+        self.assertNotIn("error", done["data"])
+        self.assertEqual(compare(src, tgt), (0, "Images are identical."))
+        dm.quit()
+
+
+if __name__ == "__main__":
+    unittest.main()
