@@ -375,6 +375,23 @@ class CowBufferTest(InteropTestCase):
                 raise AssertionError("%s: not within %ss; job %r" % (what, timeout, j))
             time.sleep(0.02)
 
+    def event_polling(self, q, name, timeout=60):
+        """Waits for event `name` while polling query-block-jobs; returns the
+        event and the job as each poll saw it."""
+        end = time.monotonic() + timeout
+        polled = []
+        while True:
+            for e in q.events:
+                if e["event"] == name:
+                    q.events.remove(e)
+                    return e, polled
+            if time.monotonic() > end:
+                raise AssertionError("no %s within %ss" % (name, timeout))
+            j = self.job(q)
+            if j is not None:
+                polled.append(j)
+            q.drain_events(0.01)
+
     # -- point in time ----------------------------------------------------
     def point_in_time(self, xperf, reps, seed, src_fmt="raw", tgt_fmt="raw", speed=32 * MiB,
                       throttle=None, big_first=False):
@@ -575,9 +592,11 @@ class CowBufferTest(InteropTestCase):
                 writes = [(o + 100, CLUSTER - 200, 0x40 + k) for o in cl]
                 wr = Writer(sock, writes, gap=0.02)
                 wr.start()
-                err = q.event("BLOCK_JOB_ERROR")
+                err, polled = self.event_polling(q, "BLOCK_JOB_ERROR")
+                if name == VBLK_NAME:
+                    self.assertTrue(any(j["x-cow-buffer"]["used-peak"] > 0 for j in polled),
+                                    "%s: the writes were not buffered before the error" % policy)
                 paused = None
-                buf = []
                 if policy == "stop":
                     j = self.wait_for(q, lambda j: j["status"] == "paused", "pause on error")
                     time.sleep(0.3)  # the writer goes on meanwhile
@@ -586,14 +605,10 @@ class CowBufferTest(InteropTestCase):
                     b = self.job(q)
                     paused = {k2: a[k2] for k2 in ("status", "paused", "io-status")}
                     if name == VBLK_NAME:
-                        buf = [a["x-cow-buffer"]["used"], b["x-cow-buffer"]["used"]]
-                        self.assertGreater(buf[0], 0, "nothing buffered while paused on error: %r" % a)
-                        self.assertGreaterEqual(buf[1], buf[0], "drained while paused: %r %r" % (a, b))
+                        ua, ub = a["x-cow-buffer"]["used"], b["x-cow-buffer"]["used"]
+                        self.assertGreater(ua, 0, "nothing buffered while paused on error: %r" % a)
+                        self.assertGreaterEqual(ub, ua, "drained while paused: %r %r" % (a, b))
                     q.ok("block-job-resume", device="j")
-                elif name == VBLK_NAME:
-                    j = self.job(q)
-                    if j is not None and "x-cow-buffer" in j:
-                        buf = [j["x-cow-buffer"]["used-peak"] > 0]
                 done = q.event("BLOCK_JOB_COMPLETED", 120)
                 wr.stop()
                 self.assertEqual((wr.failed, wr.broken), ([], None), "guest writes failed")
@@ -606,10 +621,8 @@ class CowBufferTest(InteropTestCase):
                 reader.close()
                 out[policy] = (err["data"], paused, done["data"].get("error"), pit_ok,
                                job_statuses(q.events), len(wr.acked) > 0)
-                self.seen_buffer[name + policy] = buf
                 q.events.clear()
             return out
-        self.seen_buffer = {}
         seen = self.each_daemon(run)
         self.assertSame(seen)
         out = list(seen.values())[0]
@@ -641,6 +654,7 @@ class CowBufferTest(InteropTestCase):
                 tgt = self.fresh_target(d)
                 rule = {"event": "write_aio", "errno": 5, "sector": (region + MiB // 2) // 512, "once": True}
                 q.ok("blockdev-add", **target_node("tgt", tgt, rule=rule))
+                t0 = time.monotonic()
                 q.ok("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
                                            "on-target-error": policy, "auto-dismiss": False, "speed": 4 * MiB,
                                            "x-perf": cow(64 * MiB)})
@@ -652,6 +666,9 @@ class CowBufferTest(InteropTestCase):
                 wr.stop()
                 self.assertEqual((wr.failed, wr.broken, len(wr.acked)), ([], None, 16), "guest writes failed")
                 err = q.event("BLOCK_JOB_ERROR", 30)
+                # The background copy at 4 MiB/s would need ~4 s to reach
+                # the failing sector; the drain gets there at once.
+                self.assertLess(time.monotonic() - t0, 2.5, "the error came from the background copy")
                 self.assertEqual(err["data"], {"device": "j", "operation": "write", "action": policy})
                 if policy == "stop":
                     j = self.wait_for(q, lambda j: j["status"] == "paused", "pause on error")
@@ -870,6 +887,7 @@ class CowBufferTest(InteropTestCase):
             ({"cow-buffer-size": 1000}, "cow-buffer-size"),
             ({"cow-buffer-size": MiB, "cow-spill-size": -1}, "cow-spill-size"),
             ({"cow-buffer-size": MiB, "cow-spill-size": 1000, "cow-spill-dir": spill}, "cow-spill-size"),
+            ({"cow-buffer-size": MiB, "cow-spill-size": MiB + 1, "cow-spill-dir": spill}, "cow-spill-size"),
             ({"cow-spill-size": MiB}, "cow-buffer-size"),
             ({"cow-spill-size": MiB, "cow-spill-dir": spill}, "cow-buffer-size"),
             ({"cow-buffer-size": 0, "cow-spill-size": MiB}, "cow-buffer-size"),
@@ -914,7 +932,42 @@ class CowBufferTest(InteropTestCase):
         done = q.event("BLOCK_JOB_COMPLETED", 60)
         self.assertNotIn("error", done["data"])
         self.assertEqual(compare(src, tgt), (0, "Images are identical."))
+        # cow-buffer-size 0 is the default: no buffer, no x-cow-buffer.
+        q.ok("blockdev-backup", **{"job-id": "j0", "device": "src", "target": "tgt", "sync": "full",
+                                   "speed": MiB, "x-perf": {"cow-buffer-size": 0}})
+        for verb in ("query-jobs", "query-block-jobs"):
+            j = self.job(q, verb, "j0")
+            self.assertIsNotNone(j)
+            self.assertNotIn("x-cow-buffer", j)
+        q.ok("job-cancel", id="j0")
+        q.event("BLOCK_JOB_CANCELLED")
         dm.quit()
+
+    def test_default_spill_dir(self):
+        """Without cow-spill-dir the spill file is an unlinked file in
+        /var/tmp, gone after kill -9."""
+        d = self.subdir("defspill")
+        before = set(os.listdir("/var/tmp"))
+        dm = self.start(VBLK_NAME, d)
+        q = dm.qmp
+        src = self.source(d, seed=71)
+        tgt = self.fresh_target(d)
+        q.ok("blockdev-add", **file_node("src", src))
+        q.ok("blockdev-add", **file_node("tgt", tgt))
+        sock = self.export(q, d)
+        q.ok("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                                   "speed": MiB, "x-perf": cow(128 * KiB, 8 * MiB)})
+        wr = Writer(sock, [(8 * MiB + i * CLUSTER, CLUSTER, 0x91) for i in range(32)])
+        wr.start()
+        wr.join(30)
+        wr.stop()
+        self.assertEqual((wr.failed, wr.broken, len(wr.acked)), ([], None, 32))
+        j = self.job(q)
+        self.assertGreater(j["x-cow-buffer"]["spilled"], 0, j)
+        self.assertTrue(deleted_fds_in(dm.proc.pid, "/var/tmp"), "no unlinked spill file open in /var/tmp")
+        self.assertEqual(sorted(set(os.listdir("/var/tmp")) - before), [])
+        dm.kill()
+        self.assertEqual(sorted(n for n in set(os.listdir("/var/tmp")) - before if "vblk" in n), [])
 
 
 if __name__ == "__main__":
