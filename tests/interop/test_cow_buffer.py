@@ -173,7 +173,9 @@ def random_writes(rng, size, n, big_first=False):
             else:
                 ln = rng.randint(CLUSTER + 1, 512 * KiB)
             off = rng.randrange(0, size - ln)
-        out.append((off, ln, rng.randint(1, 255)))
+        # Pattern 0: write zeroes (NBD_CMD_WRITE_ZEROES), half of them
+        # allowed to unmap; copy-before-write must catch those too.
+        out.append((off, ln, 0 if rng.random() < 0.1 else rng.randint(1, 255)))
     return out
 
 
@@ -422,8 +424,11 @@ class CowBufferTest(InteropTestCase):
             q.ok("blockdev-add", **target_node("tgt", tgt, tgt_fmt, group="tg" if throttle else None))
             writes = random_writes(rng, SIZE, 20, big_first)
             cmds = []
-            for off, ln, pat in writes:
-                cmds += ["-c", "write -P 0x%02x %d %d" % (pat, off, ln)]
+            for i, (off, ln, pat) in enumerate(writes):
+                if pat:
+                    cmds += ["-c", "write -P 0x%02x %d %d" % (pat, off, ln)]
+                else:
+                    cmds += ["-c", "write -z %s%d %d" % ("-u " if i % 2 else "", off, ln)]
             args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "full", "auto-dismiss": False,
                     "speed": speed}
             if xperf:
@@ -726,6 +731,14 @@ class CowBufferTest(InteropTestCase):
                 if name == VBLK_NAME:
                     xb = j["x-cow-buffer"]
                     self.assertGreaterEqual(xb["used"], 6 * MiB, "buffer not full: %r" % xb)
+                    if cycle == 0:
+                        # The drain goes through the job's rate limit: 1 MiB/s,
+                        # the first second taken by the background's first MiB.
+                        time.sleep(1.5)
+                        xb2 = self.job(q)["x-cow-buffer"]
+                        self.assertGreater(xb["used"], xb2["used"], "the drain does not run: %r %r" % (xb, xb2))
+                        self.assertLessEqual(xb["used"] - xb2["used"], 1536 * KiB + CLUSTER,
+                                             "the drain ignores the speed: %r %r" % (xb, xb2))
                     full = rss(dm.proc.pid)
                     self.assertGreater(full - base, 4 * MiB, "the buffer is not in RSS? %d -> %d" % (base, full))
                 q.ok("block-job-cancel", device="j")
@@ -787,6 +800,8 @@ class CowBufferTest(InteropTestCase):
             wr2.stop()
             c = self.job(q)
             if name == VBLK_NAME:
+                self.assertEqual(self.job(q, "query-jobs").get("x-cow-buffer"), c["x-cow-buffer"],
+                                 "query-jobs and query-block-jobs differ")
                 ua, ub, uc = (x["x-cow-buffer"]["used"] for x in (a, b, c))
                 self.assertGreater(ua, 0, "nothing buffered at pause: %r" % a)
                 self.assertEqual(ua, ub, "the buffer changed while paused: %r %r" % (a, b))
