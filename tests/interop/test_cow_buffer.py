@@ -330,7 +330,7 @@ class CowBufferTest(InteropTestCase):
         os.unlink(raw)
         return path
 
-    def fresh_target(self, d, fmt="raw", size=SIZE):
+    def fresh_target(self, d, fmt="raw", size=SIZE, cluster=None):
         path = os.path.join(d, "tgt." + fmt)
         if fmt == "raw":
             with open(path, "wb") as f:
@@ -338,7 +338,8 @@ class CowBufferTest(InteropTestCase):
         else:
             if os.path.exists(path):
                 os.unlink(path)
-            subprocess.run([QEMU_IMG, "create", "-q", "-f", fmt, path, str(size)], check=True)
+            opts = ["-o", "cluster_size=%d" % cluster] if cluster else []
+            subprocess.run([QEMU_IMG, "create", "-q", "-f", fmt] + opts + [path, str(size)], check=True)
         return path
 
     def start(self, name, d):
@@ -416,7 +417,7 @@ class CowBufferTest(InteropTestCase):
 
     # -- point in time ----------------------------------------------------
     def point_in_time(self, xperf, reps, seed, src_fmt="raw", tgt_fmt="raw", speed=32 * MiB,
-                      throttle=None, big_first=False):
+                      throttle=None, big_first=False, tgt_cluster=None):
         """`reps` backups of a source under a qemu-io writer on its NBD
         export, the job limited to `speed` or (with throttle=bps) the target
         behind a throttle node. Returns the x-cow-buffer member of each
@@ -440,7 +441,7 @@ class CowBufferTest(InteropTestCase):
         stats = []
         issues = []  # checked after all repetitions (the point-in-time checks come first)
         for rep in range(reps):
-            tgt = self.fresh_target(d, tgt_fmt)
+            tgt = self.fresh_target(d, tgt_fmt, cluster=tgt_cluster)
             q.ok("blockdev-add", **target_node("tgt", tgt, tgt_fmt, group="tg" if throttle else None))
             writes = random_writes(rng, SIZE, 20, big_first)
             cmds = []
@@ -581,6 +582,16 @@ class CowBufferTest(InteropTestCase):
 
     def test_pit_qcow2_target_large_buffer(self):
         stats, issues = self.point_in_time(cow(64 * MiB), max(3, REPS // 4), 16, "raw", "qcow2")
+        self.assertNoIssues(issues)
+
+    def test_pit_qcow2_target_1m_clusters(self):
+        """A 1 MiB-cluster target makes the backup's cluster 1 MiB: every
+        small write claims and buffers a whole MiB; 2 MiB memory spills."""
+        spill = self.subdir("spill")
+        stats, issues = self.point_in_time(cow(2 * MiB, 64 * MiB, spill), max(3, REPS // 4), 19, "raw", "qcow2",
+                                           tgt_cluster=MiB)
+        for xb in stats:
+            self.assertEqual(xb["used-peak"] % MiB, 0, "buffered less than a cluster: %r" % xb)
         self.assertNoIssues(issues)
 
     def test_pit_throttled_target_large_buffer(self):
@@ -1017,6 +1028,22 @@ class CowBufferTest(InteropTestCase):
                 self.assertEqual(sorted(n["node-name"] for n in q.ok("query-named-block-nodes")), nodes)
                 self.assertEqual(os.listdir(spill), [])
                 self.assertEqual(q.drain_events(), [], "events for a refused backup")
+        # Less than one backup cluster (1 MiB: the target's cluster size).
+        big = os.path.join(d, "big.qcow2")
+        subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "cluster_size=1M", big, str(4 * MiB)], check=True)
+        q.ok("blockdev-add", **file_node("big", big, "qcow2"))
+        for xperf, member in (({"cow-buffer-size": 512 * KiB}, "cow-buffer-size"),
+                              ({"cow-buffer-size": MiB, "cow-spill-size": 512 * KiB}, "cow-spill-size")):
+            with self.subTest(xperf=xperf, target="1M clusters"):
+                r = q.cmd("blockdev-backup", **{"job-id": "j", "device": "src", "target": "big", "sync": "full",
+                                                "x-perf": xperf})
+                if "error" not in r:
+                    q.cmd("job-cancel", id="j")
+                    self.wait_for_no_jobs(q)
+                    self.fail("accepted: %r" % xperf)
+                self.assertIn(member, r["error"]["desc"], r)
+                self.assertEqual(q.ok("query-jobs"), [])
+        q.ok("blockdev-del", **{"node-name": "big"})
         # Type errors read like QEMU's for the other x-perf members.
         for member, value, want in (("cow-buffer-size", "big", "integer"), ("cow-spill-size", True, "integer"),
                                     ("cow-spill-dir", 7, "string")):
