@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import KiB, MiB, InteropTestCase, VBLK, rand_bytes, wait_unlocked  # noqa: E402
+from common import IS_ROOT, KiB, MiB, InteropTestCase, VBLK, rand_bytes, wait_unlocked  # noqa: E402
 from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
 
 QSD = shutil.which("qemu-storage-daemon")
@@ -797,6 +797,51 @@ class CowBufferTest(InteropTestCase):
                     self.assertTrue(pit_ok, "%s: backup is not the point-in-time image" % policy)
                 q.events.clear()
         dm.quit()
+
+    def test_spill_write_failure_falls_back_to_sync(self):
+        """The spill dir is a 256 KiB tmpfs under an 8 MiB cow-spill-size:
+        spill writes fail (ENOSPC). The guest writes must still succeed
+        (synchronous copies), with no job error and the point-in-time image."""
+        if not IS_ROOT:
+            self.skipTest("needs root to mount a small tmpfs")
+        d = self.subdir("enospc")
+        spill = self.subdir("enospc-spill")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", spill], capture_output=True, text=True)
+        if r.returncode:
+            self.skipTest("cannot mount a tmpfs: " + r.stderr.strip())
+        self.addCleanup(subprocess.run, ["umount", "-l", spill], capture_output=True)
+        dm = self.start(VBLK_NAME, d)
+        q = dm.qmp
+        src = self.source(d, seed=81)
+        tgt = self.fresh_target(d)
+        q.ok("blockdev-add", **file_node("src", src))
+        q.ok("blockdev-add", **file_node("tgt", tgt))
+        sock = self.export(q, d)
+        reader = Nbd(sock, "src")
+        before = reader.read_all()
+        q.ok("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                                   "speed": MiB, "auto-dismiss": False, "x-perf": cow(128 * KiB, 8 * MiB, spill)})
+        writes = [(4 * MiB + i * CLUSTER + 11, CLUSTER - 22, 0xa1) for i in range(64)]
+        wr = Writer(sock, writes)
+        wr.start()
+        wr.join(60)
+        wr.stop()
+        self.assertEqual((wr.failed, wr.broken, len(wr.acked)), ([], None, 64), "guest writes failed")
+        j = self.job(q)
+        xb = j["x-cow-buffer"]
+        self.assertLessEqual(xb["spilled"], 256 * KiB, xb)
+        self.assertGreater(xb["sync-copies"], 0, "spill writes cannot succeed, yet no synchronous copy: %r" % xb)
+        q.ok("block-job-set-speed", device="j", speed=0)
+        done = q.event("BLOCK_JOB_COMPLETED", 60)
+        self.assertNotIn("error", done["data"])
+        self.assertEqual([e["event"] for e in q.drain_events() if e["event"] == "BLOCK_JOB_ERROR"], [])
+        with open(tgt, "rb") as f:
+            self.assertTrue(f.read() == before, "backup is not the point-in-time image")
+        self.assertTrue(reader.read_all() == apply_writes(before, writes))
+        reader.close()
+        q.ok("job-dismiss", id="j")
+        dm.quit()
+        self.assertEqual(os.listdir(spill), [])
 
     # -- cancel, pause, kill ---------------------------------------------------
     def test_cancel_with_full_buffer(self):
