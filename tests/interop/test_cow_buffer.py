@@ -29,7 +29,7 @@ repetitions per configuration, default 20).
 Only the Python standard library is used.
 """
 
-import json
+import hashlib
 import os
 import random
 import shutil
@@ -862,6 +862,96 @@ class CowBufferTest(InteropTestCase):
         q.ok("job-dismiss", id="j")
         dm.quit()
         self.assertEqual(os.listdir(spill), [])
+
+    def test_source_read_error_while_buffering(self):
+        """Reading the old data into the buffer fails (blkdebug on the
+        source, once): the guest write must fail as it does without a buffer
+        (qemu-storage-daemon: EIO, the source unchanged there), not go on
+        without its old data; the backup then completes with the point in
+        time."""
+        def run(name, dm, d):
+            q = dm.qmp
+            src = self.source(d, seed=101)
+            with open(src, "rb") as f:
+                old = f.read()
+            tgt = self.fresh_target(d)
+            rule = {"event": "read_aio", "errno": 5, "sector": 12 * MiB // 512 + 7, "once": True}
+            q.ok("blockdev-add", **{"driver": "raw", "node-name": "src",
+                                    "file": {"driver": "blkdebug", "inject-error": [rule],
+                                             "image": {"driver": "file", "filename": src}}})
+            q.ok("blockdev-add", **file_node("tgt", tgt))
+            sock = self.export(q, d)
+            args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "full", "speed": 4 * MiB}
+            if name == VBLK_NAME:
+                args["x-perf"] = cow(64 * MiB)
+            q.ok("blockdev-backup", **args)
+            writes = [(12 * MiB + i * CLUSTER, CLUSTER, 0xc1) for i in range(4)]
+            n = Nbd(sock, "src")
+            errs = [n.write(off, bytes([pat]) * ln) for off, ln, pat in writes]
+            n.close()
+            if name == VBLK_NAME:
+                self.assertGreater(self.job(q)["x-cow-buffer"]["used-peak"], 0, "nothing buffered")
+            q.ok("block-job-set-speed", device="j", speed=0)
+            done = q.event("BLOCK_JOB_COMPLETED")
+            q.drain_events()
+            q.ok("blockdev-del", **{"node-name": "tgt"})
+            with open(tgt, "rb") as f:
+                pit = f.read() == old
+            with open(src, "rb") as f:
+                now = f.read()
+            acked = [w for w, e in zip(writes, errs) if e == 0]
+            return errs, pit, now == apply_writes(old, acked), done["data"], block_events(q.events)
+        seen = self.each_daemon(run)
+        self.assertSame(seen)
+        errs, pit, src_ok = list(seen.values())[0][:3]
+        self.assertEqual((errs, pit, src_ok), ([5, 0, 0, 0], True, True))
+
+    def test_incremental_with_buffer(self):
+        """sync=incremental: only the bitmap's clusters are copied, so only
+        guest writes to those are buffered; the target equals
+        qemu-storage-daemon's byte for byte (old data in the dirty clusters,
+        nothing elsewhere)."""
+        def run(name, dm, d):
+            q = dm.qmp
+            src = self.source(d, seed=111)
+            q.ok("blockdev-add", **file_node("src", src))
+            sock = self.export(q, d)
+            q.ok("block-dirty-bitmap-add", {"node": "src", "name": "b0"})
+            n = Nbd(sock, "src")
+            for i in range(0, 64, 2):  # dirty every other cluster of [8, 12) MiB
+                self.assertEqual(n.write(8 * MiB + i * CLUSTER, bytes([0xd0]) * CLUSTER), 0)
+            point = n.read_all()
+            tgt = self.fresh_target(d)
+            q.ok("blockdev-add", **file_node("tgt", tgt))
+            args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "incremental", "bitmap": "b0",
+                    "speed": MiB}
+            if name == VBLK_NAME:
+                args["x-perf"] = cow(64 * MiB)
+            q.ok("blockdev-backup", **args)
+            # Every cluster of [8, 12) MiB, dirty or not, and some elsewhere.
+            for i in range(64):
+                self.assertEqual(n.write(8 * MiB + i * CLUSTER + 5, bytes([0xd1]) * (CLUSTER - 10)), 0)
+            for i in range(8):
+                self.assertEqual(n.write(i * 2 * MiB + 77, bytes([0xd2]) * 1000), 0)
+            j = self.job(q)
+            if name == VBLK_NAME:
+                xb = j["x-cow-buffer"]
+                self.assertGreater(xb["used"], 0, xb)
+                self.assertLessEqual(xb["used-peak"], 32 * CLUSTER, "buffered clusters outside the bitmap: %r" % xb)
+            q.ok("block-job-set-speed", device="j", speed=0)
+            done = q.event("BLOCK_JOB_COMPLETED")
+            q.drain_events()
+            q.ok("blockdev-del", **{"node-name": "tgt"})
+            n.close()
+            with open(tgt, "rb") as f:
+                got = f.read()
+            want = bytearray(SIZE)
+            for i in range(0, 64, 2):
+                o = 8 * MiB + i * CLUSTER
+                want[o:o + CLUSTER] = point[o:o + CLUSTER]
+            self.assertTrue(got == bytes(want), "target is not the dirty clusters' point in time")
+            return hashlib.sha256(got).hexdigest(), done["data"], block_events(q.events)
+        self.assertSame(self.each_daemon(run))
 
     # -- cancel, pause, kill ---------------------------------------------------
     def test_cancel_with_full_buffer(self):
