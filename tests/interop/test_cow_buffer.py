@@ -150,7 +150,7 @@ def deleted_fds_in(pid, d):
     return out
 
 
-def random_writes(rng, size, n, big_first=False):
+def random_writes(rng, size, n, big_first=False, discards=False):
     """(offset, length, pattern) of n writes: unaligned sub-sector, sub-cluster
     and multi-cluster, some repeating an earlier place exactly or shifted a
     little. big_first: the first write is 1 MiB in the upper half of the disk
@@ -174,8 +174,15 @@ def random_writes(rng, size, n, big_first=False):
                 ln = rng.randint(CLUSTER + 1, 512 * KiB)
             off = rng.randrange(0, size - ln)
         # Pattern 0: write zeroes (NBD_CMD_WRITE_ZEROES), half of them
-        # allowed to unmap; copy-before-write must catch those too.
-        out.append((off, ln, 0 if rng.random() < 0.1 else rng.randint(1, 255)))
+        # allowed to unmap; -1: discard (NBD_CMD_TRIM) of whole clusters on a
+        # discard=unmap source, which then reads zeroes. Copy-before-write
+        # must catch those too.
+        r = rng.random()
+        if discards and r < 0.07:
+            off, ln = off // CLUSTER * CLUSTER, max(1, ln // CLUSTER) * CLUSTER
+            out.append((off, min(ln, size - off), -1))
+        else:
+            out.append((off, ln, 0 if r < 0.15 else rng.randint(1, 255)))
     return out
 
 
@@ -194,7 +201,7 @@ def runs(flags, value):
 def apply_writes(image, writes):
     b = bytearray(image)
     for off, ln, pat in writes:
-        b[off:off + ln] = bytes([pat]) * ln
+        b[off:off + ln] = bytes([max(pat, 0)]) * ln
     return bytes(b)
 
 
@@ -453,7 +460,7 @@ class CowBufferTest(InteropTestCase):
         if throttle:
             q.ok("object-add", **{"qom-type": "throttle-group", "id": "tg", "limits": {"bps-total": throttle}})
             speed = 0
-        q.ok("blockdev-add", **file_node("src", src, src_fmt))
+        q.ok("blockdev-add", **dict(file_node("src", src, src_fmt), discard="unmap"))
         sock = self.export(q, d)
         reader = Nbd(sock, "src")
         before = reader.read_all()
@@ -463,11 +470,13 @@ class CowBufferTest(InteropTestCase):
         for rep in range(reps):
             tgt = self.fresh_target(d, tgt_fmt, cluster=tgt_cluster)
             q.ok("blockdev-add", **target_node("tgt", tgt, tgt_fmt, group="tg" if throttle else None))
-            writes = random_writes(rng, SIZE, 20, big_first)
+            writes = random_writes(rng, SIZE, 20, big_first, discards=src_fmt == "raw")
             cmds = []
             for i, (off, ln, pat) in enumerate(writes):
-                if pat:
+                if pat > 0:
                     cmds += ["-c", "write -P 0x%02x %d %d" % (pat, off, ln)]
+                elif pat < 0:
+                    cmds += ["-c", "discard %d %d" % (off, ln)]
                 else:
                     cmds += ["-c", "write -z %s%d %d" % ("-u " if i % 2 else "", off, ln)]
             args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "full", "auto-dismiss": False,
