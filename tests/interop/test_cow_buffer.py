@@ -8,20 +8,33 @@ memory size into an unlinked spill file in `x-perf.cow-spill-dir`, up to
 writes the old data to the target ahead of the background copy. When memory
 and spill are full, copy-before-write falls back to the synchronous copy.
 
-What this file checks, against `vblk serve` (the buffer is vblk-only):
-- the point-in-time guarantee under a writer on the source's NBD export, for
-  buffer off / large / spilling / falling back to synchronous copies, raw and
-  qcow2, with the `x-cow-buffer` statistics proving the buffer was used and
-  its limits kept; at BLOCK_JOB_COMPLETED the buffer is empty and the target
-  already complete;
-- target write errors (on-target-error stop / report / ignore) with data in
-  the buffer, events and outcome equal to qemu-storage-daemon running the same
-  QMP without the x-perf cow options; a failed drain write keeps its data;
-- cancel with a full buffer (the memory is given back), pause with data
-  buffered (kept, no drain while paused), kill -9 with a spill file (every
-  acknowledged write is in the source, the spill dir stays empty, qcow2
-  checks clean);
-- argument errors.
+What this file checks, against `vblk serve` (the buffer is vblk-only), and
+beside qemu-storage-daemon (same QMP without the x-perf cow options) where
+the outcome must be QEMU's:
+- the point-in-time guarantee under a qemu-io writer on the source's NBD
+  export (unaligned, sub-cluster, multi-cluster, repeated writes, write
+  zeroes, discards), VBLK_COW_REPS backups each, for buffer off / large /
+  spilling / spill full (synchronous copies), raw and qcow2 source and
+  target, a 1 MiB-cluster target, a throttled target, four concurrent
+  writers; the `x-cow-buffer` statistics prove the buffer was used and keep
+  their limits; at BLOCK_JOB_COMPLETED the buffer is empty and the target
+  already complete, and the concluded job keeps its peaks;
+- target write errors (on-target-error stop / report / ignore) while the
+  buffer is in use, events and outcome as qemu-storage-daemon's; a failed
+  drain write keeps its data (stop, ignore) or fails the job (report); a
+  failed source read while buffering fails the guest write as without a
+  buffer; failing spill writes (root: a full tmpfs) fall back to
+  synchronous copies; sync=incremental buffers only the bitmap's clusters;
+- cancel with a full buffer (events as QEMU's, len included; the memory is
+  given back, twice over; the drain keeps to the job's speed), pause with
+  data buffered (kept, not drained while paused, new writes buffered),
+  kill -9 with a spill file (every acknowledged write is in the source, the
+  spill file is unlinked and the dir stays empty, qcow2 checks clean), the
+  default spill dir /var/tmp;
+- argument errors (negative, not whole clusters, spill without a buffer,
+  a spill dir that is missing or a file, sync=none, wrong types): refused,
+  nothing started;
+- no sanitizer report in any daemon's log (for the ASan build).
 
 Environment: VBLK (binary under test), VBLK_COW_REPS (point-in-time
 repetitions per configuration, default 20).
