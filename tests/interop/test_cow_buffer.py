@@ -713,6 +713,69 @@ class CowBufferTest(InteropTestCase):
         self.assertTrue(any(p["used-peak"] > 0 for p in peaks), peaks)
         self.assertTrue(any(p["spilled-peak"] > 0 for p in peaks), peaks)
 
+    def test_two_jobs_at_once(self):
+        """Two backups with buffers sharing one spill dir, a writer on each
+        source at the same time: each target is its own source's point in
+        time, and each job's statistics are its own."""
+        if not QEMU_IO:
+            self.skipTest("needs qemu-io")
+        d = self.subdir("two")
+        spill = self.subdir("two-spill")
+        dm = self.start(VBLK_NAME, d)
+        q = dm.qmp
+        sock = os.path.join(d, "nbd.sock")
+        q.ok("nbd-server-start", addr={"type": "unix", "data": {"path": sock}})
+        srcs = []
+        for k in range(2):
+            sd = self.subdir("two-%d" % k)
+            src = self.source(sd, seed=120 + k)
+            q.ok("blockdev-add", **file_node("src%d" % k, src))
+            q.ok("block-export-add", type="nbd", id="e%d" % k, **{"node-name": "src%d" % k}, writable=True)
+            srcs.append((sd, src))
+        readers = [Nbd(sock, "src%d" % k) for k in range(2)]
+        rng = random.Random(12)
+        for rep in range(max(3, REPS // 4)):
+            befores = [r.read_all() for r in readers]
+            procs, tgts = [], []
+            for k, (sd, _) in enumerate(srcs):
+                tgt = self.fresh_target(sd)
+                tgts.append(tgt)
+                q.ok("blockdev-add", **file_node("tgt%d" % k, tgt))
+                q.ok("blockdev-backup", **{"job-id": "j%d" % k, "device": "src%d" % k, "target": "tgt%d" % k,
+                                           "sync": "full", "speed": 16 * MiB, "auto-dismiss": False,
+                                           "x-perf": cow((k + 1) * 256 * KiB, 8 * MiB, spill)})
+            for k in range(2):
+                cmds = []
+                for off, ln, pat in random_writes(rng, SIZE, 20, big_first=True):
+                    cmds += ["-c", "write -P 0x%02x %d %d" % (max(pat, 1), off, ln)]
+                procs.append(subprocess.Popen([QEMU_IO, "-f", "raw"] + cmds + ["nbd+unix:///src%d?socket=%s" % (k, sock)],
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            for p in procs:
+                out, err = p.communicate(timeout=60)
+                self.assertEqual(p.returncode, 0, out + err)
+            peaks = {}
+            for k in range(2):
+                j = self.job(q, job="j%d" % k)
+                self.assertEqual(j["x-cow-buffer"]["size"], (k + 1) * 256 * KiB, j)
+            for _ in range(2):
+                q.event("BLOCK_JOB_COMPLETED", 120)
+            for k in range(2):
+                j = self.job(q, "query-jobs", "j%d" % k)
+                xb = j["x-cow-buffer"]
+                self.assertEqual((xb["used"], xb["spilled"]), (0, 0), xb)
+                self.assertGreater(xb["used-peak"], 0, xb)
+                self.assertLessEqual(xb["used-peak"], (k + 1) * 256 * KiB, "job %d over its own limit: %r" % (k, xb))
+                peaks[k] = xb
+                q.ok("job-dismiss", id="j%d" % k)
+                q.ok("blockdev-del", **{"node-name": "tgt%d" % k})
+                with open(tgts[k], "rb") as f:
+                    self.assertTrue(f.read() == befores[k], "rep %d job %d: not the point-in-time image" % (rep, k))
+            q.drain_events()
+            self.assertEqual(os.listdir(spill), [])
+        for r in readers:
+            r.close()
+        dm.quit()
+
     # -- target write errors ------------------------------------------------
     def test_target_error_background_copy_with_buffer(self):
         """The background copy's write at 4 MiB fails (once) while a writer
@@ -984,7 +1047,8 @@ class CowBufferTest(InteropTestCase):
     def test_cancel_with_full_buffer(self):
         """8 MiB of old data buffered (the job crawls at 1 MiB/s); cancel:
         the same events as qemu-storage-daemon, the memory is given back,
-        twice over, and the source holds every write."""
+        twice over (raw, then qcow2 target, which checks clean after), and
+        the source holds every write."""
         def run(name, dm, d):
             q = dm.qmp
             src = self.source(d, seed=41)
@@ -995,8 +1059,9 @@ class CowBufferTest(InteropTestCase):
             for cycle in range(2):
                 reader = Nbd(sock, "src")
                 before = reader.read_all()
-                tgt = self.fresh_target(d)
-                q.ok("blockdev-add", **file_node("tgt", tgt))
+                fmt = ("raw", "qcow2")[cycle]  # the second time a qcow2 target
+                tgt = self.fresh_target(d, fmt)
+                q.ok("blockdev-add", **file_node("tgt", tgt, fmt))
                 base = rss(dm.proc.pid)
                 args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "full", "speed": MiB}
                 if name == VBLK_NAME:
@@ -1035,6 +1100,8 @@ class CowBufferTest(InteropTestCase):
                                     "cycle %d: RSS did not fall back after cancel: %d -> %d -> %d"
                                     % (cycle, base, full, after))
                 q.ok("blockdev-del", **{"node-name": "tgt"})
+                check = img_check(tgt) if fmt == "qcow2" else (0, "")
+                self.assertEqual(check[0], 0, "target after cancel: " + check[1])
                 self.assertTrue(reader.read_all() == apply_writes(before, wr.acked), "source lost a write")
                 reader.close()
                 out.append((e["data"]["len"], e["data"]["speed"], e["data"]["offset"] < e["data"]["len"],
