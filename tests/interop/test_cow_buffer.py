@@ -460,8 +460,10 @@ class CowBufferTest(InteropTestCase):
                       throttle=None, big_first=False, tgt_cluster=None):
         """`reps` backups of a source under a qemu-io writer on its NBD
         export, the job limited to `speed` or (with throttle=bps) the target
-        behind a throttle node. Returns the x-cow-buffer member of each
-        concluded job (None without a buffer)."""
+        behind a throttle node. The point-in-time checks fail at once;
+        returns (the x-cow-buffer statistics of each job, peaks as seen
+        while it ran, None without a buffer; the issues, (kind, rep,
+        detail), that the caller checks last with assertNoIssues)."""
         if not QEMU_IO:
             self.skipTest("needs qemu-io")
         d = self.subdir("pit")
