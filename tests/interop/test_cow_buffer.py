@@ -1116,6 +1116,71 @@ class CowBufferTest(InteropTestCase):
         self.assertSame(seen)
         self.assertEqual(list(seen.values())[0][0][3], ["created", "running", "aborting", "concluded", "null"])
 
+    def test_verbs_under_writers(self):
+        """Pause, resume, set-speed and complete or cancel while two NBD
+        writers keep writing (disjoint halves, memory spilling): no guest
+        write fails, the source holds every acknowledged write, a completed
+        backup is the point in time, the spill dir stays empty."""
+        d = self.subdir("verbs")
+        spill = self.subdir("verbs-spill")
+        dm = self.start(VBLK_NAME, d)
+        q = dm.qmp
+        src = self.source(d, seed=131)
+        q.ok("blockdev-add", **file_node("src", src))
+        sock = self.export(q, d)
+        reader = Nbd(sock, "src")
+        rng = random.Random(131)
+        half = SIZE // 2
+        spilled = []
+        for rnd in range(6):
+            before = reader.read_all()
+            tgt = self.fresh_target(d)
+            q.ok("blockdev-add", **file_node("tgt", tgt))
+            q.ok("blockdev-backup", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                                       "speed": 8 * MiB, "x-perf": cow(256 * KiB, 16 * MiB, spill)})
+            writers = []
+            for k in range(2):
+                ws = [(off + k * half, ln, pat) for off, ln, pat in random_writes(rng, half, 50)]
+                writers.append(Writer(sock, ws, gap=0.003, loop=True))
+            for w in writers:
+                w.start()
+            time.sleep(0.15)
+            q.ok("block-job-pause", device="j")
+            time.sleep(0.15)
+            q.ok("block-job-set-speed", device="j", speed=2 * MiB)
+            q.ok("block-job-resume", device="j")
+            time.sleep(0.15)
+            xb = self.job(q)["x-cow-buffer"]
+            self.assertGreater(xb["used-peak"], 0, "round %d: nothing buffered: %r" % (rnd, xb))
+            spilled.append(xb["spilled-peak"])
+            cancel = rnd % 2 == 1
+            if cancel:
+                q.ok("block-job-cancel", device="j")
+                e = q.event("BLOCK_JOB_CANCELLED", 30)
+            else:
+                q.ok("block-job-set-speed", device="j", speed=0)
+            time.sleep(0.1)
+            for w in writers:
+                w.stop()
+                self.assertEqual((w.failed, w.broken), ([], None), "round %d: guest writes failed" % rnd)
+                self.assertGreater(len(w.acked), 5)
+            if not cancel:
+                e = q.event("BLOCK_JOB_COMPLETED", 60)
+                self.assertNotIn("error", e["data"])
+            q.drain_events()
+            q.events.clear()
+            self.assertEqual(q.ok("query-block-jobs"), [])
+            q.ok("blockdev-del", **{"node-name": "tgt"})
+            if not cancel:
+                with open(tgt, "rb") as f:
+                    self.assertTrue(f.read() == before, "round %d: backup is not the point-in-time image" % rnd)
+            want = apply_writes(before, writers[0].acked + writers[1].acked)
+            self.assertTrue(reader.read_all() == want, "round %d: the source lacks acknowledged writes" % rnd)
+            self.assertEqual(os.listdir(spill), [])
+        reader.close()
+        dm.quit()
+        self.assertTrue(any(spilled), "never spilled: %r" % spilled)
+
     def test_pause_keeps_buffer(self):
         """Data buffered, pause: query shows it kept and not drained while
         paused; more writes while paused are buffered; resume completes with
