@@ -457,7 +457,7 @@ class CowBufferTest(InteropTestCase):
 
     # -- point in time ----------------------------------------------------
     def point_in_time(self, xperf, reps, seed, src_fmt="raw", tgt_fmt="raw", speed=32 * MiB,
-                      throttle=None, big_first=False, tgt_cluster=None):
+                      throttle=None, big_first=False, tgt_cluster=None, size=SIZE):
         """`reps` backups of a source under a qemu-io writer on its NBD
         export, the job limited to `speed` or (with throttle=bps) the target
         behind a throttle node. The point-in-time checks fail at once;
@@ -470,7 +470,7 @@ class CowBufferTest(InteropTestCase):
         spill_dir = xperf.get("cow-spill-dir") if xperf else None
         dm = self.start(VBLK_NAME, d)
         q = dm.qmp
-        src = self.source(d, src_fmt, seed)
+        src = self.source(d, src_fmt, seed, size)
         pit = os.path.join(d, "pit.raw")
         if throttle:
             q.ok("object-add", **{"qom-type": "throttle-group", "id": "tg", "limits": {"bps-total": throttle}})
@@ -483,9 +483,13 @@ class CowBufferTest(InteropTestCase):
         stats = []
         issues = []  # checked after all repetitions (the point-in-time checks come first)
         for rep in range(reps):
-            tgt = self.fresh_target(d, tgt_fmt, cluster=tgt_cluster)
+            tgt = self.fresh_target(d, tgt_fmt, size, cluster=tgt_cluster)
             q.ok("blockdev-add", **target_node("tgt", tgt, tgt_fmt, group="tg" if throttle else None))
-            writes = random_writes(rng, SIZE, 20, big_first, discards=src_fmt == "raw")
+            writes = random_writes(rng, size, 20, big_first, discards=src_fmt == "raw" and size % CLUSTER == 0)
+            if size % CLUSTER:  # the partial last cluster, every time
+                writes[1:1] = [(size - rng.randint(1, 3 * CLUSTER), rng.randint(1, CLUSTER), rng.randint(1, 255))]
+                writes[1] = (writes[1][0], size - writes[1][0] - rng.randint(0, 100) if rng.random() < 0.5
+                             else min(writes[1][1], size - writes[1][0]), writes[1][2])
             cmds = []
             for i, (off, ln, pat) in enumerate(writes):
                 if pat > 0:
@@ -641,6 +645,14 @@ class CowBufferTest(InteropTestCase):
                                            tgt_cluster=MiB)
         for xb in stats:
             self.assertEqual(xb["used-peak"] % MiB, 0, "buffered less than a cluster: %r" % xb)
+        self.assertNoIssues(issues)
+
+    def test_pit_size_not_whole_clusters(self):
+        """A disk of 16 MiB - 3.5 KiB: the last cluster is partial; writes
+        hit it every time, through memory and spill."""
+        spill = self.subdir("spill")
+        stats, issues = self.point_in_time(cow(256 * KiB, 64 * MiB, spill), max(3, REPS // 4), 20,
+                                           big_first=True, size=SIZE - 7 * 512)
         self.assertNoIssues(issues)
 
     def test_pit_throttled_target_large_buffer(self):
