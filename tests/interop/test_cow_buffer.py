@@ -1010,6 +1010,53 @@ class CowBufferTest(InteropTestCase):
         errs, pit, src_ok = list(seen.values())[0][:3]
         self.assertEqual((errs, pit, src_ok), ([5, 0, 0, 0], True, True))
 
+    def test_sparse_qcow2_source_onto_dirty_target(self):
+        """A qcow2 source with holes, a raw target full of 0xee: guest
+        writes into holes, zero clusters and data buffer their old data
+        (zeroes for holes); the target ends as the point-in-time image, and
+        byte for byte as qemu-storage-daemon's."""
+        def run(name, dm, d):
+            q = dm.qmp
+            raw = os.path.join(d, "layout.raw")
+            with open(raw, "wb") as f:
+                f.truncate(SIZE)
+                for i in range(0, SIZE, 2 * MiB):  # 512 KiB of data every 2 MiB
+                    f.seek(i)
+                    f.write(rand_bytes(512 * KiB, "sparse-%d" % i))
+            src = os.path.join(d, "src.qcow2")
+            subprocess.run([QEMU_IMG, "convert", "-O", "qcow2", raw, src], check=True)
+            subprocess.run([QEMU_IO, "-f", "qcow2", "-c", "write -z 1536k 256k", src], check=True,
+                           capture_output=True)  # a zero cluster run as well
+            tgt = os.path.join(d, "tgt.raw")
+            with open(tgt, "wb") as f:
+                f.write(b"\xee" * SIZE)
+            q.ok("blockdev-add", **file_node("src", src, "qcow2"))
+            q.ok("blockdev-add", **file_node("tgt", tgt))
+            sock = self.export(q, d)
+            reader = Nbd(sock, "src")
+            point = reader.read_all()
+            args = {"job-id": "j", "device": "src", "target": "tgt", "sync": "full", "speed": 4 * MiB}
+            if name == VBLK_NAME:
+                args["x-perf"] = cow(512 * KiB, 16 * MiB, self.subdir("sparse-spill"))
+            q.ok("blockdev-backup", **args)
+            n = Nbd(sock, "src")
+            for i in range(4 * MiB, SIZE, 384 * KiB):  # through data, holes and zero clusters
+                self.assertEqual(n.write(i + 1000, bytes([0xe1]) * (100 * KiB)), 0)
+            n.close()
+            if name == VBLK_NAME:
+                xb = self.job(q)["x-cow-buffer"]
+                self.assertGreater(xb["used-peak"] + xb["spilled-peak"], 0, xb)
+            q.ok("block-job-set-speed", device="j", speed=0)
+            done = q.event("BLOCK_JOB_COMPLETED")
+            q.drain_events()
+            reader.close()
+            q.ok("blockdev-del", **{"node-name": "tgt"})
+            with open(tgt, "rb") as f:
+                got = f.read()
+            self.assertTrue(got == point, "target is not the point-in-time image")
+            return hashlib.sha256(got).hexdigest(), done["data"], block_events(q.events)
+        self.assertSame(self.each_daemon(run))
+
     def test_incremental_with_buffer(self):
         """sync=incremental: only the bitmap's clusters are copied, so only
         guest writes to those are buffered; the target equals
