@@ -56,6 +56,12 @@ Result<std::unique_ptr<CowBuffer>> CowBuffer::create(Loop& loop, uint64_t cluste
   if (opts.spill_size && opts.spill_size < cluster_size)
     return Error(EINVAL, "cow-spill-size must be 0 or at least the backup cluster size (" +
                              std::to_string(cluster_size) + ")");
+  // The buffer is memory this process will touch: more than the host has
+  // is a mistake, refused rather than found out by the OOM killer.
+  const uint64_t phys = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  if (phys && opts.memory_size > phys)
+    return Error(EINVAL, "cow-buffer-size (" + std::to_string(opts.memory_size) + ") exceeds the host's memory (" +
+                             std::to_string(phys) + ")");
   // Whole clusters: a size that is not would silently hold less.
   if (opts.memory_size % cluster_size)
     return Error(EINVAL, "cow-buffer-size must be a multiple of the backup cluster size (" +
