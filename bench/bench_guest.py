@@ -260,7 +260,10 @@ class JobWatch:
         """Polls until `proc` exits."""
         while proc.poll() is None:
             self.poll()
-            self._events(POLL_SECONDS) if not self.end else time.sleep(POLL_SECONDS)
+            if self.end:
+                time.sleep(POLL_SECONDS)
+            else:
+                self._events(POLL_SECONDS)
 
     def wait_end(self, timeout):
         deadline = time.monotonic() + timeout
@@ -370,18 +373,25 @@ def summarize(envs, results, args):
     return summary
 
 
+def row_bar(s):
+    """Whether a row's means meet the guest bar (kept and p99 only)."""
+    if not s["iops_kept_pct"] or not s["p99_ratio"]:
+        return "?"
+    return "meets" if s["iops_kept_pct"][0] >= BAR_KEPT_PCT and s["p99_ratio"][0] <= BAR_P99_X else "misses"
+
+
 def render(envs, results, summary, skipped, failed, args):
     rows = [["environment", "IOPS", "IOPS kept", "mean ms", "p99 ms", "p99 x", "backup s", "peak RSS MiB",
-             "COW peak MiB (spill)", "sync copies"]]
+             "COW peak MiB (spill)", "sync copies", "bar"]]
     for daemon in ("qemu", "vblk"):
         idle = [r for e in envs if ENVS[e][0] == daemon for r in results[e]]
         if idle:
             rows.append([f"{daemon}, no backup", pm(ms([r["idle_iops"] for r in idle]), 0), "100 %",
                          pm(ms([r["idle_mean_ms"] for r in idle]), 2), pm(ms([r["idle_p99_ms"] for r in idle]), 2),
-                         "1", "-", pm(ms([r["idle_rss_mib"] for r in idle]), 0), "-", "-"])
+                         "1", "-", pm(ms([r["idle_rss_mib"] for r in idle]), 0), "-", "-", ""])
     for e in envs:
         if e in skipped or e in failed:
-            rows.append([e, "skipped" if e in skipped else "FAILED"] + ["-"] * 8)
+            rows.append([e, "skipped" if e in skipped else "FAILED"] + ["-"] * 8 + [""])
             continue
         s = summary[e]
         cow = "-"
@@ -392,7 +402,7 @@ def render(envs, results, summary, skipped, failed, args):
             secs += f" (early {s['runs'] - s['outlasted_runs']}/{s['runs']})"
         rows.append([e, pm(s["backup_iops"], 0), pm(s["iops_kept_pct"], 1, " %"), pm(s["backup_mean_ms"], 2),
                      pm(s["backup_p99_ms"], 2), pm(s["p99_ratio"], 1), secs, pm(s["peak_rss_mib"], 0), cow,
-                     pm(s["cow_sync_copies"], 0)])
+                     pm(s["cow_sync_copies"], 0), row_bar(s)])
     notes = [f"{e}: skipped, {why}" for e, why in skipped.items()] + [f"{e}: FAILED, {why}" for e, why in failed.items()]
     return bi.render_table(rows) + "".join("\n  " + n for n in notes)
 
@@ -503,7 +513,8 @@ def main():
     print(render(envs, results, summary, skipped, failed, args))
     print("\nIOPS / mean / p99: the guest during the backup phase (no-backup rows: the idle phases); IOPS kept and "
           "p99 x against the same daemon's idle phase of the same run; backup s: blockdev-backup to "
-          "BLOCK_JOB_COMPLETED; peak RSS: the daemon's VmHWM; COW peak: vblk's x-cow-buffer used-peak (spilled-peak).")
+          "BLOCK_JOB_COMPLETED; peak RSS: the daemon's VmHWM; COW peak: vblk's x-cow-buffer used-peak (spilled-peak); "
+          f"bar: >= {BAR_KEPT_PCT:.0f} % kept and p99 <= {BAR_P99_X:.0f}x.")
     meta["elapsed_seconds"] = round(time.monotonic() - t_start, 1)
     meta["loadavg_end"] = bi.loadavg()
     line, v = verdict(summary, skipped, failed, args, not args.no_wait_completion)
