@@ -5,9 +5,9 @@
 # export, and the backup is verified to equal the disk at backup start
 # (scripts/demo_backup.py prints the throughput line). Then a fio guest
 # writes through the export for 3 s alone, 3 s during a backup to a 50 MB/s
-# target without a buffer and 3 s with a 256 MiB copy-before-write buffer
-# (scripts/demo_guest.py: three lines of IOPS). Then it measures 4 KiB and
-# 1 MiB reads beside qemu-img on the same image.
+# target without a buffer and 3 s with vblk's copy-before-write buffer
+# (256 MiB + spill file; scripts/demo_guest.py: three lines of IOPS). Then
+# it measures 4 KiB and 1 MiB reads beside qemu-img on the same image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh

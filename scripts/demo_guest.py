@@ -8,12 +8,13 @@ for SECONDS three times:
   1. alone;
   2. while a full backup runs without a buffer: every write to a range not
      yet copied must first copy the old data to the slow target;
-  3. while a full backup runs with a 256 MiB copy-before-write buffer
-     (blockdev-backup x-perf.cow-buffer-size): the old data is parked in
-     memory and the write goes on at once.
+  3. while a full backup runs with vblk's copy-before-write buffer: 256 MiB
+     of memory and a spill file in WORKDIR as large as the disk
+     (blockdev-backup x-perf cow-buffer-size, cow-spill-dir, cow-spill-size):
+     the old data is parked there and the write goes on at once.
 Each backup is cancelled after its phase. Prints one line per phase (a
 vblk without the COW buffer says so on the third line). The same as
-bench/bench_guest.py's vblk, vblk-buf256M rows, in short.
+bench/bench_guest.py's vblk and vblk-spill rows, in short.
 
 Usage: demo_guest.py VBLK WORKDIR [SIZE_MIB [SECONDS [TARGET_MB_S]]]
 """
@@ -27,6 +28,7 @@ from qmp_driver import Daemon  # noqa: E402
 
 MiB = 1 << 20
 BUFFER = 256 * MiB
+LABEL3 = "during a backup, COW buffer + spill:"
 
 
 def line(what, r, alone=None):
@@ -69,10 +71,11 @@ def main():
         r = backup_phase(d.qmp, sock, "b0", None, secs)
         print(line("during a backup, no buffer:", r, alone), flush=True)
         try:
-            r = backup_phase(d.qmp, sock, "b1", {"cow-buffer-size": BUFFER}, secs)
-            print(line(f"during a backup, {BUFFER // MiB} MiB COW buffer:", r, alone))
+            r = backup_phase(d.qmp, sock, "b1", {"cow-buffer-size": BUFFER, "cow-spill-dir": work,
+                                                  "cow-spill-size": size}, secs)
+            print(line(LABEL3, r, alone))
         except bg.Unsupported as e:
-            print(f"{'during a backup, %d MiB COW buffer:' % (BUFFER // MiB):38s} not in this build ({e})")
+            print(f"{LABEL3:38s} not in this build ({e})")
         d.quit(120)
         d = None
     finally:

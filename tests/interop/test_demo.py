@@ -41,7 +41,7 @@ class DemoTest(InteropTestCase):
         iops = r" +[0-9]+ IOPS  mean +[0-9.]+ ms  p99 +[0-9.]+ ms"
         self.assertRegex(r.stdout, r"\nguest alone:" + iops + "\n")
         self.assertRegex(r.stdout, r"\nduring a backup, no buffer:" + iops + r"  \([0-9.]+ % of alone\)\n")
-        self.assertRegex(r.stdout, r"\nduring a backup, 256 MiB COW buffer: +(" + iops
+        self.assertRegex(r.stdout, r"\nduring a backup, COW buffer \+ spill: +(" + iops
                          + r"  \([0-9.]+ % of alone\)|not in this build \(.*(is unexpected|does not accept).*\))\n")
         self.assertEqual(len(re.findall(r"IOPS|not in this build", r.stdout)), 3, r.stdout)
 
