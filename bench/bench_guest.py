@@ -43,7 +43,7 @@ Per environment and run, the daemon is started fresh and:
   backup  blockdev-backup starts, the guest runs --runtime seconds while it
           copies; query-block-jobs is polled meanwhile (vblk's x-cow-buffer
           peaks; for a buffered fleecing filter, fl-cbw's entry in
-          query-named-block-nodes, if vblk reports it there); then the backup runs to completion (or is cancelled with
+          query-named-block-nodes); then the backup runs to completion (or is cancelled with
           --no-wait-completion) and the daemon's VmHWM is read before quit
 Measured: the guest's write IOPS, mean and p99 completion latency in each
 phase; "IOPS kept" = backup / idle IOPS, "p99 x" = backup / idle p99;

@@ -76,6 +76,10 @@ class BenchGuestTest(InteropTestCase):
                 self.assertEqual(cow["size"], (64 if env == "vblk-buf64M" else 256) * MiB, env)
                 if env == "vblk-spill":
                     self.assertEqual(cow["spill-size"], 64 * MiB, env)
+            if env == "vblk-fleece-buf1G":
+                cow = run["cow_buffer"]
+                self.assertIsNotNone(cow, f"{env}: no x-cow-buffer for fl-cbw in query-named-block-nodes")
+                self.assertEqual(cow["size"], 1 << 30, env)
         self.assertIn("IOPS kept", r.stdout)
         self.assertIn("no backup", r.stdout)
         self.assertRegex(r.stdout, r"\nbar (not judged|\(vblk-)")
