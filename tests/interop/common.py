@@ -86,6 +86,27 @@ class Result:
                 % (self.argv, self.rc, self.stdout, self.stderr))
 
 
+def vblk_has_serve() -> bool:
+    """Whether the vblk under test has the `serve` daemon."""
+    try:
+        r = subprocess.run([VBLK, "serve", "--help"], capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def storage_daemons() -> list:
+    """[(name, argv)] of qemu-storage-daemon and `vblk serve`, those present:
+    the daemons a QMP scenario runs against side by side."""
+    out = []
+    qsd = shutil.which("qemu-storage-daemon")
+    if qsd:
+        out.append(("qemu-storage-daemon", [qsd]))
+    if vblk_has_serve():
+        out.append(("vblk serve", [VBLK, "serve"]))
+    return out
+
+
 def run(argv: Sequence[str], cwd: Optional[str] = None, timeout: float = 60,
         stdin_data: Optional[bytes] = None) -> Result:
     """Run argv, capturing stdout, stderr and the exit code."""

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, VBLK, rand_bytes  # noqa: E402
+from common import MiB, InteropTestCase, VBLK, rand_bytes, storage_daemons  # noqa: E402
 from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
 
 QSD = shutil.which("qemu-storage-daemon")
@@ -37,19 +37,7 @@ QEMU_IMG = shutil.which("qemu-img")
 PIT_REPS = int(os.environ.get("VBLK_BACKUP_PIT_REPS", "20"))
 
 
-def vblk_has_serve():
-    try:
-        r = subprocess.run([VBLK, "serve", "--help"], capture_output=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
-
-
-DAEMONS = []
-if QSD:
-    DAEMONS.append(("qemu-storage-daemon", [QSD]))
-if vblk_has_serve():
-    DAEMONS.append(("vblk serve", [VBLK, "serve"]))
+DAEMONS = storage_daemons()
 
 
 def compare(a, b, fmt_a="raw", fmt_b="raw"):

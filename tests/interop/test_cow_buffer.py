@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import IS_ROOT, KiB, MiB, InteropTestCase, VBLK, rand_bytes, wait_unlocked  # noqa: E402
+from common import IS_ROOT, KiB, MiB, InteropTestCase, VBLK, rand_bytes, vblk_has_serve, wait_unlocked  # noqa: E402
 from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
 
 QSD = shutil.which("qemu-storage-daemon")
@@ -71,14 +71,6 @@ CLUSTER = 64 * KiB
 SIZE = 16 * MiB
 VBLK_NAME = "vblk serve"
 QSD_NAME = "qemu-storage-daemon"
-
-
-def vblk_has_serve():
-    try:
-        r = subprocess.run([VBLK, "serve", "--help"], capture_output=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
 
 
 HAVE_SERVE = vblk_has_serve()

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, VBLK, rand_bytes, run  # noqa: E402
+from common import MiB, InteropTestCase, VBLK, rand_bytes, run, storage_daemons  # noqa: E402
 from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
 
 QSD = shutil.which("qemu-storage-daemon")
@@ -56,19 +56,7 @@ NBDINFO = shutil.which("nbdinfo")
 REPS = int(os.environ.get("VBLK_FLEECING_REPS", "20"))
 
 
-def vblk_has_serve():
-    try:
-        r = subprocess.run([VBLK, "serve", "--help"], capture_output=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
-
-
-DAEMONS = []
-if QSD:
-    DAEMONS.append(("qemu-storage-daemon", [QSD]))
-if vblk_has_serve():
-    DAEMONS.append(("vblk serve", [VBLK, "serve"]))
+DAEMONS = storage_daemons()
 
 # QEMU's iotest image-fleecing: (pattern, offset, length).
 PATTERNS = [("0x5d", "0", "64k"), ("0xd5", "1M", "64k"), ("0xdc", "32M", "64k"), ("0xcd", "0x3ff0000", "64k")]
