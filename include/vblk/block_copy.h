@@ -142,14 +142,11 @@ class BlockCopyClaim {
   };
   ~BlockCopyClaim();
   const std::vector<Range>& ranges() const { return ranges_; }
-  uint64_t bytes() const { return bytes_; }
-  bool empty() const { return ranges_.empty(); }
 
  private:
   friend class BlockCopyState;
   BlockCopyClaim() = default;
   std::vector<Range> ranges_;
-  uint64_t bytes_ = 0;
   std::vector<void*> in_flight_;  // BlockCopyState::InFlight, one per range
 };
 
@@ -193,12 +190,12 @@ class BlockCopyState {
   std::unique_ptr<BlockCopyClaim> claim(uint64_t offset, uint64_t bytes);
   void end_claim(std::unique_ptr<BlockCopyClaim> c, bool keep);
   void add_done(uint64_t bytes);
-  // Claimed data the claimer has not yet written gets lost (a cancel).
+  // Kept clusters that turned out to need no copy (sync=top: not allocated
+  // in the source's top layer) leave the pending work.
   void drop_pending(uint64_t bytes) { pending_bytes_ -= std::min(pending_bytes_, bytes); }
   // While held, calls that respect the rate limit start no new tasks: the
   // claimer writes its data to the target first.
   void hold_background(bool on);
-  bool background_held() const { return held_; }
   // Bytes of tasks and claims in flight.
   uint64_t in_flight_bytes() const { return in_flight_bytes_; }
 
@@ -233,7 +230,6 @@ class BlockCopyState {
   std::span<uint8_t> take_buffer(uint64_t bytes);
   void give_buffer(std::span<uint8_t> b);
   InFlight* find_in_flight(uint64_t offset, uint64_t end);
-  uint64_t call_end(const BlockCopyCall& call) const;
   // [offset, offset+bytes) widened to whole clusters, clamped to the length.
   std::pair<uint64_t, uint64_t> cluster_hull(uint64_t offset, uint64_t bytes) const;
   uint64_t data_chunk_limit() const;

@@ -54,7 +54,6 @@ struct CbwOptions {
   BlockCopyOptions copy;  // cluster_size 0: max(64 KiB, target's cluster)
   OnCbwError on_error = OnCbwError::BreakGuestWrite;
   uint32_t timeout_s = 0;
-  CowBufferOptions buffer;  // memory_size 0: no COW buffer
 };
 
 class CopyBeforeWrite : public FilterNode {
@@ -128,8 +127,8 @@ class CopyBeforeWrite : public FilterNode {
   bool drain_running_ = false;  // drain_loop exists
   bool buffer_stopping_ = false;
   unsigned drain_writes_ = 0;  // drain writes in flight
-  std::unique_ptr<CoEvent> drain_wake_;
-  std::unique_ptr<WaitGroup> buffer_users_;  // drain loop, drain writes, buffered copies
+  CoEvent drain_wake_;
+  WaitGroup buffer_users_;  // drain loop, drain writes, buffered copies
   std::function<void()> drain_listener_;
 
  public:

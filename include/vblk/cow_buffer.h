@@ -97,10 +97,8 @@ class CowBuffer {
 
   // The oldest entry no drain write is busy with (null if none).
   Entry* next_to_drain();
-  // Fills dst (entry->bytes long) with the entry's data: a copy from memory
-  // or a read from the spill file.
-  Task<Status> read_entry(const Entry& e, std::span<uint8_t> dst);
-  // The entry's data where it is already in memory (empty if spilled).
+  // The entry's data where it is already in memory (empty if spilled;
+  // read_old() reads spilled data).
   std::span<const uint8_t> memory_of(const Entry& e) const;
   void remove(uint64_t offset);
   // Old data for a snapshot reader: fills dst with [offset, offset+dst.size())
@@ -118,17 +116,18 @@ class CowBuffer {
   uint64_t bytes() const { return bytes_; }
   CowBufferStats stats() const;
 
-  // A staging piece for reading spilled data out (given back with
-  // give_staging); null when the buffer has none to spare.
-  uint8_t* take_staging();
-  void give_staging(uint8_t* p);
-
  private:
   CowBuffer(Loop& loop, uint64_t cs, CowBufferOptions opts);
   uint8_t* take_piece();
   void give_piece(uint8_t* p);
+  // A staging piece (null when kMaxStaging are lent out).
+  uint8_t* take_staging();
+  void give_staging(uint8_t* p);
   int64_t take_spill_slot();
   void free_spill_slot(int64_t idx);
+  // One slot of the spill file in or out (whole pieces with O_DIRECT); a
+  // failed write stops further spilling (spill_error_).
+  Task<Status> spill_io(bool write, int64_t idx, uint8_t* buf, uint64_t bytes);
   void maybe_spill_out();
   Task<void> spill_out(uint64_t offset, int64_t idx);
 
@@ -153,7 +152,7 @@ class CowBuffer {
   uint64_t bytes_ = 0;
   unsigned spill_outs_ = 0;  // spill-out writes in flight
   Status spill_error_;
-  std::unique_ptr<WaitGroup> busy_;  // spill-out writes
+  WaitGroup busy_;  // spill-out writes and spill reads
   std::function<void()> on_spilled_;
   std::map<int64_t, unsigned> slot_readers_;  // spill slots being read by read_old
   std::vector<int64_t> freed_while_read_;

@@ -130,13 +130,6 @@ std::shared_ptr<BlockCopyCall> BlockCopyState::copy_async(uint64_t offset, uint6
   return call;
 }
 
-// A call covers whole clusters: a chunk must never end inside a cluster,
-// since claiming it clears the whole cluster's bit.
-uint64_t BlockCopyState::call_end(const BlockCopyCall& call) const {
-  uint64_t end = call.offset_ + std::min(call.bytes_, UINT64_MAX - call.offset_);
-  return std::min(bitmap_.size(), align_up(std::min(end, bitmap_.size()), opts_.cluster_size));
-}
-
 BlockCopyState::InFlight* BlockCopyState::find_in_flight(uint64_t offset, uint64_t end) {
   for (InFlight* t : in_flight_)
     if (t->offset < end && offset < t->offset + t->bytes) return t;
@@ -145,8 +138,7 @@ BlockCopyState::InFlight* BlockCopyState::find_in_flight(uint64_t offset, uint64
 
 Task<void> BlockCopyState::run_call(std::shared_ptr<BlockCopyCall> call) {
   calls_.push_back(call.get());
-  const uint64_t begin = align_down(call->offset_, opts_.cluster_size);
-  const uint64_t end = call_end(*call);
+  const auto [begin, end] = cluster_hull(call->offset_, call->bytes_);
   for (;;) {
     bool found = co_await scan(*call);
     if (!call->status_.ok() || call->cancelled_) break;
@@ -165,8 +157,7 @@ Task<void> BlockCopyState::run_call(std::shared_ptr<BlockCopyCall> call) {
 
 Task<bool> BlockCopyState::scan(BlockCopyCall& call) {
   Loop& loop = source_.loop();
-  uint64_t pos = align_down(call.offset_, opts_.cluster_size);
-  const uint64_t end = call_end(call);
+  auto [pos, end] = cluster_hull(call.offset_, call.bytes_);
   bool found = false;
   while (pos < end && call.status_.ok() && !call.cancelled_) {
     co_await call.workers_.acquire();
@@ -326,6 +317,8 @@ BlockCopyClaim::~BlockCopyClaim() {
   }
 }
 
+// A call or claim covers whole clusters: a chunk must never end inside a
+// cluster, since claiming it clears the whole cluster's bit.
 std::pair<uint64_t, uint64_t> BlockCopyState::cluster_hull(uint64_t offset, uint64_t bytes) const {
   const uint64_t len = bitmap_.size();
   const uint64_t end = std::min(offset + std::min(bytes, UINT64_MAX - offset), len);
@@ -360,7 +353,6 @@ std::unique_ptr<BlockCopyClaim> BlockCopyState::claim(uint64_t offset, uint64_t 
     in_flight_bytes_ += n;
     c->ranges_.push_back({off, n});
     c->in_flight_.push_back(t);
-    c->bytes_ += n;
     pos = off + n;
   }
   return c;

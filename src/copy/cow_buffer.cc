@@ -16,7 +16,8 @@ namespace vblk {
 
 namespace {
 // Staging pieces lent out at once (spill fills and spill reads in flight):
-// memory beyond memory_size, so it is small and fixed.
+// memory beyond memory_size, so it is small and fixed; past it a spill read
+// uses a buffer of its own and a spill fill is refused (synchronous copy).
 constexpr uint64_t kMaxStaging = 32;
 // Spill-out writes in flight at once.
 constexpr unsigned kSpillOuts = 4;
@@ -44,7 +45,7 @@ Result<int> open_spill_file(const std::string& dir, bool& direct) {
 }  // namespace
 
 CowBuffer::CowBuffer(Loop& loop, uint64_t cs, CowBufferOptions opts)
-    : loop_(loop), cs_(cs), opts_(std::move(opts)), busy_(std::make_unique<WaitGroup>(loop)) {
+    : loop_(loop), cs_(cs), opts_(std::move(opts)), busy_(loop) {
   mem_slots_ = opts_.memory_size / cs_;
   spill_slots_ = opts_.spill_size / cs_;
 }
@@ -87,7 +88,20 @@ CowBuffer::~CowBuffer() {
   if (spill_fd_ >= 0) ::close(spill_fd_);
 }
 
-Task<void> CowBuffer::quiesce() { co_await busy_->wait(); }
+Task<void> CowBuffer::quiesce() { co_await busy_.wait(); }
+
+Task<Status> CowBuffer::spill_io(bool write, int64_t idx, uint8_t* buf, uint64_t bytes) {
+  // O_DIRECT moves whole pieces (a short last cluster is padded; the pad is
+  // never read back as data).
+  const uint64_t len = spill_direct_ ? cs_ : bytes;
+  const uint64_t off = static_cast<uint64_t>(idx) * cs_;
+  long r = write ? co_await loop_.pwrite(spill_fd_, buf, len, off) : co_await loop_.pread(spill_fd_, buf, len, off);
+  if (r >= 0 && static_cast<uint64_t>(r) < (write ? len : bytes)) r = -EIO;
+  if (r >= 0) co_return Status{};
+  if (!write) co_return Error(static_cast<int>(-r), "COW spill file read failed");
+  if (spill_error_.ok()) spill_error_ = Error(static_cast<int>(-r), "COW spill file write failed");
+  co_return spill_error_;
+}
 
 int64_t CowBuffer::take_spill_slot() {
   if (!spill_free_.empty()) {
@@ -117,26 +131,29 @@ Task<std::optional<Status>> CowBuffer::read_old(uint64_t offset, std::span<uint8
     std::memcpy(dst.data(), e->slot.mem + in, dst.size());
     co_return Status{};
   }
+  // The slot stays reserved while it is read, even if the entry is
+  // drained meanwhile (free_spill_slot defers it).
   const int64_t idx = e->slot.spill;
-  const uint64_t bytes = e->bytes;
   ++slot_readers_[idx];
-  busy_->add();
-  AlignedBuffer staging(cs_);
-  const uint64_t len = spill_direct_ ? cs_ : bytes;
-  long r = co_await loop_.pread(spill_fd_, staging.data(), len, static_cast<uint64_t>(idx) * cs_);
-  if (r >= 0 && static_cast<uint64_t>(r) < bytes) r = -EIO;
-  if (r >= 0) std::memcpy(dst.data(), staging.data() + in, dst.size());
+  busy_.add();
+  AlignedBuffer own;
+  uint8_t* staging = take_staging();
+  if (!staging) {
+    own = AlignedBuffer(cs_);
+    staging = own.data();
+  }
+  Status st = co_await spill_io(false, idx, staging, in + dst.size());
+  if (st.ok()) std::memcpy(dst.data(), staging + in, dst.size());
+  if (!own.data()) give_staging(staging);
   if (--slot_readers_[idx] == 0) {
     slot_readers_.erase(idx);
     if (auto it = std::find(freed_while_read_.begin(), freed_while_read_.end(), idx); it != freed_while_read_.end()) {
       freed_while_read_.erase(it);
-      spill_free_.push_back(idx);
-      --spill_used_;
+      free_spill_slot(idx);
     }
   }
-  busy_->done();
-  if (r < 0) co_return Status(Error(static_cast<int>(-r), "COW spill file read failed"));
-  co_return Status{};
+  busy_.done();
+  co_return st;
 }
 
 void CowBuffer::maybe_spill_out() {
@@ -156,24 +173,20 @@ void CowBuffer::maybe_spill_out() {
     ++spill_outs_;
     ++spill_used_;
     spill_peak_ = std::max(spill_peak_, spill_used_);
-    busy_->add();
+    busy_.add();
     spawn_detached(spill_out(pick->offset, take_spill_slot()));
   }
 }
 
 Task<void> CowBuffer::spill_out(uint64_t offset, int64_t idx) {
   Entry* e = find(offset);
-  const uint64_t len = spill_direct_ ? cs_ : e->bytes;
-  long r = co_await loop_.pwrite(spill_fd_, e->slot.mem, len, static_cast<uint64_t>(idx) * cs_);
-  if (r >= 0 && static_cast<uint64_t>(r) != len) r = -EIO;
+  Status st = co_await spill_io(true, idx, e->slot.mem, e->bytes);
   // Only the drain removes entries, and it leaves spilling ones alone.
   e = find(offset);
   e->spilling = false;
   --spill_outs_;
-  if (r < 0) {
-    spill_free_.push_back(idx);
-    --spill_used_;
-    if (spill_error_.ok()) spill_error_ = Error(static_cast<int>(-r), "COW spill file write failed");
+  if (!st.ok()) {
+    free_spill_slot(idx);
   } else {
     give_piece(e->slot.mem);
     --mem_used_;
@@ -183,7 +196,7 @@ Task<void> CowBuffer::spill_out(uint64_t offset, int64_t idx) {
     maybe_spill_out();
   }
   if (on_spilled_) on_spilled_();
-  busy_->done();
+  busy_.done();
 }
 
 uint8_t* CowBuffer::take_piece() {
@@ -227,8 +240,7 @@ void CowBuffer::unreserve(const Slot& s) {
   if (s.mem) give_piece(s.mem);
   if (s.spill >= 0) {
     if (s.mem) --staging_out_;
-    spill_free_.push_back(s.spill);
-    --spill_used_;
+    free_spill_slot(s.spill);
   } else {
     --mem_used_;
   }
@@ -236,15 +248,7 @@ void CowBuffer::unreserve(const Slot& s) {
 
 Task<Status> CowBuffer::commit_slot(Slot& s, uint64_t bytes) {
   if (s.spill < 0) co_return Status{};
-  // O_DIRECT writes whole pieces (a short last cluster is padded; the pad
-  // is never read back as data).
-  const uint64_t len = spill_direct_ ? cs_ : bytes;
-  long r = co_await loop_.pwrite(spill_fd_, s.mem, len, static_cast<uint64_t>(s.spill) * cs_);
-  if (r >= 0 && static_cast<uint64_t>(r) != len) r = -EIO;
-  if (r < 0) {
-    if (spill_error_.ok()) spill_error_ = Error(static_cast<int>(-r), "COW spill file write failed");
-    co_return spill_error_;
-  }
+  VBLK_CO_TRY(co_await spill_io(true, s.spill, s.mem, bytes));
   give_piece(s.mem);
   --staging_out_;
   s.mem = nullptr;
@@ -271,19 +275,6 @@ CowBuffer::Entry* CowBuffer::next_to_drain() {
 std::span<const uint8_t> CowBuffer::memory_of(const Entry& e) const {
   if (e.slot.spill >= 0) return {};
   return {e.slot.mem, static_cast<size_t>(e.bytes)};
-}
-
-Task<Status> CowBuffer::read_entry(const Entry& e, std::span<uint8_t> dst) {
-  if (e.slot.spill < 0) {
-    std::memcpy(dst.data(), e.slot.mem, e.bytes);
-    co_return Status{};
-  }
-  // dst must be a staging piece (aligned, cluster size) for O_DIRECT.
-  const uint64_t len = spill_direct_ ? cs_ : e.bytes;
-  long r = co_await loop_.pread(spill_fd_, dst.data(), len, static_cast<uint64_t>(e.slot.spill) * cs_);
-  if (r >= 0 && static_cast<uint64_t>(r) < e.bytes) r = -EIO;
-  if (r < 0) co_return Error(static_cast<int>(-r), "COW spill file read failed");
-  co_return Status{};
 }
 
 void CowBuffer::remove(uint64_t offset) {

@@ -25,15 +25,9 @@ Task<Status> BackupJob::run() {
   co_await source_->drain();
   Status st;
   if (sync_ == Sync::None) {
-    // Fleecing: only guest writes copy (through the filter) until cancelled;
-    // a COW buffer drains meanwhile.
-    while (!is_cancelled() && st.ok()) {
-      if (!cbw_->drain_error().ok()) {
-        if (auto end = co_await on_drain_error()) st = *end;
-        continue;
-      }
-      co_await yield();
-    }
+    // Fleecing: only guest writes copy (through the filter) until cancelled
+    // (start_backup refuses a COW buffer here).
+    while (!is_cancelled()) co_await yield();
   } else {
     BlockCopyState& bcs = cbw_->bcs();
     for (;;) {

@@ -36,7 +36,9 @@ CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::sh
       target_(target.get()),
       on_error_(opts.on_error),
       timeout_ns_(uint64_t{opts.timeout_s} * 1000000000ull),
-      orphans_(loop) {
+      orphans_(loop),
+      drain_wake_(loop),
+      buffer_users_(loop) {
   if (!opts.copy.cluster_size) opts.copy.cluster_size = cbw_cluster_size(*target_);
   // A target over the source (fleecing's temporary image backed by it) is
   // read by others while copies land: a copy waits for their reads of the
@@ -54,7 +56,7 @@ CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::sh
 CopyBeforeWrite::~CopyBeforeWrite() {
   // The drain and buffered copies refer to the filter: stop_buffer() (run
   // by close() and by the backup job) must have waited for them.
-  if (buffer_users_ && buffer_users_->count()) {
+  if (buffer_users_.count()) {
     std::fprintf(stderr, "vblk: internal error: copy-before-write destroyed with its COW buffer busy\n");
     std::abort();
   }
@@ -182,15 +184,13 @@ Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opt
   VBLK_TRY(spill_dir);
   auto spill_size = take_size(opts, "x-cow-spill-size");
   VBLK_TRY(spill_size);
-  o.buffer.memory_size = buf_size->value_or(0);
-  o.buffer.spill_dir = spill_dir->value_or("");
-  o.buffer.spill_size = spill_size->value_or(0);
-  if (!o.buffer.memory_size && (o.buffer.spill_size || *spill_dir))
+  CowBufferOptions buffer{buf_size->value_or(0), spill_dir->value_or(""), spill_size->value_or(0)};
+  if (!buffer.memory_size && (buffer.spill_size || *spill_dir))
     return Error(EINVAL, "x-cow-spill-dir and x-cow-spill-size need x-cow-buffer-size");
   if ((*file)->length() != (*target)->length())
     return Error(EINVAL, "Source and target image have different sizes");
   auto cbw = std::make_shared<CopyBeforeWrite>(ctx.loop, *file, *target, o);
-  if (o.buffer.memory_size) VBLK_TRY(cbw->enable_buffer(o.buffer));
+  if (buffer.memory_size) VBLK_TRY(cbw->enable_buffer(buffer));
   if (sync_bitmap) {
     // block_copy_state_new: bdrv_merge_dirty_bitmap's checks, with its prefix.
     const std::string prefix =

@@ -9,8 +9,7 @@ namespace vblk {
 
 namespace {
 // Drain writes in flight at once: enough to keep a target busy that takes
-// many requests (a throttle, NBD, RBD), few enough that the staging pieces
-// (shared with guest writes filling spill slots) always suffice.
+// many requests (a throttle, NBD, RBD).
 constexpr unsigned kDrainWrites = 8;
 }  // namespace
 
@@ -25,9 +24,7 @@ Status CopyBeforeWrite::enable_buffer(const CowBufferOptions& opts) {
   auto b = CowBuffer::create(loop(), bcs_->options().cluster_size, opts);
   VBLK_TRY(b);
   buffer_ = std::move(*b);
-  drain_wake_ = std::make_unique<CoEvent>(loop());
-  buffer_->set_on_spilled([this] { drain_wake_->set(); });
-  buffer_users_ = std::make_unique<WaitGroup>(loop());
+  buffer_->set_on_spilled([this] { drain_wake_.set(); });
   return {};
 }
 
@@ -39,11 +36,11 @@ CowBufferStats CopyBeforeWrite::buffer_stats() const {
 }
 
 Task<std::optional<Status>> CopyBeforeWrite::buffered_copy(uint64_t begin, uint64_t end) {
-  buffer_users_->add();
+  buffer_users_.add();
   struct Done {
-    WaitGroup* wg;
-    ~Done() { wg->done(); }
-  } done{buffer_users_.get()};
+    WaitGroup& wg;
+    ~Done() { wg.done(); }
+  } done{buffer_users_};
   // Tasks and claims on these clusters finish first: after them the bitmap
   // says exactly which clusters still hold data the target lacks.
   co_await bcs_->wait_idle(begin, end - begin);
@@ -117,10 +114,10 @@ Task<std::optional<Status>> CopyBeforeWrite::buffered_copy(uint64_t begin, uint6
 
 void CopyBeforeWrite::kick_drain() {
   if (!buffer_ || buffer_stopping_) return;
-  drain_wake_->set();
+  drain_wake_.set();
   if (drain_running_) return;
   drain_running_ = true;
-  buffer_users_->add();
+  buffer_users_.add();
   spawn_detached(drain_loop());
 }
 
@@ -134,8 +131,8 @@ Task<void> CopyBeforeWrite::drain_loop() {
       // Nothing to start: the loop ends when nothing is left at all and
       // comes back with the next buffered copy.
       if (buffer_->empty() && drain_writes_ == 0) break;
-      drain_wake_->reset();
-      co_await drain_wake_->wait();
+      drain_wake_.reset();
+      co_await drain_wake_.wait();
       continue;
     }
     // The job's speed applies to the drain as to its own copy.
@@ -146,32 +143,29 @@ Task<void> CopyBeforeWrite::drain_loop() {
     e->draining = true;
     ++drain_writes_;
     bcs_->rate_account(e->bytes);
-    buffer_users_->add();
+    buffer_users_.add();
     spawn_detached(drain_one(e->offset));
   }
   drain_running_ = false;
-  buffer_users_->done();
+  buffer_users_.done();
 }
 
 Task<void> CopyBeforeWrite::drain_one(uint64_t offset) {
   CowBuffer::Entry* e = buffer_->find(offset);
   Status st;
-  uint8_t* staging = nullptr;
+  // Spilled data comes back into a buffer of this write's own (at most
+  // kDrainWrites clusters beyond the buffer's memory).
+  AlignedBuffer spilled;
   std::span<const uint8_t> data = buffer_->memory_of(*e);
   if (data.empty()) {
-    staging = buffer_->take_staging();
-    if (!staging) {
-      st = Error(ENOMEM, "no COW buffer staging memory");
-    } else {
-      std::span<uint8_t> dst(staging, static_cast<size_t>(buffer_->cluster_size()));
-      st = co_await buffer_->read_entry(*e, dst);
-      data = dst.first(static_cast<size_t>(e->bytes));
-    }
+    spilled = AlignedBuffer(e->bytes);
+    auto r = co_await buffer_->read_old(offset, spilled.span());
+    st = r ? *r : Status(Error(EIO, "COW buffer entry vanished"));
+    data = spilled.span();
   }
   const uint64_t bytes = e->bytes;
   // e stays valid: only this write removes its entry.
   if (st.ok()) st = co_await target_->write(offset, data, bcs_->options().write_flags);
-  if (staging) buffer_->give_staging(staging);
   e = buffer_->find(offset);
   if (st.ok()) {
     bcs_->add_done(bytes);
@@ -186,8 +180,8 @@ Task<void> CopyBeforeWrite::drain_one(uint64_t offset) {
   const bool empty = buffer_->empty();
   if (empty) bcs_->hold_background(false);
   if (empty || !st.ok()) notify_drain_listener();
-  drain_wake_->set();
-  buffer_users_->done();
+  drain_wake_.set();
+  buffer_users_.done();
 }
 
 void CopyBeforeWrite::notify_drain_listener() {
@@ -207,8 +201,8 @@ void CopyBeforeWrite::set_drain_paused(bool paused) {
 Task<void> CopyBeforeWrite::stop_buffer() {
   if (!buffer_) co_return;
   buffer_stopping_ = true;
-  drain_wake_->set();
-  co_await buffer_users_->wait();
+  drain_wake_.set();
+  co_await buffer_users_.wait();
   co_await buffer_->quiesce();
   // What it held stays in the job's total (QEMU's len counts the work a
   // cancelled job did not do), and its counters stay for query-jobs.
