@@ -31,18 +31,20 @@ class AlignedBuffer {
   static AlignedBuffer huge(size_t size);
 
   AlignedBuffer(AlignedBuffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)),
+        mapped_(std::exchange(o.mapped_, 0)) {}
   AlignedBuffer& operator=(AlignedBuffer&& o) noexcept {
     if (this != &o) {
-      std::free(data_);
+      release();
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
+      mapped_ = std::exchange(o.mapped_, 0);
     }
     return *this;
   }
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-  ~AlignedBuffer() { std::free(data_); }
+  ~AlignedBuffer() { release(); }
 
   uint8_t* data() { return data_; }
   const uint8_t* data() const { return data_; }
@@ -54,8 +56,15 @@ class AlignedBuffer {
   }
 
  private:
+  void release();
+
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  // Bytes mapped with mmap (huge buffers), 0 for malloc'd memory. A mapping
+  // goes back to the kernel when freed; a large free() may stay in the heap
+  // (glibc's sliding mmap threshold, ASan's quarantine), so a cancelled COW
+  // buffer would keep its RSS.
+  size_t mapped_ = 0;
 };
 
 inline bool is_aligned(const void* p, size_t align) {

@@ -95,7 +95,13 @@ Task<Status> CowBuffer::spill_io(bool write, int64_t idx, uint8_t* buf, uint64_t
   // never read back as data).
   const uint64_t len = spill_direct_ ? cs_ : bytes;
   const uint64_t off = static_cast<uint64_t>(idx) * cs_;
-  long r = write ? co_await loop_.pwrite(spill_fd_, buf, len, off) : co_await loop_.pread(spill_fd_, buf, len, off);
+  // Two statements: GCC miscompiles co_await inside a conditional expression.
+  long r;
+  if (write) {
+    r = co_await loop_.pwrite(spill_fd_, buf, len, off);
+  } else {
+    r = co_await loop_.pread(spill_fd_, buf, len, off);
+  }
   if (r >= 0 && static_cast<uint64_t>(r) < (write ? len : bytes)) r = -EIO;
   if (r >= 0) co_return Status{};
   if (!write) co_return Error(static_cast<int>(-r), "COW spill file read failed");
