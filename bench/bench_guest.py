@@ -22,6 +22,10 @@ Environments (--envs, comma-separated; default all):
   vblk-buf1G         ... 1 GiB
   vblk-spill         vblk, 256 MiB buffer + cow-spill-dir (the work dir) and
                      cow-spill-size = the disk size
+  vblk-spill-cached  vblk-spill with cow-spill-direct = false: the spill file
+                     goes through the page cache
+  qemu-fleece-cached qemu-fleece with the fleecing image's cache.direct =
+                     false (its writes go through the page cache too)
   vblk-fleece        vblk, the same fleecing graph as qemu-fleece
   vblk-fleece-buf1G  vblk fleecing, copy-before-write x-cow-buffer-size 1 GiB
 A vblk row whose option or driver the binary does not know yet ("... is
@@ -93,10 +97,13 @@ ENVS = {
     "vblk-buf1G": ("vblk", "backup", {"cow-buffer-size": GiB}),
     "vblk-spill": ("vblk", "backup", {"cow-buffer-size": 256 * MiB, "cow-spill-dir": "@dir",
                                       "cow-spill-size": "@size"}),
+    "vblk-spill-cached": ("vblk", "backup", {"cow-buffer-size": 256 * MiB, "cow-spill-dir": "@dir",
+                                             "cow-spill-size": "@size", "cow-spill-direct": False}),
+    "qemu-fleece-cached": ("qemu", "fleece", {"@fleece-direct": False}),
     "vblk-fleece": ("vblk", "fleece", {}),
     "vblk-fleece-buf1G": ("vblk", "fleece", {"x-cow-buffer-size": GiB}),
 }
-BAR_ENVS = ("vblk-buf1G", "vblk-spill", "vblk-fleece-buf1G")
+BAR_ENVS = ("vblk-buf1G", "vblk-spill", "vblk-spill-cached", "vblk-fleece-buf1G")
 BAR_KEPT_PCT, BAR_P99_X, BAR_COMPLETION_X = 90.0, 2.0, 1.25
 # What a daemon says about an option or driver it does not know (QEMU's
 # wording, which vblk follows).
@@ -184,6 +191,8 @@ def resolve_opts(opts, workdir, size):
 
 
 def start_fleece(q, workdir, size, cbw_opts):
+    cbw_opts = dict(cbw_opts)
+    direct = cbw_opts.pop("@fleece-direct", True)
     """Proxmox's fleecing graph over "disk"; the guest export moves onto fl-cbw."""
     fl = os.path.join(workdir, "fleece.raw")
     bi.rm(fl)
@@ -192,7 +201,7 @@ def start_fleece(q, workdir, size, cbw_opts):
     qmp_setup(q, "block-export-del", {"id": "e0"})
     q.event("BLOCK_EXPORT_DELETED", 60)
     qmp_setup(q, "blockdev-add", {"driver": "file", "node-name": "fleece", "filename": fl,
-                                  "cache": {"direct": True}, "aio": "native"})
+                                  "cache": {"direct": direct}, "aio": "native" if direct else "threads"})
     qmp_setup(q, "blockdev-add", dict({"driver": "copy-before-write", "node-name": "fl-cbw", "file": "disk",
                                        "target": "fleece", "on-cbw-error": "break-snapshot", "cbw-timeout": 45},
                                       **cbw_opts))
@@ -421,12 +430,15 @@ def verdict(summary, skipped, failed, args, waited):
     checks = {"kept": kept >= BAR_KEPT_PCT, "p99": px <= BAR_P99_X}
     parts = [f"keeps {kept:.1f} % (>= {BAR_KEPT_PCT:.0f} %; {s['backup_iops'][0]:.0f} IOPS)",
              f"p99 {px:.1f}x (<= {BAR_P99_X:.0f}x; {s['backup_p99_ms'][0]:.2f} ms)"]
-    qf = summary.get("qemu-fleece")
+    # QEMU at its best: the fleecing row (direct or cached) that kept more.
+    qfs = [e for e in ("qemu-fleece", "qemu-fleece-cached") if e in summary and summary[e]["iops_kept_pct"]]
+    qbest = max(qfs, key=lambda e: summary[e]["iops_kept_pct"][0]) if qfs else None
+    qf = summary.get(qbest) if qbest else None
     if qf and qf["iops_kept_pct"]:
         # Ahead = more of its own no-backup IOPS kept (the daemons' idle
         # rates differ); the absolute numbers are printed beside it.
         checks["ahead_of_qemu_fleece"] = kept > qf["iops_kept_pct"][0]
-        parts.append(f"qemu-fleece keeps {qf['iops_kept_pct'][0]:.1f} % ({qf['backup_iops'][0]:.0f} IOPS)"
+        parts.append(f"{qbest} keeps {qf['iops_kept_pct'][0]:.1f} % ({qf['backup_iops'][0]:.0f} IOPS)"
                      + (f" with p99 {qf['p99_ratio'][0]:.1f}x ({qf['backup_p99_ms'][0]:.2f} ms)"
                         if qf["p99_ratio"] else ""))
     else:
