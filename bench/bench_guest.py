@@ -288,7 +288,7 @@ def measure(env, argv0, workdir, src, args):
     """One run of one environment: a dict of what was measured."""
     daemon, graph, opts = ENVS[env]
     opts = resolve_opts(opts, workdir, args.size)
-    dst = os.path.join(workdir, "dst.raw")
+    dst = os.path.join(args.target_dir or workdir, "vblk-bench-guest-dst.raw")
     bi.rm(dst)
     with open(dst, "wb") as f:
         f.truncate(args.size)
@@ -342,6 +342,7 @@ def measure(env, argv0, workdir, src, args):
     finally:
         if d is not None:
             d.kill()
+        bi.rm(dst)  # 2 GiB of memory when it is in /dev/shm
 
 
 def ms(xs):
@@ -467,6 +468,9 @@ def main():
     ap.add_argument("--no-wait-completion", action="store_true",
                     help="cancel the backup after the phase instead of timing it to completion")
     ap.add_argument("--dir")
+    ap.add_argument("--target-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                    help="where the target file lives (default /dev/shm: a backup server is another machine, so "
+                         "the target's writes do not take the guest disk's bandwidth; the throttle makes it slow)")
     ap.add_argument("--json")
     args = ap.parse_args()
     envs = [e for e in args.envs.split(",") if e]
@@ -489,6 +493,7 @@ def main():
     print(f"# tools:    {meta['vblk_version']}; {meta['qsd_version']}; {meta['fio_version']}")
     print(f"# guest:    fio randwrite 32k iodepth {args.iodepth} over NBD, {args.runtime} s per phase; "
           f"source {bi.human_size(args.size)} random data on {meta['image_fs']}; target {args.target_rate / 1e6:.0f} MB/s"
+          f" in {args.target_dir or 'the work dir'}"
           f" (ideal backup {args.size / args.target_rate:.1f} s"
           f"{', cancelled after the phase' if args.no_wait_completion else ', run to completion'})")
     print(f"# load:     {meta['loadavg_start']} at start", flush=True)
