@@ -18,6 +18,9 @@ const Command kCommands[] = {
     {"bench", vblk::cli::cmd_bench,
      "bench [-c count] [-d depth] [-f fmt] [--flush-interval=flush_interval] [-i aio] [-n] [--no-drain] [-o "
      "offset] [--pattern=pattern] [-q] [-s buffer_size] [-S step_size] [-t cache] [-w] [-U] filename"},
+    {"bitmap", vblk::cli::cmd_bitmap,
+     "bitmap (--merge SOURCE | --add | --remove | --clear | --enable | --disable)... [-b source_file [-F "
+     "source_fmt]] [-g granularity] [--object objectdef] [--image-opts | -f fmt] filename bitmap"},
     {"check", vblk::cli::cmd_check,
      "check [--image-opts] [-q] [-f fmt] [--output=ofmt] [-r [leaks | all]] [-T src_cache] [-U] filename"},
     {"compare", vblk::cli::cmd_compare,
