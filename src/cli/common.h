@@ -90,6 +90,7 @@ int cmd_compare(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
 int cmd_check(int argc, char** argv);
 int cmd_serve(int argc, char** argv);
+int cmd_backup(int argc, char** argv);
 int cmd_bitmap(int argc, char** argv);
 int cmd_resize(int argc, char** argv);
 int cmd_io(int argc, char** argv);
