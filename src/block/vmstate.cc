@@ -15,9 +15,13 @@ uint64_t unit_size(const Node& node, const VmstateOptions& o) {
   return align_up(s, 4096);
 }
 
-// Huge-page backed where the kernel allows: one large buffer is then few
-// physical segments per request (as the COW buffers do it).
-AlignedBuffer new_buffer(uint64_t size) { return AlignedBuffer::huge(size); }
+// Huge-page backed where the kernel allows and the size is whole huge
+// pages: one large buffer is then few physical segments per request (as
+// the COW buffers do it). A 1 MiB buffer would take a whole 2 MiB page.
+AlignedBuffer new_buffer(uint64_t size) {
+  if (size % (2 << 20) == 0) return AlignedBuffer::huge(size);
+  return AlignedBuffer(size, 4096);
+}
 
 }  // namespace
 
