@@ -4,7 +4,7 @@
 // an internal snapshot carrying it. Prints one JSON line: bytes, seconds
 // (stream + flush + snapshot), MB/s. bench_vmstate.py runs it beside fio.
 //
-//   vblk_vmstate_bench IMAGE SIZE MIN MAX [direct] [workers]
+//   vblk_vmstate_bench IMAGE SIZE MIN MAX [direct] [workers] [buffer-size]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -23,11 +23,13 @@ namespace {
 struct Args {
   uint64_t size, min, max;
   unsigned workers;
+  uint64_t buffer_size;
 };
 
 Task<Status> run(Node& node, Args a) {
   VmstateOptions o;
   o.workers = a.workers;
+  o.buffer_size = a.buffer_size;
   VmstateWriter w(node, o);
   // One pass of random bytes, reused: the bench measures the writer, not
   // the generator.
@@ -57,11 +59,11 @@ Task<Status> run(Node& node, Args a) {
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::fprintf(stderr, "usage: %s IMAGE SIZE MIN MAX [direct] [workers]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s IMAGE SIZE MIN MAX [direct] [workers] [buffer-size]\n", argv[0]);
     return 2;
   }
   Args a{std::strtoull(argv[2], nullptr, 0), std::strtoull(argv[3], nullptr, 0), std::strtoull(argv[4], nullptr, 0),
-         argc > 6 ? static_cast<unsigned>(std::atoi(argv[6])) : 8u};
+         argc > 6 ? static_cast<unsigned>(std::atoi(argv[6])) : 8u, argc > 7 ? std::strtoull(argv[7], nullptr, 0) : 0};
   const bool direct = argc > 5 && std::string(argv[5]) == "direct";
   Loop loop;
   OpenContext ctx{loop};
