@@ -204,6 +204,32 @@ class VmstateRoundTrip(InteropTestCase):
             back = f.read()
         self.assertEqual(back, b"\xa5" * (700 * KiB) + b"\x3c" * 333)
 
+    def test_io_b_beside_qemu_io(self):
+        """`vblk io` read -b / write -b (the VM state area) beside qemu-io:
+        each reads what the other wrote; outputs and errors equal."""
+        d = make_tempdir(self, base=shm_dir())
+        img = os.path.join(d, "io.qcow2")
+        self.assertEqual(qemu("create", "-f", "qcow2", "-o", "cluster_size=4096", img, "1M").rc, 0)
+        timing = re.compile(r"\(.*\)$|; [0-9.:]+ sec.*$", re.M)
+        steps = [("q", "write -b -P 0x17 0 9k"), ("v", "write -b -P 0x29 8k 64k"),
+                 ("q", "read -b -P 0x17 0 8k"), ("v", "read -b -P 0x17 0 8k"),
+                 ("q", "read -b -P 0x29 8k 64k"), ("v", "read -b -v 70k 1k"),
+                 ("v", "write -b 3 512"), ("v", "read -b 0 5"), ("v", "write -b -z 0 512"),
+                 ("v", "write -b -f 0 512")]
+        for who, cmd in steps:
+            if cmd.startswith("write") and "P" in cmd:
+                # One of them writes; the reads after check both see it.
+                r = run([VBLK, "io", "-f", "qcow2", "-c", cmd, img] if who == "v"
+                        else [QEMU_IO, "-f", "qcow2", "-c", cmd, img])
+                self.assertEqual(r.rc, 0, r)
+                self.assertIn("wrote", r.stdout, r)
+                continue
+            v = run([VBLK, "io", "-f", "qcow2", "-c", cmd, img])
+            q = run([QEMU_IO, "-f", "qcow2", "-c", cmd, img])
+            self.assertEqual((v.rc, timing.sub("", v.stdout)), (q.rc, timing.sub("", q.stdout)), cmd)
+            self.assertNotIn("Pattern verification failed", q.stdout, cmd)
+        self.check_clean(img)
+
     def test_write_error_mid_save_leaves_no_snapshot(self):
         d = make_tempdir(self, base=shm_dir())
         img = os.path.join(d, "e.qcow2")
