@@ -22,6 +22,10 @@ Environments (--envs, comma-separated; default all):
   vblk-buf1G         ... 1 GiB
   vblk-spill         vblk, 256 MiB buffer + cow-spill-dir (the work dir) and
                      cow-spill-size = the disk size
+  vblk-spill-cached  vblk-spill with cow-spill-direct = false: the spill file
+                     goes through the page cache
+  qemu-fleece-cached qemu-fleece with the fleecing image's cache.direct =
+                     false (its writes go through the page cache too)
   vblk-fleece        vblk, the same fleecing graph as qemu-fleece
   vblk-fleece-buf1G  vblk fleecing, copy-before-write x-cow-buffer-size 1 GiB
 A vblk row whose option or driver the binary does not know yet ("... is
@@ -93,10 +97,13 @@ ENVS = {
     "vblk-buf1G": ("vblk", "backup", {"cow-buffer-size": GiB}),
     "vblk-spill": ("vblk", "backup", {"cow-buffer-size": 256 * MiB, "cow-spill-dir": "@dir",
                                       "cow-spill-size": "@size"}),
+    "vblk-spill-cached": ("vblk", "backup", {"cow-buffer-size": 256 * MiB, "cow-spill-dir": "@dir",
+                                             "cow-spill-size": "@size", "cow-spill-direct": False}),
+    "qemu-fleece-cached": ("qemu", "fleece", {"@fleece-direct": False}),
     "vblk-fleece": ("vblk", "fleece", {}),
     "vblk-fleece-buf1G": ("vblk", "fleece", {"x-cow-buffer-size": GiB}),
 }
-BAR_ENVS = ("vblk-buf1G", "vblk-spill", "vblk-fleece-buf1G")
+BAR_ENVS = ("vblk-buf1G", "vblk-spill", "vblk-spill-cached", "vblk-fleece-buf1G")
 BAR_KEPT_PCT, BAR_P99_X, BAR_COMPLETION_X = 90.0, 2.0, 1.25
 # What a daemon says about an option or driver it does not know (QEMU's
 # wording, which vblk follows).
@@ -184,6 +191,8 @@ def resolve_opts(opts, workdir, size):
 
 
 def start_fleece(q, workdir, size, cbw_opts):
+    cbw_opts = dict(cbw_opts)
+    direct = cbw_opts.pop("@fleece-direct", True)
     """Proxmox's fleecing graph over "disk"; the guest export moves onto fl-cbw."""
     fl = os.path.join(workdir, "fleece.raw")
     bi.rm(fl)
@@ -192,7 +201,7 @@ def start_fleece(q, workdir, size, cbw_opts):
     qmp_setup(q, "block-export-del", {"id": "e0"})
     q.event("BLOCK_EXPORT_DELETED", 60)
     qmp_setup(q, "blockdev-add", {"driver": "file", "node-name": "fleece", "filename": fl,
-                                  "cache": {"direct": True}, "aio": "native"})
+                                  "cache": {"direct": direct}, "aio": "native" if direct else "threads"})
     qmp_setup(q, "blockdev-add", dict({"driver": "copy-before-write", "node-name": "fl-cbw", "file": "disk",
                                        "target": "fleece", "on-cbw-error": "break-snapshot", "cbw-timeout": 45},
                                       **cbw_opts))
@@ -279,7 +288,7 @@ def measure(env, argv0, workdir, src, args):
     """One run of one environment: a dict of what was measured."""
     daemon, graph, opts = ENVS[env]
     opts = resolve_opts(opts, workdir, args.size)
-    dst = os.path.join(workdir, "dst.raw")
+    dst = os.path.join(args.target_dir or workdir, "vblk-bench-guest-dst.raw")
     bi.rm(dst)
     with open(dst, "wb") as f:
         f.truncate(args.size)
@@ -333,6 +342,7 @@ def measure(env, argv0, workdir, src, args):
     finally:
         if d is not None:
             d.kill()
+        bi.rm(dst)  # 2 GiB of memory when it is in /dev/shm
 
 
 def ms(xs):
@@ -421,12 +431,15 @@ def verdict(summary, skipped, failed, args, waited):
     checks = {"kept": kept >= BAR_KEPT_PCT, "p99": px <= BAR_P99_X}
     parts = [f"keeps {kept:.1f} % (>= {BAR_KEPT_PCT:.0f} %; {s['backup_iops'][0]:.0f} IOPS)",
              f"p99 {px:.1f}x (<= {BAR_P99_X:.0f}x; {s['backup_p99_ms'][0]:.2f} ms)"]
-    qf = summary.get("qemu-fleece")
+    # QEMU at its best: the fleecing row (direct or cached) that kept more.
+    qfs = [e for e in ("qemu-fleece", "qemu-fleece-cached") if e in summary and summary[e]["iops_kept_pct"]]
+    qbest = max(qfs, key=lambda e: summary[e]["iops_kept_pct"][0]) if qfs else None
+    qf = summary.get(qbest) if qbest else None
     if qf and qf["iops_kept_pct"]:
         # Ahead = more of its own no-backup IOPS kept (the daemons' idle
         # rates differ); the absolute numbers are printed beside it.
         checks["ahead_of_qemu_fleece"] = kept > qf["iops_kept_pct"][0]
-        parts.append(f"qemu-fleece keeps {qf['iops_kept_pct'][0]:.1f} % ({qf['backup_iops'][0]:.0f} IOPS)"
+        parts.append(f"{qbest} keeps {qf['iops_kept_pct'][0]:.1f} % ({qf['backup_iops'][0]:.0f} IOPS)"
                      + (f" with p99 {qf['p99_ratio'][0]:.1f}x ({qf['backup_p99_ms'][0]:.2f} ms)"
                         if qf["p99_ratio"] else ""))
     else:
@@ -455,6 +468,9 @@ def main():
     ap.add_argument("--no-wait-completion", action="store_true",
                     help="cancel the backup after the phase instead of timing it to completion")
     ap.add_argument("--dir")
+    ap.add_argument("--target-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                    help="where the target file lives (default /dev/shm: a backup server is another machine, so "
+                         "the target's writes do not take the guest disk's bandwidth; the throttle makes it slow)")
     ap.add_argument("--json")
     args = ap.parse_args()
     envs = [e for e in args.envs.split(",") if e]
@@ -477,6 +493,7 @@ def main():
     print(f"# tools:    {meta['vblk_version']}; {meta['qsd_version']}; {meta['fio_version']}")
     print(f"# guest:    fio randwrite 32k iodepth {args.iodepth} over NBD, {args.runtime} s per phase; "
           f"source {bi.human_size(args.size)} random data on {meta['image_fs']}; target {args.target_rate / 1e6:.0f} MB/s"
+          f" in {args.target_dir or 'the work dir'}"
           f" (ideal backup {args.size / args.target_rate:.1f} s"
           f"{', cancelled after the phase' if args.no_wait_completion else ', run to completion'})")
     print(f"# load:     {meta['loadavg_start']} at start", flush=True)

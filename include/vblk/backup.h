@@ -67,10 +67,11 @@ struct BackupArgs {
   // vblk: the engine's memory cap for this job (0: the engine's default).
   uint64_t max_memory = 0;
   // vblk: the COW buffer (x-perf cow-buffer-size, cow-spill-dir,
-  // cow-spill-size; see include/vblk/copy_before_write.h).
+  // cow-spill-size, cow-spill-direct; see include/vblk/cow_buffer.h).
   int64_t cow_buffer_size = 0;
   std::optional<std::string> cow_spill_dir;
   int64_t cow_spill_size = 0;
+  bool cow_spill_direct = true;  // x-perf cow-spill-direct
 };
 
 class BackupJob : public BlockJob {

@@ -19,9 +19,15 @@
 //
 // The spill file is created in spill_dir with O_TMPFILE (or created and
 // unlinked at once where the filesystem has no O_TMPFILE): it has no name,
-// so a crash leaves nothing behind. It is opened with O_DIRECT where the
-// filesystem allows, so spilled data costs no page cache and the memory
-// bound is the real one.
+// so a crash leaves nothing behind. By default it is opened with O_DIRECT
+// where the filesystem allows, so spilled data costs no page cache and the
+// memory bound is the real one. With spill_direct off it goes through the
+// page cache instead: a spill write is a copy into the kernel's memory,
+// written back when the kernel needs the memory or its dirty data expires,
+// and a slot the drain has emptied is punched out of the file, so data
+// drained before that is never written to the disk at all (the guest's disk
+// does not share its bandwidth with the spill). The process's memory bound
+// still holds; the page cache is the kernel's, reclaimable by writeback.
 //
 // Ownership: the buffer owns its memory and the spill file; entries are
 // addressed by disk offset. Thread-safety: one loop.
@@ -48,6 +54,7 @@ struct CowBufferOptions {
   uint64_t memory_size = 0;  // bytes of old data in memory
   std::string spill_dir;     // "" = /var/tmp
   uint64_t spill_size = 0;   // bytes of old data in the spill file (0 = none)
+  bool spill_direct = true;  // O_DIRECT spill file (false: through the page cache)
 };
 
 // Counters for query-jobs' x-cow-buffer (bytes).

@@ -62,6 +62,14 @@ enum BitmapCheck : unsigned {
 // currently in use by another operation and cannot be used", ...).
 Status check_bitmap(const NamedBitmap& b, unsigned flags);
 
+// bdrv_get_default_bitmap_granularity: the node's cluster size clamped to
+// [4 KiB, 64 KiB] where it has one (cluster_size != 0), else 64 KiB.
+uint64_t default_bitmap_granularity(uint64_t cluster_size);
+
+// Merges `src` into `dst` (block-dirty-bitmap-merge's size check and text);
+// `dst` is unchanged on error.
+Status merge_bitmap(DirtyBitmap& dst, const DirtyBitmap& src);
+
 class BitmapSet {
  public:
   // Newest first (QEMU inserts at the head of its list, and queries list

@@ -20,6 +20,18 @@ Status check_bitmap(const NamedBitmap& b, unsigned flags) {
   return {};
 }
 
+uint64_t default_bitmap_granularity(uint64_t cluster_size) {
+  return cluster_size ? std::clamp<uint64_t>(cluster_size, 4096, 65536) : 65536;
+}
+
+Status merge_bitmap(DirtyBitmap& dst, const DirtyBitmap& src) {
+  if (src.size() != dst.size())
+    return Error(EINVAL, "Bitmaps are of different sizes (destination size is " + std::to_string(dst.size()) +
+                             ", source size is " + std::to_string(src.size()) + ") and can't be merged");
+  dst.merge_from(src);
+  return {};
+}
+
 NamedBitmap* BitmapSet::find(std::string_view name) const {
   if (name.empty()) return nullptr;
   for (auto& b : list_)

@@ -1,5 +1,7 @@
 #include "cli/common.h"
 
+#include <fmt/format.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -264,6 +266,12 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
     return nullptr;
   }
   if (probed_raw && !a.read_only) warn_probed_raw((*node)->filename());
+  // QEMU names the nodes a tool opens itself "#blockNNN", and its errors
+  // quote them ("Can't store persistent bitmaps to #block173: ...").
+  if ((*node)->node_name().empty()) {
+    static unsigned next_id = 0;
+    (*node)->set_node_name(fmt::format("#block{:03d}", next_id++));
+  }
   (*node)->set_writethrough(a.cache.writethrough);
   // The image is closed cleanly (Node::close: caches written, qcow2's dirty
   // bit cleared, NBD connections ended) when the command lets go of it. The

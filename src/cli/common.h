@@ -93,6 +93,8 @@ int cmd_compare(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
 int cmd_check(int argc, char** argv);
 int cmd_serve(int argc, char** argv);
+int cmd_backup(int argc, char** argv);
+int cmd_bitmap(int argc, char** argv);
 int cmd_resize(int argc, char** argv);
 int cmd_io(int argc, char** argv);
 int cmd_nbd(int argc, char** argv);

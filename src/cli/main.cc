@@ -18,6 +18,12 @@ const Command kCommands[] = {
     {"bench", vblk::cli::cmd_bench,
      "bench [-c count] [-d depth] [-f fmt] [--flush-interval=flush_interval] [-i aio] [-n] [--no-drain] [-o "
      "offset] [--pattern=pattern] [-q] [-s buffer_size] [-S step_size] [-t cache] [-w] [-U] filename"},
+    {"backup", vblk::cli::cmd_backup,
+     "backup [-f fmt] [-O output_fmt] [--bitmap name [--incremental -B backing_file [-F backing_fmt]]] "
+     "[--cow-buffer size] [-r rate_limit] [-p] [-q] source target"},
+    {"bitmap", vblk::cli::cmd_bitmap,
+     "bitmap (--merge SOURCE | --add | --remove | --clear | --enable | --disable)... [-b source_file [-F "
+     "source_fmt]] [-g granularity] [--object objectdef] [--image-opts | -f fmt] filename bitmap"},
     {"check", vblk::cli::cmd_check,
      "check [--image-opts] [-q] [-f fmt] [--output=ofmt] [-r [leaks | all]] [-T src_cache] [-U] filename"},
     {"compare", vblk::cli::cmd_compare,

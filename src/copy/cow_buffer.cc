@@ -22,10 +22,11 @@ constexpr uint64_t kMaxStaging = 32;
 // Spill-out writes in flight at once.
 constexpr unsigned kSpillOuts = 4;
 
-Result<int> open_spill_file(const std::string& dir, bool& direct) {
-  // O_TMPFILE: the file never has a name. O_DIRECT where the filesystem
-  // takes it (tmpfs does not).
+Result<int> open_spill_file(const std::string& dir, bool want_direct, bool& direct) {
+  // O_TMPFILE: the file never has a name. O_DIRECT where asked for and the
+  // filesystem takes it (tmpfs does not).
   for (int flags : {O_TMPFILE | O_RDWR | O_DIRECT, O_TMPFILE | O_RDWR}) {
+    if ((flags & O_DIRECT) && !want_direct) continue;
     int fd = ::open(dir.c_str(), flags | O_CLOEXEC, 0600);
     if (fd >= 0) {
       direct = flags & O_DIRECT;
@@ -73,7 +74,7 @@ Result<std::unique_ptr<CowBuffer>> CowBuffer::create(Loop& loop, uint64_t cluste
   std::unique_ptr<CowBuffer> b(new CowBuffer(loop, cluster_size, opts));
   if (b->spill_slots_) {
     std::string dir = opts.spill_dir.empty() ? std::string("/var/tmp") : opts.spill_dir;
-    auto fd = open_spill_file(dir, b->spill_direct_);
+    auto fd = open_spill_file(dir, opts.spill_direct, b->spill_direct_);
     VBLK_TRY(fd);
     b->spill_fd_ = *fd;
   }
@@ -122,6 +123,12 @@ void CowBuffer::free_spill_slot(int64_t idx) {
   if (slot_readers_.count(idx)) {
     freed_while_read_.push_back(idx);  // given back when its reader is done
   } else {
+    // Through the page cache, an emptied slot's dirty pages would still be
+    // written back; punched out, they are dropped (the disk never sees data
+    // that was drained in time). Advisory: a failure only costs the write.
+    if (!spill_direct_)
+      ::fallocate(spill_fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(idx) * static_cast<off_t>(cs_),
+                  static_cast<off_t>(cs_));
     spill_free_.push_back(idx);
     --spill_used_;
   }

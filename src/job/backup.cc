@@ -256,8 +256,8 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   if (a.speed && *a.speed < 0) return Error(EINVAL, "Parameter 'speed' expects a non-negative value");
   if (a.cow_buffer_size < 0) return Error(EINVAL, "cow-buffer-size must be zero (no buffer) or positive");
   if (a.cow_spill_size < 0) return Error(EINVAL, "cow-spill-size must be zero (no spill) or positive");
-  if (!a.cow_buffer_size && (a.cow_spill_size || a.cow_spill_dir))
-    return Error(EINVAL, "cow-spill-dir and cow-spill-size need cow-buffer-size");
+  if (!a.cow_buffer_size && (a.cow_spill_size || a.cow_spill_dir || !a.cow_spill_direct))
+    return Error(EINVAL, "cow-spill-dir, cow-spill-size and cow-spill-direct need cow-buffer-size");
   // With sync=none the target itself is what is read (fleecing), and old
   // data still in the buffer is not on it yet: readers would see the
   // guest's new data. Buffered fleecing reads through snapshot-access.
@@ -291,6 +291,7 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
     bo.memory_size = static_cast<uint64_t>(a.cow_buffer_size);
     bo.spill_dir = a.cow_spill_dir.value_or(std::string());
     bo.spill_size = static_cast<uint64_t>(a.cow_spill_size);
+    bo.spill_direct = a.cow_spill_direct;
     VBLK_TRY(cbw->enable_buffer(bo));
   }
   // The point in time, for the bitmap too: from here the successor records

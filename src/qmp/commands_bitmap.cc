@@ -25,12 +25,7 @@ Result<NamedBitmap*> lookup(Daemon& d, const std::string& node, const std::strin
   return b;
 }
 
-// bdrv_get_default_bitmap_granularity: the cluster size clamped to
-// [4 KiB, 64 KiB] where the driver has one, else 64 KiB.
-uint64_t default_granularity(const Node& n) {
-  uint64_t c = n.cluster_size();
-  return c ? std::clamp<uint64_t>(c, 4096, 65536) : 65536;
-}
+uint64_t default_granularity(const Node& n) { return default_bitmap_granularity(n.cluster_size()); }
 
 Task<Reply> bitmap_add(Daemon& d, const OJson& a) {
   std::string node = a["node"].get<std::string>();
@@ -114,10 +109,7 @@ Task<Reply> bitmap_merge(Daemon& d, const OJson& a) {
       src = *s;
     }
     if (auto st = check_bitmap(*src, kBitmapAllowRo); !st) co_return fail(st.error());
-    if (src->bits.size() != anon.size())
-      co_return Reply::fail("Bitmaps are of different sizes (destination size is " + std::to_string(anon.size()) +
-                            ", source size is " + std::to_string(src->bits.size()) + ") and can't be merged");
-    anon.merge_from(src->bits);
+    if (auto st = merge_bitmap(anon, src->bits); !st) co_return fail(st.error());
   }
   (*dst)->bits.merge_from(anon);
   co_return Reply::ok();

@@ -43,6 +43,7 @@ Task<Reply> blockdev_backup(Daemon& d, const OJson& a) {
     if (p.contains("cow-buffer-size")) b.cow_buffer_size = p["cow-buffer-size"].get<int64_t>();
     if (p.contains("cow-spill-dir")) b.cow_spill_dir = p["cow-spill-dir"].get<std::string>();
     if (p.contains("cow-spill-size")) b.cow_spill_size = p["cow-spill-size"].get<int64_t>();
+    if (p.contains("cow-spill-direct")) b.cow_spill_direct = p["cow-spill-direct"].get<bool>();
   }
   auto job = start_backup(d.jobs, d.graph, b);
   if (!job.ok()) co_return fail(job.error());
@@ -114,7 +115,8 @@ void register_job_commands(Daemon& d) {
                       {"max-chunk", ArgType::Int},
                       {"cow-buffer-size", ArgType::Int},
                       {"cow-spill-dir", ArgType::Str},
-                      {"cow-spill-size", ArgType::Int}}},
+                      {"cow-spill-size", ArgType::Int},
+                      {"cow-spill-direct", ArgType::Bool}}},
                     {"target", ArgType::Str, true}}},
                   [&d](const OJson& a) { return blockdev_backup(d, a); }});
   for (const char* verb : {"pause", "resume", "complete"}) {

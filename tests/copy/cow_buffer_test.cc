@@ -4,6 +4,8 @@
 #include "vblk/cow_buffer.h"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -175,6 +177,55 @@ TEST(CowBufferTest, ReadOldServesMemoryAndSpilledEntriesAndKeepsASlotWhileRead) 
   EXPECT_TRUE(buf.reserve(1, again));
   for (auto& sl : again) buf.unreserve(sl);
   EXPECT_FALSE(loop.run(buf.read_old(5 * MiB, got)).has_value());
+}
+
+// The unlinked spill file this process holds in dir (-1 if none).
+int spill_fd_in(const std::string& dir) {
+  DIR* d = opendir("/proc/self/fd");
+  int found = -1;
+  while (dirent* e = readdir(d)) {
+    char target[4096];
+    std::string link = std::string("/proc/self/fd/") + e->d_name;
+    ssize_t n = readlink(link.c_str(), target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = 0;
+    if (std::string(target).rfind(dir + "/", 0) == 0) found = std::atoi(e->d_name);
+  }
+  closedir(d);
+  return found;
+}
+
+TEST(CowBufferTest, ACachedSpillPunchesOutWhatTheDrainTook) {
+  Loop loop;
+  TempDir dir;
+  CowBufferOptions o{64 * KiB, dir.path, 256 * KiB, /*spill_direct=*/false};
+  auto b = CowBuffer::create(loop, 64 * KiB, o);
+  ASSERT_TRUE(b.ok()) << b.error().what();
+  CowBuffer& buf = **b;
+  const int fd = spill_fd_in(dir.path);
+  ASSERT_GE(fd, 0) << "no unlinked spill file";
+  EXPECT_FALSE(fcntl(fd, F_GETFL) & O_DIRECT) << "spill_direct=false still opened O_DIRECT";
+  std::vector<CowBuffer::Slot> slots;
+  ASSERT_TRUE(buf.reserve(4, slots));
+  for (int i = 0; i < 4; ++i) {
+    std::memset(slots[i].mem, 0x30 + i, 64 * KiB);
+    ASSERT_TRUE(loop.run(buf.commit_slot(slots[i], 64 * KiB)).ok());
+    buf.insert(uint64_t(i) * MiB, 64 * KiB, slots[i]);
+  }
+  struct stat st {};
+  ASSERT_EQ(fstat(fd, &st), 0);
+  EXPECT_GE(uint64_t(st.st_blocks) * 512, 3 * 64 * KiB) << "three spilled slots hold no blocks";
+  for (int i = 0; i < 4; ++i) {
+    CowBuffer::Entry* e = buf.next_to_drain();
+    ASSERT_NE(e, nullptr);
+    std::vector<uint8_t> data(64 * KiB);
+    auto r = loop.run(buf.read_old(e->offset, data));
+    ASSERT_TRUE(r && r->ok());
+    EXPECT_EQ(data[100], 0x30 + i);
+    buf.remove(e->offset);
+  }
+  ASSERT_EQ(fstat(fd, &st), 0);
+  EXPECT_EQ(st.st_blocks, 0) << "drained slots were not punched out of the spill file";
 }
 
 TEST(CowBufferTest, BadSizesAndDirsAreRefused) {

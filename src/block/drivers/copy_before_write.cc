@@ -184,9 +184,12 @@ Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opt
   VBLK_TRY(spill_dir);
   auto spill_size = take_size(opts, "x-cow-spill-size");
   VBLK_TRY(spill_size);
-  CowBufferOptions buffer{buf_size->value_or(0), spill_dir->value_or(""), spill_size->value_or(0)};
-  if (!buffer.memory_size && (buffer.spill_size || *spill_dir))
-    return Error(EINVAL, "x-cow-spill-dir and x-cow-spill-size need x-cow-buffer-size");
+  auto spill_direct = take_bool(opts, "x-cow-spill-direct");
+  VBLK_TRY(spill_direct);
+  CowBufferOptions buffer{buf_size->value_or(0), spill_dir->value_or(""), spill_size->value_or(0),
+                          spill_direct->value_or(true)};
+  if (!buffer.memory_size && (buffer.spill_size || *spill_dir || *spill_direct))
+    return Error(EINVAL, "x-cow-spill-dir, x-cow-spill-size and x-cow-spill-direct need x-cow-buffer-size");
   if ((*file)->length() != (*target)->length())
     return Error(EINVAL, "Source and target image have different sizes");
   auto cbw = std::make_shared<CopyBeforeWrite>(ctx.loop, *file, *target, o);

@@ -185,7 +185,10 @@ Result<std::vector<uint8_t>> serialize_header(const Header& h) {
   bool ok = true;
   if (!h.backing_format.empty())
     ok &= ext(kExtBackingFormat, reinterpret_cast<const uint8_t*>(h.backing_format.data()), h.backing_format.size());
-  if (h.version >= 3) {
+  // QEMU 7.2 writes the feature name table only with clusters above 4 KiB
+  // (observed: 512 B to 4 KiB images never carry it), where it cannot crowd
+  // out the other extensions; an image of ours looks the same.
+  if (h.version >= 3 && cs > 4096) {
     std::vector<uint8_t> table;
     for (const auto& f : kFeatures) {
       uint8_t e[48] = {};

@@ -1,0 +1,247 @@
+// vblk backup: a one-shot, point-in-time backup of an image (or an NBD
+// export) into a new image, full or incremental, on the same backup job
+// that `vblk serve` runs for blockdev-backup.
+//
+//   full:        vblk backup [--bitmap NAME] SRC TARGET
+//                TARGET is created (-O, default qcow2) and gets the whole
+//                disk; with --bitmap, the persistent bitmap NAME of SRC is
+//                created if missing and starts over at the backup's point in
+//                time (sync=full, bitmap-mode=on-success), so the next
+//                incremental backup copies only what was written after it.
+//   incremental: vblk backup --incremental --bitmap NAME -B PREV SRC TARGET
+//                TARGET is created as a qcow2 overlay of PREV (the previous
+//                backup of the chain) and gets only the clusters NAME has
+//                dirty (sync=bitmap, on-success): the chain's top then reads
+//                as SRC did. A missing or inconsistent bitmap (its writer
+//                died with it in use) is refused with an error and no
+//                target: never a silent full copy, never a chain that lies.
+//
+// On any failure the target this command created is removed, and the
+// bitmap is as it was (the job merges its successor back). Restore is
+// `vblk convert` of any point of the chain: as sparse as the source.
+#include <getopt.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <vector>
+
+#include "block/options.h"
+#include "cli/common.h"
+#include "cli/progress.h"
+#include "vblk/backup.h"
+#include "vblk/graph.h"
+#include "vblk/job.h"
+#include "vblk/named_bitmap.h"
+#include "vblk/perm.h"
+
+namespace vblk::cli {
+
+namespace {
+
+// qemu-img create's path for the target: same options, checks and messages.
+int create_backup_target(const std::string& filename, const std::string& fmt, const std::string& backing,
+                         const std::string& backing_fmt, uint64_t size) {
+  std::vector<std::string> args = {"create", "-q", "-f", fmt};
+  if (!backing.empty()) {
+    args.insert(args.end(), {"-b", backing});
+    if (!backing_fmt.empty()) args.insert(args.end(), {"-F", backing_fmt});
+  }
+  args.push_back(filename);
+  args.push_back(std::to_string(size));
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  g_create_error_context = "error while creating the backup target: ";
+  int rc = cmd_create(static_cast<int>(args.size()), argv.data());
+  g_create_error_context.clear();
+  return rc;
+}
+
+void usage() {
+  std::printf("usage: %s backup [-f fmt] [-O output_fmt] [--bitmap name [--incremental -B backing_file [-F "
+              "backing_fmt]]] [--cow-buffer size] [-r rate_limit] [-p] [-q] source target\n",
+              g_prog.c_str());
+}
+
+}  // namespace
+
+int cmd_backup(int argc, char** argv) {
+  enum { OPT_BITMAP = 256, OPT_INCREMENTAL, OPT_COW_BUFFER, OPT_IMAGE_OPTS };
+  static const option longopts[] = {
+      {"help", no_argument, nullptr, 'h'},
+      {"bitmap", required_argument, nullptr, OPT_BITMAP},
+      {"incremental", no_argument, nullptr, OPT_INCREMENTAL},
+      {"cow-buffer", required_argument, nullptr, OPT_COW_BUFFER},
+      {"image-opts", no_argument, nullptr, OPT_IMAGE_OPTS},
+      {nullptr, 0, nullptr, 0},
+  };
+  optind = 0;
+  ImageArgs sa;
+  std::string out_fmt = "qcow2", backing, backing_fmt, bitmap;
+  bool incremental = false, progress = false, quiet = false;
+  uint64_t cow_buffer = 0, rate = 0;
+  int c;
+  while ((c = getopt_long(argc, argv, ":f:O:B:F:r:hpq", longopts, nullptr)) != -1) {
+    switch (c) {
+      case ':': missing_argument(argv, optind);
+      case '?': unrecognized_option(argv, optind);
+      case 'h': usage(); return 0;
+      case 'f': sa.format = optarg; break;
+      case 'O': out_fmt = optarg; break;
+      case 'B': backing = optarg; break;
+      case 'F': backing_fmt = optarg; break;
+      case 'p': progress = true; break;
+      case 'q': quiet = true; break;
+      case 'r':
+      case OPT_COW_BUFFER: {
+        auto v = parse_size(optarg);
+        if (!v) {
+          error_report(std::string("Invalid ") + (c == 'r' ? "rate limit" : "COW buffer size") + " '" + optarg + "'");
+          return 1;
+        }
+        (c == 'r' ? rate : cow_buffer) = *v;
+        break;
+      }
+      case OPT_BITMAP: bitmap = optarg; break;
+      case OPT_INCREMENTAL: incremental = true; break;
+      case OPT_IMAGE_OPTS: sa.image_opts = true; break;
+    }
+  }
+  if (optind != argc - 2) error_exit("Expecting a source and a target");
+  sa.filename = argv[optind];
+  const std::string target = argv[optind + 1];
+  if (incremental && bitmap.empty()) error_exit("--incremental needs --bitmap: the bitmap says what changed");
+  if (incremental && backing.empty())
+    error_exit("--incremental needs -B: the previous backup of the chain, the new target's backing file");
+  if (!incremental && !backing.empty()) error_exit("-B is only for --incremental");
+  if (!backing_fmt.empty() && backing.empty()) error_exit("-F needs -B");
+  if (incremental && out_fmt != "qcow2") error_exit("an incremental backup is a qcow2 overlay (-O qcow2)");
+  if (quiet) progress = false;
+  if (::access(target.c_str(), F_OK) == 0) {
+    // A backup never overwrites: an existing file may be a backup itself.
+    error_report("Could not create '" + target + "': the file exists (a backup never overwrites one)");
+    return 1;
+  }
+
+  Loop loop;
+  // The source's bitmap changes with the backup, so it is opened for
+  // writing then; either way others may not write it meanwhile.
+  sa.read_only = bitmap.empty();
+  sa.unshare = kPermWrite | kPermResize;
+  auto src = open_cli_image(loop, sa);
+  if (!src) return 1;
+  bool created_bitmap = false;
+  if (!bitmap.empty()) {
+    NamedBitmap* b = src->bitmaps().find(bitmap);
+    if (incremental) {
+      if (!b) {
+        error_report("Refusing the incremental backup: bitmap '" + bitmap + "' of '" + sa.filename +
+                     "' does not exist; make a full backup with --bitmap " + bitmap + " to start a chain");
+        return 1;
+      }
+      if (b->inconsistent) {
+        error_report("Refusing the incremental backup: bitmap '" + bitmap + "' of '" + sa.filename +
+                     "' is inconsistent (its writer stopped without storing it), so it may miss writes; make a "
+                     "full backup with --bitmap " + bitmap + " after removing it (vblk bitmap --remove)");
+        return 1;
+      }
+    } else if (!b) {
+      // A new chain: the bitmap starts here (clean; the job keeps it so).
+      if (Status st = src->can_store_new_bitmap(bitmap, default_bitmap_granularity(src->cluster_size())); !st) {
+        error_report("Cannot keep bitmap '" + bitmap + "': " + st.error().what());
+        return 1;
+      }
+      auto nb = src->bitmaps().create(bitmap, src->length(), default_bitmap_granularity(src->cluster_size()));
+      if (!nb) {
+        error_report("Cannot keep bitmap '" + bitmap + "': " + nb.error().what());
+        return 1;
+      }
+      (*nb)->persistent = true;
+      created_bitmap = true;
+    }
+  }
+
+  if (create_backup_target(target, out_fmt, backing, backing_fmt, src->length()) != 0) return 1;
+  bool done = false;
+  // Unless the backup completed: the target this command made goes, and so
+  // does a bitmap it made (kept, it would call everything before it backed
+  // up). The source's close then stores the bitmaps as they were.
+  struct UndoUnlessDone {
+    const std::string& path;
+    bool& done;
+    Node& src;
+    std::string bitmap;
+    ~UndoUnlessDone() {
+      if (done) return;
+      ::unlink(path.c_str());
+      if (!bitmap.empty()) src.bitmaps().remove(bitmap);
+    }
+  } undo{target, done, *src, created_bitmap ? bitmap : std::string()};
+
+  ImageArgs ta;
+  ta.filename = target;
+  ta.format = out_fmt;
+  ta.read_only = false;
+  auto dst = open_cli_image(loop, ta);
+  if (!dst) return 1;
+
+  Graph graph;
+  JobManager jobs(loop);
+  std::string job_error;
+  jobs.set_event_sink([&](const std::string& name, const nlohmann::ordered_json& data) {
+    if (name == "BLOCK_JOB_COMPLETED" && data.contains("error")) job_error = data["error"].get<std::string>();
+  });
+  for (auto* n : {&src, &dst}) {
+    if (Status st = graph.add(*n); !st) {
+      error_report(st.error().what());
+      return 1;
+    }
+  }
+  BackupArgs a;
+  a.job_id = "backup";
+  a.device = src->node_name();
+  a.target = dst->node_name();
+  a.sync = incremental ? "bitmap" : "full";
+  if (!bitmap.empty()) {
+    a.bitmap = bitmap;
+    a.bitmap_mode = "on-success";
+  }
+  if (rate) a.speed = static_cast<int64_t>(rate);
+  a.cow_buffer_size = static_cast<int64_t>(cow_buffer);
+  auto job = start_backup(jobs, graph, a);
+  if (!job) {
+    error_report((incremental ? "Refusing the incremental backup: " : "Cannot start the backup: ") +
+                 job.error().what());
+    return 1;
+  }
+  {
+    Progress meter(progress, 1.0f);
+    float shown = 0;
+    meter.print(0, 100);
+    loop.run_until([&] {
+      uint64_t total = (*job)->progress_total();
+      float pct = total ? 100.0f * static_cast<float>((*job)->progress_current()) / static_cast<float>(total) : 0;
+      if (pct > shown) {
+        meter.print(pct - shown, 100);
+        shown = pct;
+      }
+      return (*job)->status() == JobStatus::Null || (*job)->status() == JobStatus::Concluded;
+    });
+    if ((*job)->result().ok() && shown < 100) meter.print(100 - shown, 100);
+    meter.end();
+  }
+  if (!(*job)->result().ok()) {
+    error_report("The backup failed: " + (job_error.empty() ? (*job)->result().error().what() : job_error));
+    return 1;
+  }
+  if (Status st = loop.run(dst->flush()); !st) {
+    error_report("error while flushing the backup: " + st.error().what());
+    return 1;
+  }
+  (void)graph.remove(dst->node_name());
+  (void)graph.remove(src->node_name());
+  done = true;
+  return 0;
+}
+
+}  // namespace vblk::cli
