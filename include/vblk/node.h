@@ -287,6 +287,21 @@ class Node {
   // Deletes the snapshot with exactly this id and name.
   virtual Task<Status> snapshot_delete(const std::string& id, const std::string& name);
 
+  // The VM state of internal snapshots (qcow2: a byte stream stored after
+  // the virtual disk end, QEMU's bdrv_save_vmstate/bdrv_load_vmstate).
+  // Writes go to the active state, which snapshot_create() then carries
+  // when SnapshotInfo::vm_state_size says so. These bypass the request
+  // path (the area lies beyond length()) and are not tracked by drain():
+  // their one writer (VmstateWriter, vmstate.h) flushes before anything
+  // else happens. Any offset and length. The defaults: ENOTSUP.
+  virtual bool supports_vmstate() const { return false; }
+  virtual Task<Status> write_vmstate(uint64_t pos, std::span<const uint8_t> buf);
+  // Reads the active state, or with a snapshot id that snapshot's. Never
+  // written bytes read as zeroes.
+  virtual Task<Status> read_vmstate(uint64_t pos, std::span<uint8_t> buf, const std::string& snapshot_id = {});
+  // Drops the active state's first `bytes` (a savevm that failed).
+  virtual Task<Status> discard_vmstate(uint64_t bytes);
+
  protected:
   // Drivers implement these. Input is clean: aligned to request_alignment,
   // within max_transfer, within length (unless growable), buffer memory

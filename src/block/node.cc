@@ -487,6 +487,14 @@ Task<Status> Node::snapshot_delete(const std::string&, const std::string&) {
   co_return Error(ENOTSUP, "Block driver does not support snapshots");
 }
 
+Task<Status> Node::write_vmstate(uint64_t, std::span<const uint8_t>) {
+  co_return Error(ENOTSUP, "Block driver does not support VM state");
+}
+Task<Status> Node::read_vmstate(uint64_t, std::span<uint8_t>, const std::string&) {
+  co_return Error(ENOTSUP, "Block driver does not support VM state");
+}
+Task<Status> Node::discard_vmstate(uint64_t) { co_return Error(ENOTSUP, "Block driver does not support VM state"); }
+
 Task<Status> Node::do_truncate(uint64_t, bool) { co_return Error(ENOTSUP, "Image format driver does not support resize"); }
 
 }  // namespace vblk

@@ -255,6 +255,10 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
     (*node)->set_claim(claim);
     if (Status st = (*node)->refresh_perms(); !st) node = st.take_error();
   }
+  if (!node && a.open_error) {
+    *a.open_error = node.take_error();
+    return nullptr;
+  }
   if (!node) {
     std::string prefix = a.open_error_prefix.empty() ? "Could not open '" + a.filename + "': "
                                                      : a.open_error_prefix + a.filename + ": ";

@@ -68,6 +68,9 @@ struct ImageArgs {
   // Prefix of the open error; "" gives qemu-img's "Could not open '<file>': "
   // (qemu-io words it "can't open device <file>: ").
   std::string open_error_prefix;
+  // Set: a failed open stores its error here instead of reporting it
+  // (savevm waits for a lock to come free).
+  Error* open_error = nullptr;
 };
 
 // Opens an image as qemu-img does and reports "Could not open 'X': ..." on
@@ -96,6 +99,8 @@ int cmd_resize(int argc, char** argv);
 int cmd_io(int argc, char** argv);
 int cmd_nbd(int argc, char** argv);
 int cmd_snapshot(int argc, char** argv);
+int cmd_savevm(int argc, char** argv);
+int cmd_loadvm(int argc, char** argv);
 
 // qemu-img's snapshot table printing (bdrv_snapshot_dump): nothing when empty.
 void dump_snapshots(const std::vector<SnapshotInfo>& list);

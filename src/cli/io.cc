@@ -259,8 +259,21 @@ class Io {
   }
 
  private:
+  // qemu-io's check for -b and -c: whole sectors, or a message and EINVAL.
+  static bool sector_aligned(int64_t offset, int64_t count) {
+    if (offset % 512) {
+      std::printf("%" PRId64 " is not a sector-aligned value for 'offset'\n", offset);
+      return false;
+    }
+    if (count % 512) {
+      std::printf("%" PRId64 " is not a sector-aligned value for 'count'\n", count);
+      return false;
+    }
+    return true;
+  }
+
   int read_f(const Cmd& ct, int argc, char** argv) {
-    bool machine = false, pflag = false, qflag = false, vflag = false, lflag = false, sflag = false;
+    bool machine = false, pflag = false, qflag = false, vflag = false, lflag = false, sflag = false, bflag = false;
     int64_t pattern_offset = 0, pattern_count = 0;
     int pattern = 0;
     CmdOpts o{argc, argv};
@@ -284,7 +297,8 @@ class Io {
           if (!cvtnum(optarg, pattern_offset)) return -EINVAL;
           break;
         case 'v': vflag = true; break;
-        default: return command_usage(ct);  // includes -b (vmstate): not supported
+        case 'b': bflag = true; break;
+        default: return command_usage(ct);
       }
     }
     if (optind != argc - 2) return command_usage(ct);
@@ -295,6 +309,8 @@ class Io {
       std::printf("length cannot exceed %" PRId64 ", given %s\n", kRequestMax, argv[optind + 1]);
       return -EINVAL;
     }
+    // -b: the VM state area (qemu-io's do_load_vmstate), whole sectors only.
+    if (bflag && !sector_aligned(offset, count)) return -EINVAL;
     if (!pflag && (lflag || sflag)) return command_usage(ct);
     if (!lflag) pattern_count = count - pattern_offset;
     if (pattern_count < 0 || pattern_count + pattern_offset > count) {
@@ -304,7 +320,8 @@ class Io {
     AlignedBuffer buf(static_cast<size_t>(count), 4096);
     if (count) std::memset(buf.data(), 0xab, static_cast<size_t>(count));  // (no memory when empty)
     timespec t1 = now();
-    Status st = loop_.run(node_->read(static_cast<uint64_t>(offset), buf.span()));
+    Status st = bflag ? loop_.run(node_->read_vmstate(static_cast<uint64_t>(offset), buf.span()))
+                      : loop_.run(node_->read(static_cast<uint64_t>(offset), buf.span()));
     timespec t2 = now();
     if (!st) {
       std::printf("read failed: %s\n", std::strerror(st.error().code));
@@ -330,7 +347,7 @@ class Io {
 
   int write_f(const Cmd& ct, int argc, char** argv) {
     bool machine = false, pflag = false, qflag = false, zflag = false, compressed = false, fua = false,
-         no_fallback = false, unmap = false;
+         no_fallback = false, unmap = false, bflag = false;
     int pattern = 0xcd;
     CmdOpts o{argc, argv};
     int c;
@@ -349,11 +366,16 @@ class Io {
         case 'q': qflag = true; break;
         case 'u': unmap = true; break;
         case 'z': zflag = true; break;
-        default: return command_usage(ct);  // includes -b (vmstate), -s (source file): not supported
+        case 'b': bflag = true; break;
+        default: return command_usage(ct);  // includes -s (source file): not supported
       }
     }
     if (optind != argc - 2) return command_usage(ct);
-    if (fua && compressed) {
+    if (bflag && zflag) {
+      std::printf("-b and -z cannot be specified at the same time\n");
+      return -EINVAL;
+    }
+    if (fua && (compressed || bflag)) {
       std::printf("-f and -b or -c cannot be specified at the same time\n");
       return -EINVAL;
     }
@@ -376,16 +398,7 @@ class Io {
       std::printf("length cannot exceed %" PRId64 " without -n, given %s\n", kRequestMax, argv[optind + 1]);
       return -EINVAL;
     }
-    if (compressed) {
-      if (offset % 512) {
-        std::printf("%" PRId64 " is not a sector-aligned value for 'offset'\n", offset);
-        return -EINVAL;
-      }
-      if (count % 512) {
-        std::printf("%" PRId64 " is not a sector-aligned value for 'count'\n", count);
-        return -EINVAL;
-      }
-    }
+    if ((compressed || bflag) && !sector_aligned(offset, count)) return -EINVAL;
     uint32_t flags = (fua ? kReqFua : 0u) | (compressed ? kReqCompressed : 0u);
     timespec t1 = now();
     Status st;
@@ -395,7 +408,9 @@ class Io {
     } else {
       AlignedBuffer buf(static_cast<size_t>(count), 4096);
       if (count) std::memset(buf.data(), pattern, static_cast<size_t>(count));
-      st = loop_.run(node_->write(static_cast<uint64_t>(offset), buf.span(), flags));
+      // -b: the VM state area (qemu-io's do_save_vmstate; -c does not apply).
+      if (bflag) st = loop_.run(node_->write_vmstate(static_cast<uint64_t>(offset), buf.span()));
+      else st = loop_.run(node_->write(static_cast<uint64_t>(offset), buf.span(), flags));
     }
     if (st && fua && zflag) st = loop_.run(node_->flush());
     timespec t2 = now();

@@ -47,6 +47,12 @@ const Command kCommands[] = {
      "[--pidfile path] [--daemonize]"},
     {"snapshot", vblk::cli::cmd_snapshot,
      "snapshot [--image-opts] [-U] [-q] [-l | -a snapshot | -c snapshot | -d snapshot] filename"},
+    {"savevm", vblk::cli::cmd_savevm,
+     "savevm [--image-opts] [-f fmt] [-t cache] [-q] [--workers n] [--buffer-size size] [--vm-clock ns] "
+     "--vmstate file|- filename tag"},
+    {"loadvm", vblk::cli::cmd_loadvm,
+     "loadvm [--image-opts] [-f fmt] [-t cache] [-q] [-U] [--state-only] [--workers n] --vmstate-out file|- "
+     "filename tag"},
     {"map", vblk::cli::cmd_map,
      "map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] filename"},
 };

@@ -23,18 +23,20 @@ struct Classified {
 };
 }  // namespace
 
-Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes, bool for_write) {
+Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes, bool for_write,
+                                        const std::vector<uint64_t>* other_l1) {
+  const std::vector<uint64_t>& l1 = other_l1 ? *other_l1 : l1_.vec();
   const uint64_t l1i = offset >> (h_.cluster_bits + l2_bits_);
   const uint64_t in_cluster = offset & (cs_ - 1);
   Mapping m;
   // A run never crosses an L2 table: cap at its end.
   uint64_t table_end = (l1i + 1) << (h_.cluster_bits + l2_bits_);
   max_bytes = std::min(max_bytes, table_end - offset);
-  if (l1i >= l1_.size() || !(l1_[l1i] & kL1OffsetMask)) {
+  if (l1i >= l1.size() || !(l1[l1i] & kL1OffsetMask)) {
     m.bytes = max_bytes;
     co_return m;
   }
-  uint64_t l2_off = l1_[l1i] & kL1OffsetMask;
+  uint64_t l2_off = l1[l1i] & kL1OffsetMask;
   VBLK_CO_TRY(co_await check_l2_offset(l2_off, l1i));
   auto t = co_await l2_cache_->get(l2_off);
   if (!t) co_return t.take_error();

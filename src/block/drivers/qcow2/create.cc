@@ -82,8 +82,11 @@ Task<Status> Qcow2Node::grow_l1_table(uint64_t need) {
   for (uint64_t i = 0; i < l1_.size(); ++i) put64(t.data() + i * 8, l1_[i]);
   // Only the entries are written, as QEMU writes them (the rest of the
   // cluster stays a hole; reads past the end of the file are zeroes).
-  VBLK_CO_TRY(co_await checked_write(0, *where, t.span().subspan(0, need * 8)));
-  VBLK_CO_TRY(co_await rb_cache_->flush());
+  // A failure before the header points to it leaves the new table
+  // unreferenced: its clusters go back (QEMU leaks them).
+  auto st = co_await checked_write(0, *where, t.span().subspan(0, need * 8));
+  if (st) st = co_await rb_cache_->flush();
+  if (!st) co_return co_await abort_alloc(*where, clusters * cs_, st.take_error());
   uint64_t old_off = h_.l1_table_offset, old_size = h_.l1_size;
   h_.l1_table_offset = *where;
   h_.l1_size = static_cast<uint32_t>(need);

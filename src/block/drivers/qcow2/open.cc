@@ -9,11 +9,19 @@
 #include "block/drivers/qcow2/qcow2.h"
 #include "block/perm_rules.h"
 #include "vblk/buffer.h"
+#include "vblk/filter_node.h"
 
 namespace vblk::qcow2 {
 
 Qcow2Node::Qcow2Node(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "qcow2"), file_(file.get()), lock_(loop) {
-  file_->set_growable(true);
+  // The image grows at the bottom of its file child, through any filters
+  // in between (blkdebug over the file): QEMU lets every node below a
+  // format be written past its end.
+  for (Node* n = file_; n;) {
+    n->set_growable(true);
+    auto* f = dynamic_cast<FilterNode*>(n);
+    n = f ? &f->filtered() : nullptr;
+  }
   limits_.request_alignment = file_->limits().request_alignment;
   limits_.buffer_alignment = file_->limits().buffer_alignment;
   caps_.zeroes = true;

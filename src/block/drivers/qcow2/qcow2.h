@@ -153,7 +153,10 @@ class Qcow2Node final : public Node {
   // ---- cluster.cc (lock held)
   // for_write: an unaligned in-place cluster gets the write path's message
   // (QEMU's handle_copied) instead of the read path's.
-  Task<Result<Mapping>> lookup(uint64_t offset, uint64_t max_bytes, bool for_write = false);
+  // l1: another L1 table to look in (a snapshot's, for its VM state);
+  // nullptr is the active one.
+  Task<Result<Mapping>> lookup(uint64_t offset, uint64_t max_bytes, bool for_write = false,
+                               const std::vector<uint64_t>* l1 = nullptr);
   Task<Result<bool>> reads_as_zero(uint64_t offset, uint64_t bytes);
   // The L2 table for guest offset, allocated (and made writable) if needed.
   Task<Result<MetaCache::Ref>> l2_for_write(uint64_t offset);
@@ -359,6 +362,22 @@ class Qcow2Node final : public Node {
   int find_snapshot(const std::string& id, const std::string& name) const;
   std::vector<Snapshot> snapshots_;
   uint64_t snapshots_size_ = 0;
+
+  // ---- vmstate.cc: the VM state area after the disk end
+ public:
+  bool supports_vmstate() const override { return true; }
+  Task<Status> write_vmstate(uint64_t pos, std::span<const uint8_t> buf) override;
+  Task<Status> read_vmstate(uint64_t pos, std::span<uint8_t> buf, const std::string& snapshot_id) override;
+  Task<Status> discard_vmstate(uint64_t bytes) override;
+  // Guest offset of the VM state for a disk of `disk_size` bytes: the first
+  // L1 entry past the disk (QEMU's qcow2_vm_state_offset).
+  uint64_t vm_state_offset(uint64_t disk_size) const;
+
+ private:
+  // The L1 table of the snapshot last read from (by its table's offset);
+  // dropped whenever the snapshot table changes.
+  uint64_t vmstate_l1_from_ = 0;
+  std::vector<uint64_t> vmstate_l1_;
 
   // ---- bitmap.cc: persistent dirty bitmaps
  public:

@@ -163,6 +163,7 @@ Task<Status> Qcow2Node::write_snapshots(std::vector<Snapshot> table) {
   h_.snapshots_offset = where;
   snapshots_ = std::move(table);
   snapshots_size_ = size;
+  vmstate_l1_from_ = 0;  // a new snapshot may reuse a freed table's place
   VBLK_CO_TRY(co_await index_snapshots());
   // The old table is unreachable now (a crash before this only leaks it).
   if (old_size) VBLK_CO_TRY(co_await free_unreferenced(old, old_size));
@@ -384,6 +385,15 @@ Task<Status> Qcow2Node::snapshot_create(SnapshotInfo& info) {
   VBLK_CO_TRY(co_await write_snapshots(std::move(table)));
   VBLK_CO_TRY(co_await flush_all());
   info.id = sn.id;
+  // 5. The VM state now belongs to the snapshot; in the active tables it
+  //    would only cost copy-on-write at the next snapshot (QEMU drops it
+  //    too). Committed already: a failure here only leaves it shared.
+  if (sn.vm_state_size) {
+    const uint64_t off = vm_state_offset(sn.disk_size);
+    auto st = co_await discard_clusters(off, off + align_up(sn.vm_state_size, cs_), true);
+    if (st) st = co_await flush_all();
+    (void)st;
+  }
   co_return Status{};
 }
 
