@@ -38,24 +38,6 @@ namespace vblk::cli {
 
 namespace {
 
-// qemu-img create's path for the target: same options, checks and messages.
-int create_backup_target(const std::string& filename, const std::string& fmt, const std::string& backing,
-                         const std::string& backing_fmt, uint64_t size) {
-  std::vector<std::string> args = {"create", "-q", "-f", fmt};
-  if (!backing.empty()) {
-    args.insert(args.end(), {"-b", backing});
-    if (!backing_fmt.empty()) args.insert(args.end(), {"-F", backing_fmt});
-  }
-  args.push_back(filename);
-  args.push_back(std::to_string(size));
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  g_create_error_context = "error while creating the backup target: ";
-  int rc = cmd_create(static_cast<int>(args.size()), argv.data());
-  g_create_error_context.clear();
-  return rc;
-}
 
 void usage() {
   std::printf("usage: %s backup [-f fmt] [-O output_fmt] [--bitmap name [--incremental -B backing_file [-F "
@@ -161,7 +143,9 @@ int cmd_backup(int argc, char** argv) {
     }
   }
 
-  if (create_backup_target(target, out_fmt, backing, backing_fmt, src->length()) != 0) return 1;
+  if (create_target(target, out_fmt, "", backing, backing_fmt, src->length(),
+                    "error while creating the backup target: ") != 0)
+    return 1;
   bool done = false;
   // Unless the backup completed: the target this command made goes, and so
   // does a bitmap it made (kept, it would call everything before it backed

@@ -285,4 +285,24 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
   });
 }
 
+int create_target(const std::string& filename, const std::string& fmt, const std::string& options,
+                  const std::string& backing, const std::string& backing_fmt, uint64_t size,
+                  const std::string& error_context) {
+  std::vector<std::string> args = {"create", "-q", "-f", fmt};
+  if (!options.empty()) args.insert(args.end(), {"-o", options});
+  if (!backing.empty()) {
+    args.insert(args.end(), {"-b", backing});
+    if (!backing_fmt.empty()) args.insert(args.end(), {"-F", backing_fmt});
+  }
+  args.push_back(filename);
+  args.push_back(std::to_string(size));
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  g_create_error_context = error_context;
+  int rc = cmd_create(static_cast<int>(args.size()), argv.data());
+  g_create_error_context.clear();
+  return rc;
+}
+
 }  // namespace vblk::cli

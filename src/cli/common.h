@@ -86,6 +86,12 @@ int cmd_create(int argc, char** argv);
 // Put between "<file>: " and create's error message (convert sets it to
 // "error while converting <fmt>: ", as qemu-img words it).
 extern std::string g_create_error_context;
+// Creates an image through `vblk create` (qemu-img create's options, checks
+// and messages), its errors prefixed with `error_context`; "" options and
+// backing for none (backing_fmt "" probes). Returns create's exit code.
+int create_target(const std::string& filename, const std::string& fmt, const std::string& options,
+                  const std::string& backing, const std::string& backing_fmt, uint64_t size,
+                  const std::string& error_context);
 int cmd_convert(int argc, char** argv);
 int cmd_info(int argc, char** argv);
 int cmd_map(int argc, char** argv);

@@ -50,31 +50,6 @@ void convert_usage() {
       g_prog.c_str());
 }
 
-// Creates the target through `create` (same options, checks and messages),
-// with qemu-img convert's error context.
-int create_target(const std::string& filename, const std::string& fmt, const std::string& options,
-                  const std::string& backing, const std::string& backing_fmt, uint64_t size) {
-  std::vector<std::string> args = {"create", "-q", "-f", fmt};
-  if (!options.empty()) {
-    args.push_back("-o");
-    args.push_back(options);
-  }
-  if (!backing.empty()) {
-    args.push_back("-b");
-    args.push_back(backing);
-    args.push_back("-F");
-    args.push_back(backing_fmt);
-  }
-  args.push_back(filename);
-  args.push_back(std::to_string(size));
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  g_create_error_context = "error while converting " + fmt + ": ";
-  int rc = cmd_create(static_cast<int>(args.size()), argv.data());
-  g_create_error_context.clear();
-  return rc;
-}
 
 }  // namespace
 
@@ -237,7 +212,8 @@ int cmd_convert(int argc, char** argv) {
   const uint64_t size = src->length();
 
   if (!skip_create) {
-    if (create_target(out_name, out_fmt, options, backing, backing_fmt, size) != 0) return 1;
+    if (create_target(out_name, out_fmt, options, backing, backing_fmt, size, "error while converting " + out_fmt + ": ") != 0)
+      return 1;
   }
   ImageArgs ta;
   ta.filename = out_name;
