@@ -493,8 +493,8 @@ class MirrorInteropTest(InteropTestCase):
                 before = f.read()
             v = subprocess.run([FIO, "--name=v", "--ioengine=nbd", "--uri=nbd+unix:///src?socket=" + sock,
                                 "--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=8M", "--offset=16M",
-                                "--verify=crc32c", "--output-format=json"], capture_output=True, text=True,
-                               timeout=120)
+                                "--verify=crc32c", "--verify_state_save=0", "--output-format=json"],
+                               capture_output=True, text=True, timeout=120, cwd=d)
             self.assertEqual(v.returncode, 0, v.stderr)
             with open(src, "rb") as f:
                 src_untouched = f.read() == before
