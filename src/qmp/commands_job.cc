@@ -4,6 +4,7 @@
 // say GenericError "Job not found"). The job logic itself is in src/job.
 #include "qmp/daemon.h"
 #include "vblk/backup.h"
+#include "vblk/mirror.h"
 
 namespace vblk::qmp {
 
@@ -11,6 +12,7 @@ namespace {
 
 const std::vector<std::string> kSyncModes = {"top", "full", "none", "incremental", "bitmap"};
 const std::vector<std::string> kOnError = {"report", "ignore", "enospc", "stop", "auto"};
+const std::vector<std::string> kCopyModes = {"background", "write-blocking"};
 
 Reply fail(const Error& e, const char* cls = "GenericError") { return Reply::fail(e.what(), cls); }
 
@@ -46,6 +48,28 @@ Task<Reply> blockdev_backup(Daemon& d, const OJson& a) {
     if (p.contains("cow-spill-direct")) b.cow_spill_direct = p["cow-spill-direct"].get<bool>();
   }
   auto job = start_backup(d.jobs, d.graph, b);
+  if (!job.ok()) co_return fail(job.error());
+  d.note_new_nodes((*job)->filter_node());
+  co_return Reply::ok();
+}
+
+Task<Reply> blockdev_mirror(Daemon& d, const OJson& a) {
+  MirrorArgs m;
+  if (a.contains("job-id")) m.job_id = a["job-id"].get<std::string>();
+  m.device = a["device"].get<std::string>();
+  m.target = a["target"].get<std::string>();
+  if (a.contains("replaces")) m.replaces = a["replaces"].get<std::string>();
+  m.sync = a["sync"].get<std::string>();
+  if (a.contains("speed")) m.speed = a["speed"].get<int64_t>();
+  if (a.contains("granularity")) m.granularity = a["granularity"].get<uint64_t>();
+  if (a.contains("buf-size")) m.buf_size = a["buf-size"].get<int64_t>();
+  if (a.contains("on-source-error")) parse_on_error(a["on-source-error"].get<std::string>(), m.on_source_error);
+  if (a.contains("on-target-error")) parse_on_error(a["on-target-error"].get<std::string>(), m.on_target_error);
+  if (a.contains("filter-node-name")) m.filter_node_name = a["filter-node-name"].get<std::string>();
+  if (a.contains("copy-mode")) m.write_blocking = a["copy-mode"].get<std::string>() == "write-blocking";
+  if (a.contains("auto-finalize")) m.auto_finalize = a["auto-finalize"].get<bool>();
+  if (a.contains("auto-dismiss")) m.auto_dismiss = a["auto-dismiss"].get<bool>();
+  auto job = start_mirror(d.jobs, d.graph, m);
   if (!job.ok()) co_return fail(job.error());
   d.note_new_nodes((*job)->filter_node());
   co_return Reply::ok();
@@ -93,6 +117,9 @@ Task<Reply> query_jobs(Daemon& d, const OJson&) { co_return Reply::ok(d.jobs.que
 
 void register_job_commands(Daemon& d) {
   d.jobs.set_event_sink([&d](const std::string& name, const OJson& data) { d.emit(name, data); });
+  // A job's own use of a node (a mirror's target) is a BlockBackend in
+  // QEMU: blockdev-del says "Node x is in use".
+  d.node_users.push_back([](const Node& n) { return !n.refs().empty(); });
   d.registry.add({"blockdev-backup",
                   {{{"job-id", ArgType::Str},
                     {"device", ArgType::Str, true},
@@ -119,6 +146,22 @@ void register_job_commands(Daemon& d) {
                       {"cow-spill-direct", ArgType::Bool}}},
                     {"target", ArgType::Str, true}}},
                   [&d](const OJson& a) { return blockdev_backup(d, a); }});
+  d.registry.add({"blockdev-mirror",
+                  {{{"job-id", ArgType::Str},
+                    {"device", ArgType::Str, true},
+                    {"target", ArgType::Str, true},
+                    {"replaces", ArgType::Str},
+                    {"sync", ArgType::Enum, true, kSyncModes},
+                    {"speed", ArgType::Int},
+                    {"granularity", ArgType::UInt32},
+                    {"buf-size", ArgType::Int},
+                    {"on-source-error", ArgType::Enum, false, kOnError},
+                    {"on-target-error", ArgType::Enum, false, kOnError},
+                    {"filter-node-name", ArgType::Str},
+                    {"copy-mode", ArgType::Enum, false, kCopyModes},
+                    {"auto-finalize", ArgType::Bool},
+                    {"auto-dismiss", ArgType::Bool}}},
+                  [&d](const OJson& a) { return blockdev_mirror(d, a); }});
   for (const char* verb : {"pause", "resume", "complete"}) {
     std::string v = verb;
     d.registry.add({"block-job-" + v, {{{"device", ArgType::Str, true}}},
