@@ -59,11 +59,15 @@ struct MirrorArgs {
   bool auto_dismiss = true;
 };
 
+struct MirrorJobParams;
+
 class MirrorJob : public BlockJob {
  public:
   MirrorJob(JobManager& mgr, const std::string& id, bool auto_finalize, bool auto_dismiss);
   ~MirrorJob() override;
-  const char* type() const override { return "mirror"; }
+  // An active commit is a mirror into the base (QEMU's commit_active_start).
+  const char* type() const override { return sync_ == Sync::Commit ? "commit" : "mirror"; }
+  enum class Sync { Full, Top, None, Commit };
   uint64_t progress_current() const override;
   uint64_t progress_total() const override;
   std::shared_ptr<Node> filter_node() const { return filter_; }
@@ -80,7 +84,10 @@ class MirrorJob : public BlockJob {
   void clean() override;
 
  private:
-  friend Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, const MirrorArgs& args);
+  friend Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& graph,
+                                                             const std::shared_ptr<Node>& src,
+                                                             const std::shared_ptr<Node>& tgt,
+                                                             const MirrorJobParams& p);
   // Marks what the first pass must copy.
   Task<Status> init_bitmap();
   // Copies until nothing is dirty (ok), or the error that ends the job;
@@ -100,7 +107,7 @@ class MirrorJob : public BlockJob {
   NodeRef target_ref_;  // the job's use of the target (write, shares only write-unchanged)
   std::shared_ptr<MirrorTop> filter_;
   std::unique_ptr<BlockCopyState> bcs_;
-  enum class Sync { Full, Top, None } sync_ = Sync::Full;
+  Sync sync_ = Sync::Full;
   bool write_blocking_ = false;
   OnError on_source_error_ = OnError::Report, on_target_error_ = OnError::Report;
   std::shared_ptr<BlockCopyCall> call_;
@@ -112,6 +119,32 @@ class MirrorJob : public BlockJob {
   bool idle_ = false;          // ready and waiting for guest writes
   uint64_t final_done_ = 0, final_total_ = 0;  // progress once the engine is gone
 };
+
+// What mirror_start_job takes, once the command's own checks are done.
+struct MirrorJobParams {
+  std::string job_id;
+  std::string filter_node_name;
+  MirrorJob::Sync sync = MirrorJob::Sync::Full;
+  uint64_t granularity = 0;
+  int64_t buf_size = 0;
+  std::optional<int64_t> speed;
+  OnError on_source_error = OnError::Report;
+  OnError on_target_error = OnError::Report;
+  bool unmap = true;
+  bool write_blocking = false;
+  bool auto_finalize = true;
+  bool auto_dismiss = true;
+};
+
+// QEMU's mirror_start_job: its checks (buf-size, into itself, filter node
+// name, job id, speed, the target's permissions) in its order, then the
+// filter and the job (blockdev-mirror and block-commit's active commit).
+Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& graph, const std::shared_ptr<Node>& src,
+                                                    const std::shared_ptr<Node>& tgt, const MirrorJobParams& p);
+
+// The next node down a backing chain: the backing file, or what a filter
+// filters (QEMU's bdrv_filter_or_cow_bs).
+Node* chain_next(const Node& n);
 
 // Checks the arguments as QEMU's blockdev-mirror does (same messages, same
 // order), inserts the filter, creates and starts the job.

@@ -11,6 +11,12 @@
 
 namespace vblk {
 
+Node* chain_next(const Node& n) {
+  if (Node* b = n.child("backing")) return b;
+  if (dynamic_cast<const FilterNode*>(&n)) return n.file_child();
+  return nullptr;
+}
+
 namespace {
 constexpr uint64_t kDefaultBufSize = 16 << 20;  // QEMU's DEFAULT_MIRROR_BUF_SIZE
 constexpr uint64_t kSliceNs = 100'000'000;     // QEMU's BLOCK_JOB_SLICE_TIME
@@ -46,6 +52,20 @@ Task<Status> MirrorJob::init_bitmap() {
   DirtyBitmap& bm = bcs_->bitmap();
   if (sync_ == Sync::Full) {
     bm.set_all();
+  } else if (sync_ == Sync::Commit) {
+    // What the layers above the base allocate (QEMU's
+    // bdrv_is_allocated_above up to the base's overlay); the base has the
+    // rest already.
+    for (Node* n = source_.get(); n && n != target_.get(); n = chain_next(*n)) {
+      for (uint64_t pos = 0; pos < len_;) {
+        if (is_cancelled()) co_return Status{};
+        auto st = co_await n->block_status(pos, len_ - pos);
+        if (!st) co_return st.error();
+        const uint64_t cnt = std::max<uint64_t>(1, std::min(st->bytes, len_ - pos));
+        if (st->flags & kStatusAllocated) bm.set(pos, cnt);
+        pos += cnt;
+      }
+    }
   } else if (sync_ == Sync::Top) {
     // What the source's own layer allocates; the target reads the rest
     // from its backing chain (QEMU's bdrv_is_allocated_above up to the
@@ -64,7 +84,11 @@ Task<Status> MirrorJob::init_bitmap() {
 
 Task<Status> MirrorJob::run() {
   len_ = source_->length();
-  if (target_->length() != len_) {
+  if (sync_ == Sync::Commit) {
+    // Active commit grows a shorter base to the top's size.
+    if (target_->length() < len_)
+      if (Status st = co_await target_->truncate(len_, false); !st.ok()) co_return st;
+  } else if (target_->length() != len_) {
     set_error_text("Source and target image have different sizes");
     co_return Error(EINVAL, "Source and target image have different sizes");
   }
@@ -255,37 +279,66 @@ Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, c
   }
   // mirror_start
   if (a.sync == "incremental" || a.sync == "bitmap") return Error(EINVAL, "Sync mode '" + a.sync + "' not supported");
+  MirrorJobParams p;
+  p.job_id = a.job_id.value_or(std::string());
+  p.filter_node_name = a.filter_node_name.value_or(std::string());
+  p.sync = sync;
+  p.granularity = g;
+  p.buf_size = a.buf_size;
+  p.speed = a.speed;
+  p.on_source_error = a.on_source_error;
+  p.on_target_error = a.on_target_error;
+  p.unmap = a.unmap;
+  p.write_blocking = a.write_blocking;
+  p.auto_finalize = a.auto_finalize;
+  p.auto_dismiss = a.auto_dismiss;
+  return start_mirror_job(mgr, graph, src, tgt, p);
+}
+
+Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& graph, const std::shared_ptr<Node>& src,
+                                                    const std::shared_ptr<Node>& tgt, const MirrorJobParams& p) {
   // mirror_start_job
+  const uint64_t g = p.granularity;
   const uint64_t gran = g ? g : default_bitmap_granularity(tgt->cluster_size());
-  if (a.buf_size < 0) return Error(EINVAL, "Invalid parameter 'buf-size'");
-  uint64_t buf = a.buf_size ? static_cast<uint64_t>(a.buf_size) : kDefaultBufSize;
+  if (p.buf_size < 0) return Error(EINVAL, "Invalid parameter 'buf-size'");
+  uint64_t buf = p.buf_size ? static_cast<uint64_t>(p.buf_size) : kDefaultBufSize;
   buf = align_up(buf, gran);
   if (src == tgt) return Error(EINVAL, "Can't mirror node into itself");
-  std::string fname = a.filter_node_name.value_or(std::string());
+  const std::string& fname = p.filter_node_name;
   if (!fname.empty()) {
     if (!id_wellformed(fname)) return Error(EINVAL, "Invalid node-name: '" + fname + "'");
     if (fname.size() >= 32) return Error(EINVAL, "Node name too long");
     if (graph.find(fname)) return Error(EEXIST, "Duplicate nodes with node-name='" + fname + "'");
   }
-  const std::string id = a.job_id.value_or(std::string());
-  VBLK_TRY(mgr.check_new_id(id));
+  VBLK_TRY(mgr.check_new_id(p.job_id));
 
   // block_job_create: the job exists (JOB_STATUS_CHANGE created) before
   // its speed and the target's permissions are checked.
-  auto created = mgr.create<MirrorJob>(id, a.auto_finalize, a.auto_dismiss);
+  auto created = mgr.create<MirrorJob>(p.job_id, p.auto_finalize, p.auto_dismiss);
   if (!created.ok()) return created.take_error();
   std::shared_ptr<MirrorJob> job = *created;
-  if (a.speed && *a.speed < 0) {
+  if (p.speed && *p.speed < 0) {
     mgr.early_fail(job);
     return Error(EINVAL, "Parameter 'speed' expects a non-negative value");
   }
   // The target: written by the job, only write-unchanged shared (QEMU's
-  // blk_new(BLK_PERM_WRITE, BLK_PERM_WRITE_UNCHANGED)).
+  // blk_new(BLK_PERM_WRITE, BLK_PERM_WRITE_UNCHANGED)); a commit's base is
+  // read by the chain above it meanwhile, and may need to grow.
+  PermPair tp{kPermWrite, kPermWriteUnchanged};
+  if (p.sync == MirrorJob::Sync::Commit) {
+    tp.shared |= kPermConsistentRead | kPermWrite;
+    if (tgt->length() < src->length()) tp.perm |= kPermResize;
+  }
   job->target_ref_ = NodeRef(tgt);
-  if (Status st = job->target_ref_.set_perms(PermPair{kPermWrite, kPermWriteUnchanged}); !st) {
+  if (Status st = job->target_ref_.set_perms(tp); !st) {
     job->target_ref_.reset();
     mgr.early_fail(job);
     return st.take_error();
+  }
+  if (tgt->read_only()) {
+    job->target_ref_.reset();
+    mgr.early_fail(job);
+    return Error(EACCES, "Block node is read-only");
   }
 
   BlockCopyOptions o;
@@ -293,8 +346,8 @@ Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, c
   // buf-size bounds the data in flight; a chunk must fit in it.
   o.max_chunk = std::max(gran, std::min<uint64_t>(kBlockCopyDataChunk, align_down(buf, gran)));
   o.max_memory = std::max(buf, o.max_chunk);
-  o.unmap_zeroes = a.unmap;
-  o.speed = a.speed ? static_cast<uint64_t>(*a.speed) : 0;
+  o.unmap_zeroes = p.unmap;
+  o.speed = p.speed ? static_cast<uint64_t>(*p.speed) : 0;
   auto filter = std::make_shared<MirrorTop>(src->loop(), src);
   if (!fname.empty()) filter->set_node_name(fname);
   if (auto st = graph.insert_filter(src, filter); !st) {
@@ -307,10 +360,10 @@ Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, c
   job->target_ = tgt;
   job->filter_ = filter;
   job->bcs_ = std::make_unique<BlockCopyState>(*src, *tgt, o);
-  job->sync_ = sync;
-  job->write_blocking_ = a.write_blocking;
-  job->on_source_error_ = a.on_source_error;
-  job->on_target_error_ = a.on_target_error;
+  job->sync_ = p.sync;
+  job->write_blocking_ = p.write_blocking;
+  job->on_source_error_ = p.on_source_error;
+  job->on_target_error_ = p.on_target_error;
   job->speed_ = o.speed;
   mgr.block(src.get(), job->type());
   mgr.block(tgt.get(), job->type());
