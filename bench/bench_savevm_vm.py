@@ -24,6 +24,9 @@ the order):
                   cache.direct=on); VM stopped, `x-vblk-savevm` and
                   `migrate unix:` until the job concluded. Load: a fresh QEMU
                   with `-incoming unix:`, `x-vblk-loadvm` until completed.
+  stream-null     the ceiling QEMU's migration itself sets: VM stopped,
+                  `migrate "exec:cat > /dev/null"` until completed (no
+                  load: the row shows how fast QEMU produces the stream).
 Both sides set migrate max-bandwidth to unlimited (QEMU's default 128 MiB/s
 would be the limit otherwise; libvirt does the same for a save).
 
@@ -131,6 +134,12 @@ class Env:
             return t
         g.hmp("stop")
         g.qmp.ok("migrate-set-parameters", {"max-bandwidth": 1 << 40})
+        if self.name == "stream-null":
+            t0 = time.monotonic()
+            g.qmp.ok("migrate", {"uri": "exec:cat > /dev/null"})
+            if g.wait_migration(900) != "completed":
+                raise RuntimeError("migration failed: %s" % g.log_tail())
+            return time.monotonic() - t0
         if self.name == "vblk-exec":
             cmd = "%s savevm -t none %s s1 --vmstate -" % (vb, self.disk)
             t0 = time.monotonic()
@@ -194,6 +203,8 @@ class Env:
                 save_s = self.save(g)
             finally:
                 g.quit()
+            if self.name == "stream-null":
+                return save_s, float("nan"), 0
             size = vm_size(self.disk)
             load_s, g = self.load()
             try:
@@ -240,7 +251,7 @@ def main():
         v = [x[i] for x in res[name]]
         return statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
 
-    qemu_rows = [e for e in envs if e.startswith("qemu")]
+    qemu_rows = [e for e in envs if e.startswith("qemu-")]
     best_save = min(qemu_rows, key=lambda e: st(e, 0)[0]) if qemu_rows else None
     best_load = min(qemu_rows, key=lambda e: st(e, 1)[0]) if qemu_rows else None
     print("A %d MiB guest, %d MiB of RAM filled, disk in %s, %d runs" % (args.mem, args.fill, args.dir, args.runs))
