@@ -287,6 +287,18 @@ class Node {
   // Deletes the snapshot with exactly this id and name.
   virtual Task<Status> snapshot_delete(const std::string& id, const std::string& name);
 
+  // ---- graph changes while open (blockdev-snapshot, QEMU's bdrv_append)
+  // Makes `b` this node's backing child (nullptr: none), replacing the one
+  // it had; the driver reads unallocated ranges from it from now on. EINVAL
+  // unless caps().supports_backing. Permissions are refreshed (the old
+  // backing node loses what this one needed of it).
+  Status set_backing(std::shared_ptr<Node> b);
+  // QEMU's reopen read-only (an external snapshot's old top): what must
+  // reach the image first is written (qcow2: bitmaps stored, caches
+  // flushed, the dirty bit cleared), then the node and its `file` child are
+  // read-only and drop their write locks.
+  Task<Status> reopen_read_only();
+
   // The VM state of internal snapshots (qcow2: a byte stream stored after
   // the virtual disk end, QEMU's bdrv_save_vmstate/bdrv_load_vmstate).
   // Writes go to the active state, which snapshot_create() then carries
@@ -319,6 +331,12 @@ class Node {
   // Growing with preallocation other than Off. The default refuses as
   // QEMU does ("Unsupported preallocation mode: metadata").
   virtual Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc);
+
+  // The backing child changed (set_backing): drivers that cache it update.
+  virtual void backing_changed(Node* b) { (void)b; }
+  // Before the node becomes read-only: write back what a close would.
+  // The default flushes.
+  virtual Task<Status> prepare_read_only();
 
   void report_corruption(const CorruptionEvent& ev) const {
     if (corruption_handler_) corruption_handler_(*this, ev);

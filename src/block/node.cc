@@ -33,6 +33,38 @@ std::string Node::filename() const {
   return {};
 }
 
+Status Node::set_backing(std::shared_ptr<Node> b) {
+  if (!caps_.supports_backing) return Error(EINVAL, "The overlay does not support backing images");
+  std::shared_ptr<Node> old;
+  for (auto it = children_.begin(); it != children_.end(); ++it) {
+    if (it->role != "backing") continue;
+    old = std::move(it->node);
+    children_.erase(it);
+    std::erase(old->parents_, this);
+    break;
+  }
+  if (b) add_child("backing", b);
+  backing_changed(b.get());
+  Status st = refresh_perms();
+  if (old) (void)old->refresh_perms();
+  return st;
+}
+
+Task<Status> Node::prepare_read_only() { co_return co_await flush(); }
+
+Task<Status> Node::reopen_read_only() {
+  if (read_only_) co_return Status{};
+  co_await drain();
+  VBLK_CO_TRY(co_await prepare_read_only());
+  read_only_ = true;
+  if (Node* f = file_child(); f && !f->read_only()) {
+    co_await f->drain();
+    VBLK_CO_TRY(co_await f->flush());
+    f->set_read_only(true);
+  }
+  co_return refresh_perms();
+}
+
 Node* Node::child(const std::string& role) const {
   for (const auto& c : children_)
     if (c.role == role) return c.node.get();
