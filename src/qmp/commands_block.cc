@@ -151,6 +151,16 @@ Task<void> drop_orphans(Daemon& d) {
   }
 }
 
+}  // namespace
+
+std::shared_ptr<Node> backing_parent(Daemon& d, const Node& n) {
+  for (auto& p : d.graph.nodes())
+    if (p->child("backing") == &n) return p;
+  return nullptr;
+}
+
+namespace {
+
 Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
   std::string name = args.at("node-name").get<std::string>();
   auto node = d.graph.find(name);
@@ -159,6 +169,9 @@ Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
     if (in_use(*node)) co_return Reply::fail("Node " + name + " is in use");
   // A job's op blocker (a backup's target).
   if (auto st = d.jobs.check_not_busy(node.get(), name); !st) co_return Reply::fail(st.error().what());
+  // QEMU blocks every operation but a few on a backing node (bdrv_set_backing_hd).
+  if (auto p = backing_parent(d, *node))
+    co_return Reply::fail("Node '" + name + "' is busy: node is used as backing hd of '" + p->node_name() + "'");
   if (!d.monitor_owned.count(name)) co_return Reply::fail("Node " + name + " is not owned by the monitor");
   // The graph and `node` hold it; anything more is a parent.
   if (node.use_count() > 2) co_return Reply::fail("Block device " + name + " is in use");
@@ -264,6 +277,18 @@ Status check_node_names(const Json& opts) {
 }
 
 }  // namespace
+
+Task<void> Daemon::drop_node(const std::string& name) {
+  auto node = graph.find(name);
+  if (!node) co_return;
+  monitor_owned.erase(name);
+  settings.erase(node.get());
+  co_await node->drain();
+  (void)co_await node->close();
+  node.reset();
+  (void)graph.remove(name);
+  co_await drop_orphans(*this);
+}
 
 Result<std::shared_ptr<Node>> Daemon::blockdev_add(const Json& in) {
   Json opts = in;
