@@ -47,6 +47,10 @@ inline constexpr int kJobStatusCount = 11;
 enum class JobVerb { Cancel, Pause, Resume, SetSpeed, Complete, Finalize, Dismiss };
 inline constexpr int kJobVerbCount = 7;
 
+// QEMU's id_wellformed (job ids, node names): a letter, then letters,
+// digits, '-', '.', '_'.
+bool id_wellformed(const std::string& id);
+
 const char* job_status_name(JobStatus s);  // "running", ...
 const char* job_verb_name(JobVerb v);      // "set-speed", ...
 // QEMU's transition table: may a job go from `from` to `to`?
@@ -280,6 +284,10 @@ class JobManager {
     add(j);
     return j;
   }
+
+  // A job whose creation failed after it was registered (QEMU's
+  // job_early_fail): created -> null, and gone.
+  void early_fail(const std::shared_ptr<Job>& j) { j->do_dismiss(); }
 
   std::shared_ptr<Job> find(const std::string& id) const;
   // QMP's lookups: "Job not found" / "Block job 'x' not found".

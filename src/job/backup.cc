@@ -236,7 +236,9 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   if (a.compress && !tgt->caps().compressed_writes)
     return Error(ENOTSUP, "Compression is not supported for this drive ");
   // QEMU blocks the job's filter and its target, not the source (a second
-  // backup of the same source is refused by insert_filter below).
+  // backup of the same source is refused by insert_filter below); a mirror
+  // blocks its source.
+  VBLK_TRY(mgr.check_not_busy(src.get(), src->node_name()));
   VBLK_TRY(mgr.check_not_busy(tgt.get(), tgt->node_name()));
   if (a.max_workers < 1 || a.max_workers > INT_MAX)
     return Error(EINVAL, "max-workers must be between 1 and " + std::to_string(INT_MAX));

@@ -595,15 +595,12 @@ void BlockJob::on_ready() { emit("BLOCK_JOB_READY", progress_event_data()); }
 
 // ---- JobManager
 
-namespace {
-// QEMU's id_wellformed: a letter, then letters, digits, '-', '.', '_'.
 bool id_wellformed(const std::string& id) {
   if (id.empty() || !std::isalpha(static_cast<unsigned char>(id[0]))) return false;
   for (char c : id)
     if (!std::isalnum(static_cast<unsigned char>(c)) && !std::strchr("-._", c)) return false;
   return true;
 }
-}  // namespace
 
 JobManager::~JobManager() = default;
 

@@ -6,6 +6,8 @@
 #include "qmp/daemon.h"
 #include "qmp/transaction.h"
 #include "vblk/backup.h"
+#include "vblk/commit.h"
+#include "vblk/mirror.h"
 
 namespace vblk::qmp {
 
@@ -13,6 +15,7 @@ namespace {
 
 const std::vector<std::string> kSyncModes = {"top", "full", "none", "incremental", "bitmap"};
 const std::vector<std::string> kOnError = {"report", "ignore", "enospc", "stop", "auto"};
+const std::vector<std::string> kCopyModes = {"background", "write-blocking"};
 
 Reply fail(const Error& e, const char* cls = "GenericError") { return Reply::fail(e.what(), cls); }
 
@@ -161,6 +164,47 @@ Task<void> close_job_node(Daemon& d, std::string name) {
   (void)co_await n->close();
 }
 
+Task<Reply> blockdev_mirror(Daemon& d, const OJson& a) {
+  MirrorArgs m;
+  if (a.contains("job-id")) m.job_id = a["job-id"].get<std::string>();
+  m.device = a["device"].get<std::string>();
+  m.target = a["target"].get<std::string>();
+  if (a.contains("replaces")) m.replaces = a["replaces"].get<std::string>();
+  m.sync = a["sync"].get<std::string>();
+  if (a.contains("speed")) m.speed = a["speed"].get<int64_t>();
+  if (a.contains("granularity")) m.granularity = a["granularity"].get<uint64_t>();
+  if (a.contains("buf-size")) m.buf_size = a["buf-size"].get<int64_t>();
+  if (a.contains("on-source-error")) parse_on_error(a["on-source-error"].get<std::string>(), m.on_source_error);
+  if (a.contains("on-target-error")) parse_on_error(a["on-target-error"].get<std::string>(), m.on_target_error);
+  if (a.contains("filter-node-name")) m.filter_node_name = a["filter-node-name"].get<std::string>();
+  if (a.contains("copy-mode")) m.write_blocking = a["copy-mode"].get<std::string>() == "write-blocking";
+  if (a.contains("auto-finalize")) m.auto_finalize = a["auto-finalize"].get<bool>();
+  if (a.contains("auto-dismiss")) m.auto_dismiss = a["auto-dismiss"].get<bool>();
+  auto job = start_mirror(d.jobs, d.graph, m);
+  if (!job.ok()) co_return fail(job.error());
+  d.note_new_nodes((*job)->filter_node());
+  co_return Reply::ok();
+}
+
+Task<Reply> block_commit(Daemon& d, const OJson& a) {
+  CommitArgs c;
+  if (a.contains("job-id")) c.job_id = a["job-id"].get<std::string>();
+  c.device = a["device"].get<std::string>();
+  for (auto [key, field] : {std::pair{"base-node", &c.base_node}, {"base", &c.base}, {"top-node", &c.top_node},
+                            {"top", &c.top}, {"backing-file", &c.backing_file},
+                            {"filter-node-name", &c.filter_node_name}})
+    if (a.contains(key)) *field = a[key].get<std::string>();
+  if (a.contains("speed")) c.speed = a["speed"].get<int64_t>();
+  if (a.contains("on-error")) parse_on_error(a["on-error"].get<std::string>(), c.on_error);
+  if (a.contains("auto-finalize")) c.auto_finalize = a["auto-finalize"].get<bool>();
+  if (a.contains("auto-dismiss")) c.auto_dismiss = a["auto-dismiss"].get<bool>();
+  auto job = start_commit(d.jobs, d.graph, c);
+  // libvirt probes for live commit by this class (QEMU's comment).
+  if (!job.ok()) co_return fail(job.error(), job.error().code == ENODEV ? "DeviceNotFound" : "GenericError");
+  d.note_new_nodes((*job)->filter_node());
+  co_return Reply::ok();
+}
+
 // Lookups, as QEMU's find_block_job_locked / find_job_locked answer.
 Result<std::shared_ptr<BlockJob>> block_job(Daemon& d, const OJson& a, const char* key) {
   return d.jobs.find_block_job(a[key].get<std::string>());
@@ -250,10 +294,43 @@ void register_job_commands(Daemon& d) {
       }
     }
   });
+  // A job's own use of a node (a mirror's target) is a BlockBackend in
+  // QEMU: blockdev-del says "Node x is in use".
+  d.node_users.push_back([](const Node& n) { return !n.refs().empty(); });
   d.registry.add({"blockdev-backup",
                   {kBlockdevBackupArgs},
                   [&d](const OJson& a) { return run_single_action(d, make_backup(a, false)); }});
   d.registry.add({"drive-backup", {kDriveBackupArgs}, [&d](const OJson& a) { return run_single_action(d, make_backup(a, true)); }});
+  d.registry.add({"blockdev-mirror",
+                  {{{"job-id", ArgType::Str},
+                    {"device", ArgType::Str, true},
+                    {"target", ArgType::Str, true},
+                    {"replaces", ArgType::Str},
+                    {"sync", ArgType::Enum, true, kSyncModes},
+                    {"speed", ArgType::Int},
+                    {"granularity", ArgType::UInt32},
+                    {"buf-size", ArgType::Int},
+                    {"on-source-error", ArgType::Enum, false, kOnError},
+                    {"on-target-error", ArgType::Enum, false, kOnError},
+                    {"filter-node-name", ArgType::Str},
+                    {"copy-mode", ArgType::Enum, false, kCopyModes},
+                    {"auto-finalize", ArgType::Bool},
+                    {"auto-dismiss", ArgType::Bool}}},
+                  [&d](const OJson& a) { return blockdev_mirror(d, a); }});
+  d.registry.add({"block-commit",
+                  {{{"job-id", ArgType::Str},
+                    {"device", ArgType::Str, true},
+                    {"base-node", ArgType::Str},
+                    {"base", ArgType::Str},
+                    {"top-node", ArgType::Str},
+                    {"top", ArgType::Str},
+                    {"backing-file", ArgType::Str},
+                    {"speed", ArgType::Int},
+                    {"on-error", ArgType::Enum, false, kOnError},
+                    {"filter-node-name", ArgType::Str},
+                    {"auto-finalize", ArgType::Bool},
+                    {"auto-dismiss", ArgType::Bool}}},
+                  [&d](const OJson& a) { return block_commit(d, a); }});
   for (const char* verb : {"pause", "resume", "complete"}) {
     std::string v = verb;
     d.registry.add({"block-job-" + v, {{{"device", ArgType::Str, true}}},

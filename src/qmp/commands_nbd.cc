@@ -118,12 +118,25 @@ Task<Reply> block_export_del(Daemon& d, const OJson& args) {
   co_return Reply::ok();
 }
 
+// The node an export uses now: a job's filter above the node it was made
+// for, or the target a mirror switched it to (QEMU shows the same).
+const Node* export_node(const Daemon& d, const BlockExport& e) {
+  if (d.nbd)
+    if (auto x = d.nbd->find_export(e.nbd_name); x && x->node) return x->node.get();
+  return d.graph.find(e.node_name).get();
+}
+
+std::string export_node_name(const Daemon& d, const BlockExport& e) {
+  const Node* n = export_node(d, e);
+  return n ? n->node_name() : e.node_name;
+}
+
 Task<Reply> query_block_exports(Daemon& d, const OJson&) {
   OJson list = OJson::array();
   // Newest first, as QEMU's list.
   for (auto it = d.export_order.rbegin(); it != d.export_order.rend(); ++it) {
     const BlockExport& e = d.exports.at(*it);
-    list.push_back({{"type", e.type}, {"id", e.id}, {"node-name", e.node_name}, {"shutting-down", false}});
+    list.push_back({{"type", e.type}, {"id", e.id}, {"node-name", export_node_name(d, e)}, {"shutting-down", false}});
   }
   co_return Reply::ok(std::move(list));
 }
@@ -237,8 +250,7 @@ Status add_block_export(Daemon& d, const OJson& o) {
 void register_nbd_commands(Daemon& d) {
   d.node_users.push_back([&d](const Node& n) {
     return std::any_of(d.exports.begin(), d.exports.end(), [&](auto& kv) {
-      auto p = d.graph.find(kv.second.node_name);
-      return p.get() == &n;
+      return export_node(d, kv.second) == &n;
     });
   });
   d.registry.add({"nbd-server-start",

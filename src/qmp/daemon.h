@@ -116,6 +116,7 @@ void register_bitmap_commands(Daemon& d);
 void register_create_commands(Daemon& d);
 void register_snapshot_commands(Daemon& d);
 void register_transaction_commands(Daemon& d);
+void register_vmstate_commands(Daemon& d);
 inline void register_all_commands(Daemon& d) {
   register_core_commands(d);
   register_block_commands(d);
@@ -126,6 +127,7 @@ inline void register_all_commands(Daemon& d) {
   register_create_commands(d);
   register_snapshot_commands(d);
   register_transaction_commands(d);
+  register_vmstate_commands(d);
 }
 
 // The named node that has `n` as its backing file, if any (QEMU's op

@@ -25,6 +25,8 @@ D. With qemu-system-x86_64 present: a real ``savevm`` (a VM with no
    loadvm`` restores it.
 """
 
+import fcntl
+import hashlib
 import os
 import random
 import re
@@ -167,6 +169,55 @@ class VmstateRoundTrip(InteropTestCase):
             with self.subTest(cluster_size=cs, direct=direct, size=size):
                 img, _ = self.round_trip(d_direct if direct else d_cached, cs, direct, size, 100 + i)
                 os.unlink(img)
+
+    def test_three_gib_round_trip(self):
+        """A 3 GiB stream, O_DIRECT (past the 2 GiB and 32-bit-sector marks of a
+        signed offset), piece sizes 1 B - 64 KiB, generated and checked on
+        the fly (sha256) so the test holds 64 MiB, not 3 GiB: 48 distinct
+        rotations of a random 64 MiB block, so a piece written at the wrong
+        place changes the digest."""
+        size = 3 * 1024 * MiB
+        block = RNG.randbytes(64 * MiB)
+        rot = [RNG.randrange(len(block)) for _ in range(size // len(block))]
+        # On disk with O_DIRECT: tmpfs here fills fresh pages at ~200 MB/s.
+        d = make_tempdir(self, base=DIRECT_BASE)
+        img = os.path.join(d, "big.qcow2")
+        self.assertEqual(qemu("create", "-f", "qcow2", img, "64M").rc, 0)
+        want = hashlib.sha256()
+        p = subprocess.Popen([VBLK, "savevm", "-t", "none", "--vmstate", "-", img, "big"], stdin=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=_BASE_ENV)
+        try:  # a bigger pipe: fewer wake-ups of both sides (the pieces stay small)
+            fcntl.fcntl(p.stdin.fileno(), 1031, 1 << 20)  # F_SETPIPE_SZ
+        except OSError:
+            pass
+        rng = random.Random(7)
+        for r in rot:
+            part = memoryview(block[r:] + block[:r])
+            want.update(part)
+            pos = 0
+            while pos < len(part):
+                n = rng.randint(1, 64 * KiB)
+                p.stdin.write(part[pos:pos + n])
+                pos += n
+        p.stdin.close()
+        err = p.stderr.read().decode()
+        self.assertEqual((p.wait(timeout=600), err), (0, ""))
+        self.assertEqual(snapshot_list(img)[0][1:], ("big", "3 GiB"))
+        self.check_clean(img)
+        got = hashlib.sha256()
+        p = subprocess.Popen([VBLK, "loadvm", "-t", "none", "--state-only", "--vmstate-out", "-", img, "big"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_BASE_ENV)
+        n = 0
+        while True:
+            chunk = p.stdout.read(4 * MiB)
+            if not chunk:
+                break
+            got.update(chunk)
+            n += len(chunk)
+        err = p.stderr.read().decode()
+        self.assertEqual((p.wait(timeout=600), err), (0, ""))
+        self.assertEqual(n, size)
+        self.assertEqual(got.hexdigest(), want.hexdigest(), "the 3 GiB stream came back different")
 
     def test_qemu_reads_what_vblk_stored(self):
         d = make_tempdir(self, base=shm_dir())

@@ -1,0 +1,271 @@
+"""A real Linux guest for tests and benches: Debian's kernel and a busybox
+initramfs, booted by qemu-system-x86_64 under TCG in a few seconds.
+
+Nothing is downloaded from outside Debian: `build_guest()` fetches the
+packages with `apt-get download` (the kernel that linux-image-amd64 depends
+on, and busybox-static), takes vmlinuz and busybox out of them, and writes
+the initramfs itself (cpio "newc", no compression). The result is cached in
+$VBLK_GUEST_DIR (default /var/tmp/vblk-guest), keyed by the package versions.
+
+The guest's /init mounts /proc, /sys, /dev and a tmpfs on /mnt, prints
+GUEST-UP and runs a shell on the serial console. `Guest` drives it: QMP on a
+unix socket, the serial console on another; `sh()` runs a shell command and
+returns what it printed. `fill_ram()` writes a known pattern into the tmpfs
+(guest RAM: no swap) and returns its digest; `ram_digest()` asks again, so a
+guest restored from a snapshot or an incoming migration proves its RAM came
+back bit-exact.
+
+Python 3 standard library only.
+"""
+import glob
+import os
+import re
+import select
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import qmp_driver
+
+QEMU_SYSTEM = shutil.which("qemu-system-x86_64")
+CACHE = os.environ.get("VBLK_GUEST_DIR", "/var/tmp/vblk-guest")
+
+INIT = """#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+mount -t tmpfs -o size=95% tmpfs /mnt
+echo 0 > /proc/sys/kernel/printk
+echo GUEST-UP
+exec setsid cttyhack sh
+"""
+
+
+class GuestUnavailable(Exception):
+    """The kernel or busybox package cannot be fetched here (no apt, no
+    network): tests skip with this message."""
+
+
+def _run(argv, cwd=None):
+    r = subprocess.run(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if r.returncode != 0:
+        raise GuestUnavailable("%s: %s" % (" ".join(argv), r.stderr.decode(errors="replace").strip()[-400:]))
+    return r.stdout.decode()
+
+
+def _kernel_package():
+    out = _run(["apt-cache", "depends", "linux-image-amd64"])
+    m = re.search(r"Depends: (linux-image-\S+-amd64)", out)
+    if not m:
+        raise GuestUnavailable("apt-cache knows no linux-image-amd64 (run apt-get update)")
+    return m.group(1)
+
+
+def _cpio_newc(entries):
+    """An uncompressed cpio archive in the kernel's "newc" format.
+    entries: (name, mode, data) with mode including the file type bits."""
+    out = bytearray()
+    ino = 1
+
+    def put(name, mode, data):
+        nonlocal ino
+        nb = name.encode() + b"\0"
+        hdr = "070701" + "".join("%08X" % v for v in (
+            ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(nb), 0))
+        out.extend(hdr.encode() + nb)
+        out.extend(b"\0" * (-len(out) % 4))
+        out.extend(data)
+        out.extend(b"\0" * (-len(out) % 4))
+        ino += 1
+
+    for name, mode, data in entries:
+        put(name, mode, data)
+    put("TRAILER!!!", 0, b"")
+    return bytes(out)
+
+
+def build_guest():
+    """(vmlinuz path, initramfs path), built once and cached."""
+    if not QEMU_SYSTEM:
+        raise GuestUnavailable("qemu-system-x86_64 is not installed")
+    kpkg = _kernel_package()
+    key = os.path.join(CACHE, kpkg)
+    kernel, initrd = os.path.join(key, "vmlinuz"), os.path.join(key, "initramfs.cpio")
+    if os.path.exists(kernel) and os.path.exists(initrd):
+        return kernel, initrd
+    os.makedirs(CACHE, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE) as work:
+        # apt drops to user _apt, which cannot write here: let it download
+        # as root rather than print a warning for each file.
+        _run(["apt-get", "download", "-o", "APT::Sandbox::User=root", kpkg, "busybox-static"], cwd=work)
+        debs = {d: os.path.join(work, d) for d in os.listdir(work) if d.endswith(".deb")}
+        kdeb = [p for d, p in debs.items() if d.startswith(kpkg + "_")]
+        bdeb = [p for d, p in debs.items() if d.startswith("busybox-static_")]
+        if not kdeb or not bdeb:
+            raise GuestUnavailable("apt-get download gave %s" % sorted(debs))
+        for deb in (kdeb[0], bdeb[0]):
+            _run(["dpkg-deb", "-x", deb, os.path.join(work, "root")])
+        vmlinuz = glob.glob(os.path.join(work, "root", "boot", "vmlinuz-*"))
+        busybox = os.path.join(work, "root", "bin", "busybox")
+        if not vmlinuz or not os.path.exists(busybox):
+            raise GuestUnavailable("no vmlinuz or busybox in the packages")
+        with open(busybox, "rb") as f:
+            bb = f.read()
+        dirs = [(d, 0o040755, b"") for d in ("bin", "dev", "proc", "sys", "mnt", "tmp")]
+        cpio = _cpio_newc(dirs + [("bin/busybox", 0o100755, bb), ("init", 0o100755, INIT.encode())])
+        os.makedirs(key + ".new", exist_ok=True)
+        shutil.copy(vmlinuz[0], os.path.join(key + ".new", "vmlinuz"))
+        with open(os.path.join(key + ".new", "initramfs.cpio"), "wb") as f:
+            f.write(cpio)
+        shutil.rmtree(key, ignore_errors=True)
+        os.rename(key + ".new", key)
+    return kernel, initrd
+
+
+class Guest:
+    """One qemu-system-x86_64 process running the test guest.
+
+    disk: a qcow2 attached as a virtio-blk device (savevm needs a writable
+    image that takes snapshots), or drive: -blockdev options of the disk
+    instead (an NBD export: "driver=nbd,server.type=unix,..."); extra: more QEMU arguments (-incoming,
+    -loadvm, -S). The serial console and QMP are unix sockets in workdir."""
+
+    def __init__(self, workdir, disk, mem_mib=256, extra=(), name="g", cache="writeback", drive=None):
+        self.kernel, self.initrd = build_guest()
+        self.workdir = workdir
+        self.serial_path = os.path.join(workdir, name + ".serial")
+        self.qmp_path = os.path.join(workdir, name + ".qmp")
+        for p in (self.serial_path, self.qmp_path):
+            if os.path.exists(p):
+                os.unlink(p)
+        cache_opts = {"writeback": "", "none": ",cache.direct=on"}[cache]
+        if drive:
+            disk_args = ["-blockdev", drive + ",node-name=d0"]
+        else:
+            disk_args = ["-blockdev", "driver=file,node-name=f0,filename=%s%s" % (disk, cache_opts),
+                         "-blockdev", "driver=qcow2,node-name=d0,file=f0"]
+        self.argv = [QEMU_SYSTEM, "-nodefaults", "-display", "none", "-accel", "tcg", "-m", str(mem_mib),
+                     "-kernel", self.kernel, "-initrd", self.initrd,
+                     "-append", "console=ttyS0 quiet panic=-1 rdinit=/init",
+                     "-no-reboot",
+                     "-chardev", "socket,id=ser,path=%s,server=on,wait=off" % self.serial_path,
+                     "-serial", "chardev:ser",
+                     "-chardev", "socket,id=mon,path=%s,server=on,wait=off" % self.qmp_path,
+                     "-mon", "chardev=mon,mode=control",
+                     ] + disk_args + ["-device", "virtio-blk,drive=d0"] + list(extra)
+        self.log = open(os.path.join(workdir, name + ".log"), "wb")
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        try:
+            self.qmp = qmp_driver.QMP(self.qmp_path, timeout=30)
+            self.serial = qmp_driver.connect_unix(self.serial_path, timeout=30)
+        except Exception:
+            self.kill()
+            raise
+        self.out = b""
+        self.seq = 0
+
+    # --- the serial console -------------------------------------------------
+    def expect(self, pattern, timeout=60.0):
+        """Waits for `pattern` (a regex over bytes) in the console output;
+        returns the match and drops what came before it."""
+        rx = re.compile(pattern)
+        end = time.monotonic() + timeout
+        while True:
+            m = rx.search(self.out)
+            if m:
+                self.out = self.out[m.end():]
+                return m
+            left = end - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                raise TimeoutError("guest console: no %r in %.0f s; last output %r; log %s" % (
+                    pattern, timeout, self.out[-400:], self.log_tail()))
+            r, _, _ = select.select([self.serial], [], [], min(left, 0.5))
+            if r:
+                chunk = self.serial.recv(65536)
+                if not chunk:
+                    raise TimeoutError("guest console closed; log %s" % self.log_tail())
+                self.out += chunk
+
+    def sh(self, command, timeout=120.0):
+        """Runs a shell command in the guest and returns its output. The end
+        marker is computed by the guest shell, so the console's echo of the
+        command line cannot match it."""
+        self.seq += 1
+        n = self.seq
+        self.serial.sendall(("%s; echo END-$((%d+1))-$?\n" % (command, n * 2)).encode())
+        m = self.expect(rb"((?:.|\n)*?)END-%d-(\d+)\r?\n" % (n * 2 + 1), timeout)
+        return int(m.group(2)), m.group(1).decode(errors="replace").replace("\r", "")
+
+    def boot(self, timeout=120.0):
+        self.expect(rb"GUEST-UP", timeout)
+        # Once sh answers, the console stops echoing (so output is only output).
+        rc, _ = self.sh("stty -echo; PS1=", timeout)
+        self.out = b""
+        return rc == 0
+
+    def fill_ram(self, mib, seed_mib=8):
+        """Fills `mib` MiB of guest RAM (a tmpfs file) with random data: a
+        random block of seed_mib MiB repeated (urandom under TCG is slow; the
+        migration stream still carries every page, only zero pages are
+        skipped). Returns the file's md5 as the guest computed it."""
+        rc, out = self.sh("dd if=/dev/urandom of=/mnt/seed bs=1M count=%d 2>/dev/null && "
+                          "i=0; while [ $i -lt %d ]; do cat /mnt/seed; i=$((i+1)); done > /mnt/fill && "
+                          "rm /mnt/seed && md5sum /mnt/fill" % (seed_mib, mib // seed_mib), timeout=600)
+        if rc != 0:
+            raise RuntimeError("fill failed: %s" % out)
+        return out.split()[0]
+
+    def ram_digest(self):
+        rc, out = self.sh("md5sum /mnt/fill", timeout=600)
+        if rc != 0:
+            raise RuntimeError("md5sum failed: %s" % out)
+        return out.split()[0]
+
+    # --- QMP ------------------------------------------------------------------
+    def hmp(self, line, timeout=600.0):
+        return self.qmp.ok("human-monitor-command", {"command-line": line}, timeout=timeout)
+
+    def status(self):
+        return self.qmp.ok("query-status")["status"]
+
+    def wait_migration(self, timeout=600.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            st = self.qmp.ok("query-migrate").get("status")
+            if st in ("completed", "failed", "cancelled"):
+                return st
+            time.sleep(0.05)
+        raise TimeoutError("migration did not finish")
+
+    def log_tail(self, n=1500):
+        try:
+            with open(self.log.name, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def quit(self):
+        try:
+            self.qmp.cmd("quit", timeout=30)
+            self.proc.wait(timeout=30)
+        except Exception:
+            pass
+        self.kill()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for s in ("serial", "qmp"):
+            obj = getattr(self, s, None)
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:
+                    pass
+        self.log.close()

@@ -1,0 +1,93 @@
+// block-commit's checks and the active commit (see include/vblk/commit.h).
+#include "vblk/commit.h"
+
+namespace vblk {
+
+namespace {
+
+bool chain_contains(const Node& top, const Node& n) {
+  for (const Node* p = &top; p; p = chain_next(*p))
+    if (p == &n) return true;
+  return false;
+}
+
+// QEMU's bdrv_find_backing_image: the node below `from` whose overlay
+// names it `name`, or whose file name is `name`.
+std::shared_ptr<Node> find_backing_image(Graph& graph, const Node& from, const std::string& name) {
+  for (const Node* p = &from; p; p = chain_next(*p)) {
+    Node* b = p->child("backing");
+    if (!b) continue;
+    if (p->backing_file_name() == name || b->filename() == name) {
+      for (auto& n : graph.nodes())
+        if (n.get() == b) return n;
+    }
+  }
+  return nullptr;
+}
+
+// QEMU's bdrv_find_base: the bottom of the chain.
+Node* find_base(Node& top) {
+  Node* n = &top;
+  while (Node* next = chain_next(*n)) n = next;
+  return n;
+}
+
+}  // namespace
+
+Result<std::shared_ptr<MirrorJob>> start_commit(JobManager& mgr, Graph& graph, const CommitArgs& a) {
+  auto bs = graph.find(a.device);
+  if (!bs) return Error(ENODEV, "Device '" + a.device + "' not found");
+  if (graph.parent_of(*bs)) return Error(EINVAL, "Need a root block node");
+  VBLK_TRY(mgr.check_not_busy(bs.get(), bs->node_name()));
+
+  std::shared_ptr<Node> top = bs;
+  if (a.top_node && a.top) return Error(EINVAL, "'top-node' and 'top' are mutually exclusive");
+  if (a.top_node) {
+    top = graph.find(*a.top_node);
+    if (!top) return Error(ENOENT, "Cannot find device='' nor node-name='" + *a.top_node + "'");
+    if (!chain_contains(*bs, *top)) return Error(EINVAL, "'" + *a.top_node + "' is not in this backing file chain");
+  } else if (a.top && bs->filename() != *a.top) {
+    top = find_backing_image(graph, *bs, *a.top);
+    if (!top) return Error(ENOENT, "Top image file " + *a.top + " not found");
+  }
+
+  std::shared_ptr<Node> base;
+  if (a.base_node && a.base) return Error(EINVAL, "'base-node' and 'base' are mutually exclusive");
+  if (a.base_node) {
+    base = graph.find(*a.base_node);
+    if (!base) return Error(ENOENT, "Cannot find device='' nor node-name='" + *a.base_node + "'");
+    if (!chain_contains(*top, *base)) return Error(EINVAL, "'" + *a.base_node + "' is not in this backing file chain");
+  } else if (a.base) {
+    base = find_backing_image(graph, *top, *a.base);
+    if (!base) return Error(ENOENT, "Can't find '" + *a.base + "' in the backing chain");
+  } else {
+    Node* b = find_base(*top);
+    for (auto& n : graph.nodes())
+      if (n.get() == b) base = n;
+    if (!base) return Error(ENOENT, "There is no backimg image");
+  }
+  // Nodes from top down to the base are the commit's targets.
+  for (Node* n = top.get(); n && n != chain_next(*base); n = chain_next(*n))
+    VBLK_TRY(mgr.check_not_busy(n, n->node_name()));
+  if (top == base) return Error(EINVAL, "cannot commit an image into itself");
+
+  if (top != bs) {
+    // Committing an intermediate layer rewrites the overlay's backing file
+    // link, which vblk's drivers cannot change on a live node yet.
+    return Error(ENOTSUP, "Commit of an intermediate layer is not supported by vblk serve");
+  }
+  if (a.backing_file) return Error(EINVAL, "'backing-file' specified, but 'top' is the active layer");
+  MirrorJobParams p;
+  // QEMU names the job after the device: "" for a node name.
+  p.job_id = a.job_id.value_or(std::string());
+  p.filter_node_name = a.filter_node_name.value_or(std::string());
+  p.sync = MirrorJob::Sync::Commit;
+  p.speed = a.speed;
+  p.on_source_error = a.on_error;
+  p.on_target_error = a.on_error;
+  p.auto_finalize = a.auto_finalize;
+  p.auto_dismiss = a.auto_dismiss;
+  return start_mirror_job(mgr, graph, top, base, p);
+}
+
+}  // namespace vblk
