@@ -239,6 +239,11 @@ class Node {
   // The backing file name as stored in the image, and its format ("" if none).
   virtual std::string backing_file_name() const { return {}; }
   virtual std::string backing_file_format() const { return {}; }
+  // Points the backing file at `backing` (nullptr: none) and records `file`
+  // and `fmt` in the image as its backing file name and format (QEMU's
+  // bdrv_set_backing_hd + bdrv_change_backing_file, for block-stream and
+  // block-commit). ENOTSUP for drivers without backing files.
+  virtual Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt);
   // {"type": driver, "data": {...}} in QAPI ImageInfoSpecific form, or null.
   virtual nlohmann::ordered_json format_specific() const { return nullptr; }
   // The image was not closed cleanly (qcow2's dirty bit: lazy refcounts).
@@ -330,6 +335,9 @@ class Node {
     n->parents_.push_back(this);
     children_.push_back({std::move(role), std::move(n)});
   }
+  // Re-points the child of `role` at n (nullptr: drops it); both the old
+  // and the new child learn it. Permissions follow at the next refresh.
+  void replace_child(const std::string& role, std::shared_ptr<Node> n);
   // Takes or drops what `p` asks of the world (a file: its OFD locks), or
   // fails changing nothing. The default has nothing to take.
   virtual Status apply_perms(PermPair p) {
