@@ -130,10 +130,11 @@ class Guest:
     """One qemu-system-x86_64 process running the test guest.
 
     disk: a qcow2 attached as a virtio-blk device (savevm needs a writable
-    image that takes snapshots); extra: more QEMU arguments (-incoming,
+    image that takes snapshots), or drive: -blockdev options of the disk
+    instead (an NBD export: "driver=nbd,server.type=unix,..."); extra: more QEMU arguments (-incoming,
     -loadvm, -S). The serial console and QMP are unix sockets in workdir."""
 
-    def __init__(self, workdir, disk, mem_mib=256, extra=(), name="g", cache="writeback"):
+    def __init__(self, workdir, disk, mem_mib=256, extra=(), name="g", cache="writeback", drive=None):
         self.kernel, self.initrd = build_guest()
         self.workdir = workdir
         self.serial_path = os.path.join(workdir, name + ".serial")
@@ -142,6 +143,11 @@ class Guest:
             if os.path.exists(p):
                 os.unlink(p)
         cache_opts = {"writeback": "", "none": ",cache.direct=on"}[cache]
+        if drive:
+            disk_args = ["-blockdev", drive + ",node-name=d0"]
+        else:
+            disk_args = ["-blockdev", "driver=file,node-name=f0,filename=%s%s" % (disk, cache_opts),
+                         "-blockdev", "driver=qcow2,node-name=d0,file=f0"]
         self.argv = [QEMU_SYSTEM, "-nodefaults", "-display", "none", "-accel", "tcg", "-m", str(mem_mib),
                      "-kernel", self.kernel, "-initrd", self.initrd,
                      "-append", "console=ttyS0 quiet panic=-1 rdinit=/init",
@@ -150,9 +156,7 @@ class Guest:
                      "-serial", "chardev:ser",
                      "-chardev", "socket,id=mon,path=%s,server=on,wait=off" % self.qmp_path,
                      "-mon", "chardev=mon,mode=control",
-                     "-blockdev", "driver=file,node-name=f0,filename=%s%s" % (disk, cache_opts),
-                     "-blockdev", "driver=qcow2,node-name=d0,file=f0",
-                     "-device", "virtio-blk,drive=d0"] + list(extra)
+                     ] + disk_args + ["-device", "virtio-blk,drive=d0"] + list(extra)
         self.log = open(os.path.join(workdir, name + ".log"), "wb")
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT)

@@ -106,6 +106,7 @@ void register_nbd_commands(Daemon& d);
 void register_job_commands(Daemon& d);
 void register_object_commands(Daemon& d);
 void register_bitmap_commands(Daemon& d);
+void register_vmstate_commands(Daemon& d);
 inline void register_all_commands(Daemon& d) {
   register_core_commands(d);
   register_block_commands(d);
@@ -113,6 +114,7 @@ inline void register_all_commands(Daemon& d) {
   register_job_commands(d);
   register_object_commands(d);
   register_bitmap_commands(d);
+  register_vmstate_commands(d);
 }
 
 // query-named-block-nodes' "dirty-bitmaps" of a node (QEMU's BlockDirtyInfo
