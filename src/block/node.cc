@@ -33,21 +33,38 @@ std::string Node::filename() const {
   return {};
 }
 
-Status Node::set_backing(std::shared_ptr<Node> b) {
-  if (!caps_.supports_backing) return Error(EINVAL, "The overlay does not support backing images");
+void Node::replace_child(const std::string& role, std::shared_ptr<Node> n) {
+  auto it = std::find_if(children_.begin(), children_.end(), [&](const Child& c) { return c.role == role; });
   std::shared_ptr<Node> old;
-  for (auto it = children_.begin(); it != children_.end(); ++it) {
-    if (it->role != "backing") continue;
+  if (it != children_.end()) {
     old = std::move(it->node);
-    children_.erase(it);
     std::erase(old->parents_, this);
-    break;
+    if (n) {
+      it->node = n;
+    } else {
+      children_.erase(it);
+    }
+  } else if (n) {
+    children_.push_back({role, n});
   }
-  if (b) add_child("backing", b);
-  backing_changed(b.get());
-  Status st = refresh_perms();
+  if (n) n->parents_.push_back(this);
+  // The old child no longer needs what this node asked of it.
   if (old) (void)old->refresh_perms();
-  return st;
+}
+
+Task<Status> Node::set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) {
+  (void)backing;
+  (void)file;
+  (void)fmt;
+  co_return Error(ENOTSUP);
+}
+
+Status Node::attach_backing(std::shared_ptr<Node> b) {
+  if (!caps_.supports_backing) return Error(EINVAL, "The overlay does not support backing images");
+  Node* raw = b.get();
+  replace_child("backing", std::move(b));
+  backing_changed(raw);
+  return refresh_perms();
 }
 
 Task<Status> Node::prepare_read_only() { co_return co_await flush(); }

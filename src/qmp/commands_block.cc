@@ -192,7 +192,8 @@ Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
 // Filter drivers are listed here (add copy-before-write, throttle, ...).
 // snapshot-access is not one: its `file` is data, not filtered (QEMU shows
 // no backing image under it).
-const char* const kFilterDrivers[] = {"blkdebug", "copy-before-write", "mirror_top", "throttle"};
+const char* const kFilterDrivers[] = {"blkdebug", "commit_top", "copy-before-write", "copy-on-read", "mirror_top",
+                                      "throttle"};
 
 Node* filter_or_cow_child(const Node& n) {
   if (Node* b = n.child("backing")) return b;

@@ -8,6 +8,7 @@
 #include "vblk/backup.h"
 #include "vblk/commit.h"
 #include "vblk/mirror.h"
+#include "vblk/stream.h"
 
 namespace vblk::qmp {
 
@@ -134,7 +135,7 @@ class BackupAction final : public TxAction {
     if (!t) co_return t.take_error();
     d.note_new_nodes(*t);
     target_name_ = (*t)->node_name();
-    if (b.sync == "none") VBLK_CO_TRY((*t)->set_backing(*src));
+    if (b.sync == "none") VBLK_CO_TRY((*t)->attach_backing(*src));
     b.target = target_name_;
     co_return Status{};
   }
@@ -201,6 +202,23 @@ Task<Reply> block_commit(Daemon& d, const OJson& a) {
   auto job = start_commit(d.jobs, d.graph, c);
   // libvirt probes for live commit by this class (QEMU's comment).
   if (!job.ok()) co_return fail(job.error(), job.error().code == ENODEV ? "DeviceNotFound" : "GenericError");
+  d.note_new_nodes((*job)->filter_node());
+  co_return Reply::ok();
+}
+
+Task<Reply> block_stream(Daemon& d, const OJson& a) {
+  StreamArgs c;
+  if (a.contains("job-id")) c.job_id = a["job-id"].get<std::string>();
+  c.device = a["device"].get<std::string>();
+  for (auto [key, field] : {std::pair{"base", &c.base}, {"base-node", &c.base_node}, {"backing-file", &c.backing_file},
+                            {"bottom", &c.bottom}, {"filter-node-name", &c.filter_node_name}})
+    if (a.contains(key)) *field = a[key].get<std::string>();
+  if (a.contains("speed")) c.speed = a["speed"].get<int64_t>();
+  if (a.contains("on-error")) parse_on_error(a["on-error"].get<std::string>(), c.on_error);
+  if (a.contains("auto-finalize")) c.auto_finalize = a["auto-finalize"].get<bool>();
+  if (a.contains("auto-dismiss")) c.auto_dismiss = a["auto-dismiss"].get<bool>();
+  auto job = start_stream(d.jobs, d.graph, c);
+  if (!job.ok()) co_return fail(job.error());
   d.note_new_nodes((*job)->filter_node());
   co_return Reply::ok();
 }
@@ -331,6 +349,19 @@ void register_job_commands(Daemon& d) {
                     {"auto-finalize", ArgType::Bool},
                     {"auto-dismiss", ArgType::Bool}}},
                   [&d](const OJson& a) { return block_commit(d, a); }});
+  d.registry.add({"block-stream",
+                  {{{"job-id", ArgType::Str},
+                    {"device", ArgType::Str, true},
+                    {"base", ArgType::Str},
+                    {"base-node", ArgType::Str},
+                    {"backing-file", ArgType::Str},
+                    {"bottom", ArgType::Str},
+                    {"speed", ArgType::Int},
+                    {"on-error", ArgType::Enum, false, kOnError},
+                    {"filter-node-name", ArgType::Str},
+                    {"auto-finalize", ArgType::Bool},
+                    {"auto-dismiss", ArgType::Bool}}},
+                  [&d](const OJson& a) { return block_stream(d, a); }});
   for (const char* verb : {"pause", "resume", "complete"}) {
     std::string v = verb;
     d.registry.add({"block-job-" + v, {{{"device", ArgType::Str, true}}},

@@ -86,7 +86,7 @@ class ExternalSnapshot final : public TxAction {
     if (!new_->caps().supports_backing) co_return Error(EINVAL, "The overlay does not support backing images");
     if (new_ == old_ || d.graph.parent_of(*old_, new_.get()))
       co_return Error(EBUSY, "Node '" + old_->node_name() + "' has parent nodes: vblk cannot put an overlay under them");
-    VBLK_CO_TRY(new_->set_backing(old_));
+    VBLK_CO_TRY(new_->attach_backing(old_));
     // The old node's users go to the overlay (exports write to it now).
     std::vector<NodeRef*> refs = old_->refs();
     for (NodeRef* r : refs) {
@@ -122,7 +122,7 @@ class ExternalSnapshot final : public TxAction {
       for (NodeRef* r : moved_) r->reset(old_);
       for (const auto& id : moved_exports_)
         if (auto it = tx.d.exports.find(id); it != tx.d.exports.end()) it->second.node_name = old_->node_name();
-      (void)new_->set_backing(nullptr);
+      (void)new_->attach_backing(nullptr);
     }
     if (!opened_.empty()) {
       new_.reset();

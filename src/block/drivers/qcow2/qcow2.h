@@ -118,6 +118,7 @@ class Qcow2Node final : public Node {
   uint64_t cluster_size() const override { return cs_; }
   std::string backing_file_name() const override { return h_.backing_file; }
   std::string backing_file_format() const override { return h_.backing_format; }
+  Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) override;
   nlohmann::ordered_json format_specific() const override;
   bool dirty_flag() const override { return h_.incompatible_features & kIncompatDirty; }
 
