@@ -57,6 +57,13 @@ struct MirrorArgs {
   bool write_blocking = false;  // copy-mode
   bool auto_finalize = true;
   bool auto_dismiss = true;
+  // drive-mirror: the backing file the target takes when the job ends
+  // without an error (the source's backing node, or the source for
+  // sync=none); its header already names it.
+  std::shared_ptr<Node> target_backing;
+  // drive-mirror: the job made the target; one it did not switch to is
+  // closed when the job ends (QEMU frees it), so its file is free again.
+  bool owns_target = false;
 };
 
 struct MirrorJobParams;
@@ -128,7 +135,8 @@ class MirrorJob : public BlockJob {
   uint64_t len_ = 0;
   // stream: the new backing (nullptr: none); intermediate commit: the node
   // whose backing becomes the base. The name and format recorded for it.
-  std::shared_ptr<Node> new_backing_, overlay_;
+  std::shared_ptr<Node> new_backing_, overlay_, target_backing_;
+  bool owns_target_ = false, switched_ = false;
   std::string backing_str_;
   bool started_copy_ = false;  // past the size check: progress counts
   bool idle_ = false;          // ready and waiting for guest writes
@@ -156,6 +164,8 @@ struct MirrorJobParams {
   // Stream / intermediate commit: see MirrorJob::new_backing_, overlay_.
   std::shared_ptr<Node> new_backing, overlay;
   std::string backing_str;
+  std::shared_ptr<Node> target_backing;  // see MirrorArgs
+  bool owns_target = false;              // see MirrorArgs
 };
 
 // QEMU's mirror_start_job: its checks (buf-size, into itself, filter node

@@ -23,11 +23,23 @@ constexpr uint64_t kSliceNs = 100'000'000;     // QEMU's BLOCK_JOB_SLICE_TIME
 
 // Keeps the filter and the engine state alive until writes that entered
 // the filter before it left the graph are done (they use both).
-Task<void> release_filter(std::shared_ptr<MirrorTop> f, std::unique_ptr<BlockCopyState> bcs) {
+// A target to drop afterwards comes along (drive-mirror's, not switched
+// to: the job holds the last reference but the graph's): closed, then out
+// of the graph with its implicit children, which frees its file and locks.
+Task<void> release_filter(std::shared_ptr<MirrorTop> f, std::unique_ptr<BlockCopyState> bcs, Graph* graph,
+                          std::shared_ptr<Node> drop_target) {
   co_await f->quiesce();
   co_await f->drain();
   f->detach();
   bcs.reset();
+  if (drop_target) {
+    co_await drop_target->drain();
+    (void)co_await drop_target->close();
+    std::vector<std::string> names = {drop_target->node_name()};
+    for (const auto& c : drop_target->children()) names.push_back(c.node->node_name());
+    drop_target.reset();
+    for (const auto& n : names) (void)graph->remove(n);
+  }
 }
 }  // namespace
 
@@ -165,6 +177,10 @@ Task<Status> MirrorJob::run() {
       co_await filter_->hold();
       if (bcs_->bitmap().count() == 0 && bcs_->in_flight_bytes() == 0 && active_error_.ok()) {
         Status st = co_await target_->flush();
+        // drive-mirror's target takes the source's backing chain.
+        if (st.ok() && target_backing_)
+          st = co_await target_->set_backing(target_backing_, target_->backing_file_name(),
+                                             target_->backing_file_format());
         if (st.ok()) co_return Status{};  // held until exit_common
       }
       filter_->release(nullptr);
@@ -255,6 +271,7 @@ Status MirrorJob::on_complete() {
 void MirrorJob::exit_common(bool switch_to_target) {
   if (exited_) return;
   exited_ = true;
+  switched_ = switch_to_target;
   // The job's own use of the target ends first: the users it takes over
   // need to write it.
   target_ref_.reset();
@@ -278,7 +295,9 @@ void MirrorJob::clean() {
   exit_common(false);
   final_done_ = progress_current();
   final_total_ = progress_total();
-  spawn_detached(release_filter(filter_, std::move(bcs_)));
+  std::shared_ptr<Node> drop_target;
+  if (owns_target_ && !switched_) drop_target = std::move(target_);
+  spawn_detached(release_filter(filter_, std::move(bcs_), graph_, std::move(drop_target)));
 }
 
 Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, const MirrorArgs& a) {
@@ -331,6 +350,8 @@ Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, c
   p.write_blocking = a.write_blocking;
   p.auto_finalize = a.auto_finalize;
   p.auto_dismiss = a.auto_dismiss;
+  p.target_backing = a.target_backing;
+  p.owns_target = a.owns_target;
   return start_mirror_job(mgr, graph, src, tgt, p);
 }
 
@@ -422,6 +443,8 @@ Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& grap
   job->new_backing_ = p.new_backing;
   job->overlay_ = p.overlay;
   job->backing_str_ = p.backing_str;
+  job->target_backing_ = p.target_backing;
+  job->owns_target_ = p.owns_target;
   job->write_blocking_ = p.write_blocking;
   job->on_source_error_ = p.on_source_error;
   job->on_target_error_ = p.on_target_error;

@@ -10,6 +10,8 @@
 
 namespace vblk::qmp {
 
+Task<void> drop_orphans(Daemon& d);
+
 namespace {
 
 // QMP is typed: where the command line accepts "on" or "4k", QMP wants a
@@ -132,6 +134,8 @@ Task<Reply> blockdev_add(Daemon& d, const OJson& args) {
   co_return Reply::ok();
 }
 
+}  // namespace
+
 // Drops implicit nodes (children opened inline) that nothing uses any more.
 Task<void> drop_orphans(Daemon& d) {
   for (bool again = true; again;) {
@@ -150,8 +154,6 @@ Task<void> drop_orphans(Daemon& d) {
     }
   }
 }
-
-}  // namespace
 
 std::shared_ptr<Node> backing_parent(Daemon& d, const Node& n) {
   for (auto& p : d.graph.nodes())
@@ -252,6 +254,9 @@ OJson node_info(Daemon& d, Node& n, bool flat) {
 }
 
 Task<Reply> query_named_block_nodes(Daemon& d, const OJson& args) {
+  // A node QEMU would have freed when its last user went (a drive-mirror
+  // target after its job) is not listed: collect such nodes first.
+  co_await drop_orphans(d);
   bool flat = args.contains("flat") && args.at("flat").get<bool>();
   OJson list = OJson::array();
   for (auto it = d.node_order.rbegin(); it != d.node_order.rend(); ++it) {

@@ -4,6 +4,7 @@
 // say GenericError "Job not found"). The job logic itself is in src/job.
 #include "block/open.h"
 #include "qmp/daemon.h"
+#include "qmp/drive_mirror.h"
 #include "qmp/transaction.h"
 #include "vblk/backup.h"
 #include "vblk/commit.h"
@@ -335,6 +336,25 @@ void register_job_commands(Daemon& d) {
                     {"auto-finalize", ArgType::Bool},
                     {"auto-dismiss", ArgType::Bool}}},
                   [&d](const OJson& a) { return blockdev_mirror(d, a); }});
+  d.registry.add({"drive-mirror",
+                  {{{"job-id", ArgType::Str},
+                    {"device", ArgType::Str, true},
+                    {"target", ArgType::Str, true},
+                    {"format", ArgType::Str},
+                    {"node-name", ArgType::Str},
+                    {"replaces", ArgType::Str},
+                    {"sync", ArgType::Enum, true, kSyncModes},
+                    {"mode", ArgType::Enum, false, {"existing", "absolute-paths"}},
+                    {"speed", ArgType::Int},
+                    {"granularity", ArgType::UInt32},
+                    {"buf-size", ArgType::Int},
+                    {"on-source-error", ArgType::Enum, false, kOnError},
+                    {"on-target-error", ArgType::Enum, false, kOnError},
+                    {"unmap", ArgType::Bool},
+                    {"copy-mode", ArgType::Enum, false, kCopyModes},
+                    {"auto-finalize", ArgType::Bool},
+                    {"auto-dismiss", ArgType::Bool}}},
+                  [&d](const OJson& a) { return drive_mirror(d, a); }});
   d.registry.add({"block-commit",
                   {{{"job-id", ArgType::Str},
                     {"device", ArgType::Str, true},
