@@ -59,6 +59,9 @@ struct BackupArgs {
   OnError on_target_error = OnError::Report;
   bool auto_finalize = true;
   bool auto_dismiss = true;
+  // false: the job is left in state created (a transaction starts it at
+  // commit, or cancels it at abort).
+  bool start = true;
   std::optional<std::string> filter_node_name;
   // x-perf
   bool use_copy_range = false;

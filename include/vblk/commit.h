@@ -1,14 +1,17 @@
 // block-commit (QEMU 7.2's qmp_block_commit): merges the layers from `top`
 // down to just above `base` into `base`.
 //
-// Only the active commit is here: `top` is the device's own node (the
-// chain's top), and the job is a mirror of it into the base (QEMU's
-// commit_active_start, job type "commit"): the clusters the layers above
-// the base allocate are copied, guest writes go on through the mirror's
-// filter, BLOCK_JOB_READY once in sync, and block-job-complete moves the
-// top's users (NBD exports) to the base. The base must be writable (vblk
-// cannot reopen a read-only node, QEMU's bdrv_reopen_set_read_only):
-// add it as a node of its own and name it as the top's `backing`.
+// The active commit (`top` is the device's own node, the chain's top) is a
+// mirror of it into the base (QEMU's commit_active_start, job type
+// "commit"): the clusters the layers above the base allocate are copied,
+// guest writes go on through the mirror's filter, BLOCK_JOB_READY once in
+// sync, and block-job-complete moves the top's users (NBD exports) to the
+// base. An intermediate commit (QEMU's commit_start) copies the same way
+// once, with no ready, and then points the overlay of `top` at the base
+// (`backing-file`, or the base's file name, written into its header).
+// The base must be writable (vblk cannot reopen a read-only node, QEMU's
+// bdrv_reopen_set_read_only): add it as a node of its own and name it as
+// the `backing` of the node above.
 //
 // Ownership and threads: as the mirror job (include/vblk/mirror.h).
 #pragma once

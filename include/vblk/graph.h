@@ -22,6 +22,8 @@ class Graph {
   std::shared_ptr<Node> find(const std::string& name) const;
   // Removes a node nobody else references (EBUSY otherwise).
   Status remove(const std::string& name);
+  // Drops the graph's reference and name whoever else holds the node.
+  void forget(const std::string& name) { nodes_.erase(name); }
   std::vector<std::shared_ptr<Node>> nodes() const;
   std::string generate_name();
 

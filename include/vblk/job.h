@@ -62,6 +62,17 @@ bool job_verb_allowed(JobVerb v, JobStatus s);
 using JobEventSink = std::function<void(const std::string& name, const nlohmann::ordered_json& data)>;
 
 class JobManager;
+class Job;
+
+// Jobs that complete or fail together (QEMU's JobTxn, a transaction with
+// completion-mode grouped): none is finalized before all have finished
+// their work; when one fails or is cancelled, the others are cancelled and
+// all are aborted. Finalization runs in list order (newest member first,
+// as QEMU inserts them).
+struct JobGroup {
+  std::vector<std::shared_ptr<Job>> jobs;
+  bool aborting = false;
+};
 
 class Job : public std::enable_shared_from_this<Job> {
  public:
@@ -104,6 +115,8 @@ class Job : public std::enable_shared_from_this<Job> {
 
   // Starts the job: created → running, run() begins.
   void start();
+  // Makes the job a member of `g` (before start()).
+  void join_group(const std::shared_ptr<JobGroup>& g);
   // Internal pause / resume (error policy stop uses pause()).
   void pause();
   void resume();
@@ -177,6 +190,10 @@ class Job : public std::enable_shared_from_this<Job> {
   void completed_success();
   void completed_abort();
   void do_finalize();
+  // Group completion (QEMU's job_completed_txn_success / _abort).
+  void group_success();
+  void group_abort();
+  void group_finish_abort();
   void finalize_single();
   void conclude();
   void do_dismiss();
@@ -184,6 +201,7 @@ class Job : public std::enable_shared_from_this<Job> {
   void cancel(bool force);
 
   JobManager& mgr_;
+  std::shared_ptr<JobGroup> group_;
   std::string id_;
   JobStatus status_ = JobStatus::Undefined;
   bool busy_ = false;

@@ -57,6 +57,13 @@ struct MirrorArgs {
   bool write_blocking = false;  // copy-mode
   bool auto_finalize = true;
   bool auto_dismiss = true;
+  // drive-mirror: the backing file the target takes when the job ends
+  // without an error (the source's backing node, or the source for
+  // sync=none); its header already names it.
+  std::shared_ptr<Node> target_backing;
+  // drive-mirror: the job made the target; one it did not switch to is
+  // closed when the job ends (QEMU frees it), so its file is free again.
+  bool owns_target = false;
 };
 
 struct MirrorJobParams;
@@ -66,8 +73,14 @@ class MirrorJob : public BlockJob {
   MirrorJob(JobManager& mgr, const std::string& id, bool auto_finalize, bool auto_dismiss);
   ~MirrorJob() override;
   // An active commit is a mirror into the base (QEMU's commit_active_start).
-  const char* type() const override { return sync_ == Sync::Commit ? "commit" : "mirror"; }
-  enum class Sync { Full, Top, None, Commit };
+  // An intermediate commit and block-stream run on it too: they copy once
+  // and then relink the chain (no ready, no complete).
+  enum class Sync { Full, Top, None, Commit, CommitIntermediate, Stream };
+  const char* type() const override {
+    if (sync_ == Sync::Stream) return "stream";
+    if (sync_ == Sync::Commit || sync_ == Sync::CommitIntermediate) return "commit";
+    return "mirror";
+  }
   uint64_t progress_current() const override;
   uint64_t progress_total() const override;
   std::shared_ptr<Node> filter_node() const { return filter_; }
@@ -77,7 +90,6 @@ class MirrorJob : public BlockJob {
   void on_pause() override;
   bool on_cancel(bool force) override;
   void on_set_speed(uint64_t speed) override;
-  bool can_complete() const override { return true; }
   Status on_complete() override;
   Status prepare() override;
   void abort() override;
@@ -101,6 +113,12 @@ class MirrorJob : public BlockJob {
   // QEMU's mirror_exit_common: the filter leaves the graph; its users go to
   // the target when the job completes, back to the source otherwise.
   void exit_common(bool switch_to_target);
+  // The jobs that end on their own once copied (stream, intermediate commit).
+  bool auto_complete() const { return sync_ == Sync::Stream || sync_ == Sync::CommitIntermediate; }
+  // Their last step: the new backing link (QEMU's stream_prepare,
+  // bdrv_drop_intermediate).
+  Task<Status> relink();
+  bool can_complete() const override { return !auto_complete(); }
 
   Graph* graph_ = nullptr;
   std::shared_ptr<Node> source_, target_;
@@ -115,6 +133,11 @@ class MirrorJob : public BlockJob {
   bool exited_ = false, cleaned_ = false;
   Status active_error_;  // a write-blocking target write failed under report
   uint64_t len_ = 0;
+  // stream: the new backing (nullptr: none); intermediate commit: the node
+  // whose backing becomes the base. The name and format recorded for it.
+  std::shared_ptr<Node> new_backing_, overlay_, target_backing_;
+  bool owns_target_ = false, switched_ = false;
+  std::string backing_str_;
   bool started_copy_ = false;  // past the size check: progress counts
   bool idle_ = false;          // ready and waiting for guest writes
   uint64_t final_done_ = 0, final_total_ = 0;  // progress once the engine is gone
@@ -134,6 +157,15 @@ struct MirrorJobParams {
   bool write_blocking = false;
   bool auto_finalize = true;
   bool auto_dismiss = true;
+  // What query-named-block-nodes calls the filter.
+  std::string driver = "mirror_top";
+  // block_job_create before the filter (commit_start's order).
+  bool job_before_filter = false;
+  // Stream / intermediate commit: see MirrorJob::new_backing_, overlay_.
+  std::shared_ptr<Node> new_backing, overlay;
+  std::string backing_str;
+  std::shared_ptr<Node> target_backing;  // see MirrorArgs
+  bool owns_target = false;              // see MirrorArgs
 };
 
 // QEMU's mirror_start_job: its checks (buf-size, into itself, filter node

@@ -15,6 +15,11 @@
 //     source and target see the same order. A failed target write marks
 //     the clusters dirty again and goes to the job's error policy; the guest
 //     write itself succeeds (as in QEMU).
+//   - covering (block-stream, which copies into the source itself): a
+//     write waits for the engine's tasks and claims on its clusters, keeps
+//     them claimed while it writes, and leaves them clean: a cluster the
+//     guest wrote is allocated in the source and needs no copy, and no
+//     copy of the old data can land over the guest's.
 // To finish, the job holds the filter: new writes wait at its entry and the
 // writes inside complete; the job then checks that source and target agree.
 // release(dest) lets the held writes go on to dest: the target after
@@ -38,7 +43,9 @@ namespace vblk {
 
 class MirrorTop : public FilterNode {
  public:
-  MirrorTop(Loop& loop, std::shared_ptr<Node> source);
+  // `driver`: what query-named-block-nodes shows (QEMU's mirror_top,
+  // commit_top or copy-on-read).
+  MirrorTop(Loop& loop, std::shared_ptr<Node> source, std::string driver = "mirror_top");
   ~MirrorTop() override;
 
   Node& source() const { return filtered(); }
@@ -48,6 +55,8 @@ class MirrorTop : public FilterNode {
   // From now on writes also go to the target synchronously.
   // `on_error(err)` reports a failed target write to the job.
   void start_write_blocking(std::function<void(int err)> on_error);
+  // Guest writes cover their clusters (see above); set before attach().
+  void set_covering(bool on) { covering_ = on; }
   // Writes stop touching the job's state (before it is destroyed).
   void detach();
   // Bytes write-blocking writes put on the target (progress).
@@ -79,6 +88,13 @@ class MirrorTop : public FilterNode {
                             uint32_t flags);
   Task<Status> do_method(Node& n, Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
                          uint32_t flags);
+  // Waits for overlapping write-blocking writes and engine tasks on
+  // [begin, end), then registers `op` there.
+  Task<void> enter_range(ActiveOp& op);
+  void leave_range(ActiveOp& op);
+  // covering: the source write with its clusters claimed, then clean.
+  Task<Status> write_covering(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
+                              uint32_t flags);
   // write-blocking: source, then target, with the bitmap kept exact.
   Task<Status> write_blocking(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
                               uint32_t flags);
@@ -88,6 +104,7 @@ class MirrorTop : public FilterNode {
   std::function<void()> kick_;
   std::function<void(int)> on_error_;
   bool write_blocking_ = false;
+  bool covering_ = false;
   uint64_t active_done_ = 0, active_in_flight_ = 0;
   std::vector<ActiveOp*> active_;  // write-blocking writes in progress
   // Holding: writes inside the filter, and the gate at its entry.

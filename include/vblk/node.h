@@ -239,6 +239,11 @@ class Node {
   // The backing file name as stored in the image, and its format ("" if none).
   virtual std::string backing_file_name() const { return {}; }
   virtual std::string backing_file_format() const { return {}; }
+  // Points the backing file at `backing` (nullptr: none) and records `file`
+  // and `fmt` in the image as its backing file name and format (QEMU's
+  // bdrv_set_backing_hd + bdrv_change_backing_file, for block-stream and
+  // block-commit). ENOTSUP for drivers without backing files.
+  virtual Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt);
   // {"type": driver, "data": {...}} in QAPI ImageInfoSpecific form, or null.
   virtual nlohmann::ordered_json format_specific() const { return nullptr; }
   // The image was not closed cleanly (qcow2's dirty bit: lazy refcounts).
@@ -287,6 +292,19 @@ class Node {
   // Deletes the snapshot with exactly this id and name.
   virtual Task<Status> snapshot_delete(const std::string& id, const std::string& name);
 
+  // ---- graph changes while open (blockdev-snapshot, QEMU's bdrv_append)
+  // Makes `b` this node's backing child (nullptr: none), replacing the one
+  // it had, without touching the image (unlike set_backing): the driver
+  // reads unallocated ranges from it from now on. EINVAL unless
+  // caps().supports_backing. Permissions are refreshed (the old backing
+  // node loses what this one needed of it).
+  Status attach_backing(std::shared_ptr<Node> b);
+  // QEMU's reopen read-only (an external snapshot's old top): what must
+  // reach the image first is written (qcow2: bitmaps stored, caches
+  // flushed, the dirty bit cleared), then the node and its `file` child are
+  // read-only and drop their write locks.
+  Task<Status> reopen_read_only();
+
   // The VM state of internal snapshots (qcow2: a byte stream stored after
   // the virtual disk end, QEMU's bdrv_save_vmstate/bdrv_load_vmstate).
   // Writes go to the active state, which snapshot_create() then carries
@@ -320,6 +338,12 @@ class Node {
   // QEMU does ("Unsupported preallocation mode: metadata").
   virtual Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc);
 
+  // The backing child changed (attach_backing): drivers that cache it update.
+  virtual void backing_changed(Node* b) { (void)b; }
+  // Before the node becomes read-only: write back what a close would.
+  // The default flushes.
+  virtual Task<Status> prepare_read_only();
+
   void report_corruption(const CorruptionEvent& ev) const {
     if (corruption_handler_) corruption_handler_(*this, ev);
   }
@@ -330,6 +354,9 @@ class Node {
     n->parents_.push_back(this);
     children_.push_back({std::move(role), std::move(n)});
   }
+  // Re-points the child of `role` at n (nullptr: drops it); both the old
+  // and the new child learn it. Permissions follow at the next refresh.
+  void replace_child(const std::string& role, std::shared_ptr<Node> n);
   // Takes or drops what `p` asks of the world (a file: its OFD locks), or
   // fails changing nothing. The default has nothing to take.
   virtual Status apply_perms(PermPair p) {

@@ -33,6 +33,55 @@ std::string Node::filename() const {
   return {};
 }
 
+void Node::replace_child(const std::string& role, std::shared_ptr<Node> n) {
+  auto it = std::find_if(children_.begin(), children_.end(), [&](const Child& c) { return c.role == role; });
+  std::shared_ptr<Node> old;
+  if (it != children_.end()) {
+    old = std::move(it->node);
+    std::erase(old->parents_, this);
+    if (n) {
+      it->node = n;
+    } else {
+      children_.erase(it);
+    }
+  } else if (n) {
+    children_.push_back({role, n});
+  }
+  if (n) n->parents_.push_back(this);
+  // The old child no longer needs what this node asked of it.
+  if (old) (void)old->refresh_perms();
+}
+
+Task<Status> Node::set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) {
+  (void)backing;
+  (void)file;
+  (void)fmt;
+  co_return Error(ENOTSUP);
+}
+
+Status Node::attach_backing(std::shared_ptr<Node> b) {
+  if (!caps_.supports_backing) return Error(EINVAL, "The overlay does not support backing images");
+  Node* raw = b.get();
+  replace_child("backing", std::move(b));
+  backing_changed(raw);
+  return refresh_perms();
+}
+
+Task<Status> Node::prepare_read_only() { co_return co_await flush(); }
+
+Task<Status> Node::reopen_read_only() {
+  if (read_only_) co_return Status{};
+  co_await drain();
+  VBLK_CO_TRY(co_await prepare_read_only());
+  read_only_ = true;
+  if (Node* f = file_child(); f && !f->read_only()) {
+    co_await f->drain();
+    VBLK_CO_TRY(co_await f->flush());
+    f->set_read_only(true);
+  }
+  co_return refresh_perms();
+}
+
 Node* Node::child(const std::string& role) const {
   for (const auto& c : children_)
     if (c.role == role) return c.node.get();

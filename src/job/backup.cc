@@ -337,7 +337,7 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
     });
   }
   mgr.block(tgt.get(), job->type());
-  job->start();
+  if (a.start) job->start();
   return job;
 }
 

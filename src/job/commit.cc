@@ -72,9 +72,27 @@ Result<std::shared_ptr<MirrorJob>> start_commit(JobManager& mgr, Graph& graph, c
   if (top == base) return Error(EINVAL, "cannot commit an image into itself");
 
   if (top != bs) {
-    // Committing an intermediate layer rewrites the overlay's backing file
-    // link, which vblk's drivers cannot change on a live node yet.
-    return Error(ENOTSUP, "Commit of an intermediate layer is not supported by vblk serve");
+    // An intermediate commit (QEMU's commit_start): copy once, then the
+    // overlay of `top` takes the base as its backing file.
+    std::shared_ptr<Node> overlay;
+    for (auto& n : graph.nodes())
+      if (n->child("backing") == top.get()) overlay = n;
+    if (!overlay) return Error(ENOENT, "Could not find overlay image for " + top->filename() + ":");
+    VBLK_TRY(mgr.check_not_busy(overlay.get(), overlay->node_name()));
+    MirrorJobParams p;
+    p.job_id = a.job_id.value_or(std::string());
+    p.filter_node_name = a.filter_node_name.value_or(std::string());
+    p.sync = MirrorJob::Sync::CommitIntermediate;
+    p.speed = a.speed;
+    p.on_source_error = a.on_error;
+    p.on_target_error = a.on_error;
+    p.auto_finalize = a.auto_finalize;
+    p.auto_dismiss = a.auto_dismiss;
+    p.driver = "commit_top";
+    p.job_before_filter = true;
+    p.overlay = overlay;
+    p.backing_str = a.backing_file.value_or(base->filename());
+    return start_mirror_job(mgr, graph, top, base, p);
   }
   if (a.backing_file) return Error(EINVAL, "'backing-file' specified, but 'top' is the active layer");
   MirrorJobParams p;

@@ -330,11 +330,68 @@ void Job::update_rc() {
 
 void Job::completed() {
   update_rc();
+  if (group_) {
+    if (!ret_.ok()) {
+      group_abort();
+    } else {
+      group_success();
+    }
+    return;
+  }
   if (!ret_.ok()) {
     completed_abort();
   } else {
     completed_success();
   }
+}
+
+void Job::join_group(const std::shared_ptr<JobGroup>& g) {
+  group_ = g;
+  g->jobs.insert(g->jobs.begin(), shared_from_this());
+}
+
+void Job::group_success() {
+  auto g = group_;
+  if (g->aborting) {
+    group_finish_abort();
+    return;
+  }
+  transition(S::Waiting);
+  for (auto& j : g->jobs)
+    if (!j->is_completed()) return;
+  bool manual = false;
+  for (auto& j : g->jobs) {
+    j->transition(S::Pending);
+    if (!j->auto_finalize_) {
+      j->on_pending();
+      manual = true;
+    }
+  }
+  if (!manual) do_finalize();
+}
+
+void Job::group_abort() {
+  auto g = group_;
+  if (!g->aborting) {
+    g->aborting = true;
+    // The others are cancelled by this one's failure.
+    for (auto& j : std::vector<std::shared_ptr<Job>>(g->jobs)) {
+      if (j.get() == this) continue;
+      j->cancelled_ = true;
+      j->cancel_async(true);
+      if (!j->deferred_ && j->started_) j->enter();
+    }
+  }
+  group_finish_abort();
+}
+
+void Job::group_finish_abort() {
+  // Once every member has finished its work, all are aborted in list order.
+  auto g = group_;
+  for (auto& j : g->jobs)
+    if (!j->is_completed() && !(j->deferred_ && j.get() == this)) return;
+  for (auto& j : std::vector<std::shared_ptr<Job>>(g->jobs))
+    if (!j->finalizing_) j->finalize_single();
 }
 
 void Job::completed_success() {
@@ -350,6 +407,21 @@ void Job::completed_success() {
 void Job::completed_abort() { finalize_single(); }
 
 void Job::do_finalize() {
+  if (group_) {
+    // Every member prepares first; one failure aborts them all.
+    auto g = group_;
+    for (auto& j : std::vector<std::shared_ptr<Job>>(g->jobs)) {
+      Status st = j->prepare();
+      if (!st.ok()) {
+        j->ret_ = st;
+        j->update_rc();
+        j->group_abort();
+        return;
+      }
+    }
+    for (auto& j : std::vector<std::shared_ptr<Job>>(g->jobs)) j->finalize_single();
+    return;
+  }
   if (ret_.ok()) {
     Status st = prepare();
     if (!st.ok()) ret_ = st;
@@ -361,6 +433,10 @@ void Job::do_finalize() {
 
 void Job::finalize_single() {
   finalizing_ = true;
+  if (group_) {
+    std::erase_if(group_->jobs, [this](const std::shared_ptr<Job>& j) { return j.get() == this; });
+    group_.reset();
+  }
   update_rc();
   if (ret_.ok()) {
     commit();

@@ -23,11 +23,23 @@ constexpr uint64_t kSliceNs = 100'000'000;     // QEMU's BLOCK_JOB_SLICE_TIME
 
 // Keeps the filter and the engine state alive until writes that entered
 // the filter before it left the graph are done (they use both).
-Task<void> release_filter(std::shared_ptr<MirrorTop> f, std::unique_ptr<BlockCopyState> bcs) {
+// A target to drop afterwards comes along (drive-mirror's, not switched
+// to: the job holds the last reference but the graph's): closed, then out
+// of the graph with its implicit children, which frees its file and locks.
+Task<void> release_filter(std::shared_ptr<MirrorTop> f, std::unique_ptr<BlockCopyState> bcs, Graph* graph,
+                          std::shared_ptr<Node> drop_target) {
   co_await f->quiesce();
   co_await f->drain();
   f->detach();
   bcs.reset();
+  if (drop_target) {
+    co_await drop_target->drain();
+    (void)co_await drop_target->close();
+    std::vector<std::string> names = {drop_target->node_name()};
+    for (const auto& c : drop_target->children()) names.push_back(c.node->node_name());
+    drop_target.reset();
+    for (const auto& n : names) (void)graph->remove(n);
+  }
 }
 }  // namespace
 
@@ -39,12 +51,15 @@ MirrorJob::~MirrorJob() = default;
 uint64_t MirrorJob::progress_current() const {
   if (!bcs_) return final_done_;
   if (!started_copy_) return 0;
+  // Stream and commit count every byte they looked at, copied or not.
+  if (auto_complete()) return len_ - std::min(len_, bcs_->bitmap().count() + bcs_->in_flight_bytes());
   return bcs_->progress_done() + filter_->active_bytes_done();
 }
 
 uint64_t MirrorJob::progress_total() const {
   if (!bcs_) return final_total_;
   if (!started_copy_) return 0;
+  if (auto_complete()) return len_;
   return progress_current() + bcs_->bitmap().count() + bcs_->in_flight_bytes() + filter_->active_bytes_in_flight();
 }
 
@@ -52,7 +67,29 @@ Task<Status> MirrorJob::init_bitmap() {
   DirtyBitmap& bm = bcs_->bitmap();
   if (sync_ == Sync::Full) {
     bm.set_all();
-  } else if (sync_ == Sync::Commit) {
+  } else if (sync_ == Sync::Stream) {
+    // What the layers below the source (down to the new backing) allocate,
+    // where the source itself does not.
+    auto mark = [&](Node& n, bool set) -> Task<Status> {
+      for (uint64_t pos = 0; pos < len_;) {
+        auto st = co_await n.block_status(pos, len_ - pos);
+        if (!st) co_return st.error();
+        const uint64_t cnt = std::max<uint64_t>(1, std::min(st->bytes, len_ - pos));
+        if (st->flags & kStatusAllocated) {
+          if (set) {
+            bm.set(pos, cnt);
+          } else {
+            bm.reset(pos, cnt);
+          }
+        }
+        pos += cnt;
+      }
+      co_return Status{};
+    };
+    for (Node* n = chain_next(*source_); n && n != new_backing_.get(); n = chain_next(*n))
+      if (Status st = co_await mark(*n, true); !st.ok()) co_return st;
+    if (Status st = co_await mark(*source_, false); !st.ok()) co_return st;
+  } else if (sync_ == Sync::Commit || sync_ == Sync::CommitIntermediate) {
     // What the layers above the base allocate (QEMU's
     // bdrv_is_allocated_above up to the base's overlay); the base has the
     // rest already.
@@ -84,8 +121,12 @@ Task<Status> MirrorJob::init_bitmap() {
 
 Task<Status> MirrorJob::run() {
   len_ = source_->length();
-  if (sync_ == Sync::Commit) {
-    // Active commit grows a shorter base to the top's size.
+  if (sync_ == Sync::Stream) {
+    // Nothing below the source down to the new backing: nothing to do
+    // (QEMU reports len 0 and changes no link).
+    if (chain_next(*source_) == new_backing_.get()) co_return Status{};
+  } else if (sync_ == Sync::Commit || sync_ == Sync::CommitIntermediate) {
+    // Commit grows a shorter base to the top's size.
     if (target_->length() < len_)
       if (Status st = co_await target_->truncate(len_, false); !st.ok()) co_return st;
   } else if (target_->length() != len_) {
@@ -122,6 +163,7 @@ Task<Status> MirrorJob::run() {
       if (!st.ok()) co_return st;
       continue;
     }
+    if (auto_complete()) co_return co_await relink();
     if (!is_ready()) {
       // Out of the first pass: from here a cancel finishes the copy and
       // leaves a consistent target.
@@ -135,6 +177,10 @@ Task<Status> MirrorJob::run() {
       co_await filter_->hold();
       if (bcs_->bitmap().count() == 0 && bcs_->in_flight_bytes() == 0 && active_error_.ok()) {
         Status st = co_await target_->flush();
+        // drive-mirror's target takes the source's backing chain.
+        if (st.ok() && target_backing_)
+          st = co_await target_->set_backing(target_backing_, target_->backing_file_name(),
+                                             target_->backing_file_format());
         if (st.ok()) co_return Status{};  // held until exit_common
       }
       filter_->release(nullptr);
@@ -197,10 +243,19 @@ void MirrorJob::on_pause() {
   if (call_ && !call_->finished()) call_->cancel();
 }
 
+Task<Status> MirrorJob::relink() {
+  if (sync_ == Sync::Stream) {
+    std::string fmt = new_backing_ ? new_backing_->driver() : std::string();
+    co_return co_await source_->set_backing(new_backing_, backing_str_, fmt);
+  }
+  co_return co_await overlay_->set_backing(target_, backing_str_, target_->driver());
+}
+
 bool MirrorJob::on_cancel(bool force) {
   // Before ready every cancel is a forced one (QEMU's mirror_cancel); once
-  // ready, a soft cancel completes the copy without switching.
-  force = force || !is_ready();
+  // ready, a soft cancel completes the copy without switching. Stream and
+  // commit jobs have no soft cancel.
+  force = force || !is_ready() || auto_complete();
   if (force && call_ && !call_->finished()) call_->cancel();
   return force;
 }
@@ -216,6 +271,7 @@ Status MirrorJob::on_complete() {
 void MirrorJob::exit_common(bool switch_to_target) {
   if (exited_) return;
   exited_ = true;
+  switched_ = switch_to_target;
   // The job's own use of the target ends first: the users it takes over
   // need to write it.
   target_ref_.reset();
@@ -223,7 +279,7 @@ void MirrorJob::exit_common(bool switch_to_target) {
   graph_->remove_filter(filter_, switch_to_target ? target_ : source_);
   filter_->release(switch_to_target ? target_ : nullptr);
   manager().unblock(source_.get());
-  manager().unblock(target_.get());
+  manager().unblock(target_.get());  // (the same node for a stream: no-op)
 }
 
 Status MirrorJob::prepare() {
@@ -239,7 +295,9 @@ void MirrorJob::clean() {
   exit_common(false);
   final_done_ = progress_current();
   final_total_ = progress_total();
-  spawn_detached(release_filter(filter_, std::move(bcs_)));
+  std::shared_ptr<Node> drop_target;
+  if (owns_target_ && !switched_) drop_target = std::move(target_);
+  spawn_detached(release_filter(filter_, std::move(bcs_), graph_, std::move(drop_target)));
 }
 
 Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, const MirrorArgs& a) {
@@ -292,6 +350,8 @@ Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, c
   p.write_blocking = a.write_blocking;
   p.auto_finalize = a.auto_finalize;
   p.auto_dismiss = a.auto_dismiss;
+  p.target_backing = a.target_backing;
+  p.owns_target = a.owns_target;
   return start_mirror_job(mgr, graph, src, tgt, p);
 }
 
@@ -303,12 +363,20 @@ Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& grap
   if (p.buf_size < 0) return Error(EINVAL, "Invalid parameter 'buf-size'");
   uint64_t buf = p.buf_size ? static_cast<uint64_t>(p.buf_size) : kDefaultBufSize;
   buf = align_up(buf, gran);
-  if (src == tgt) return Error(EINVAL, "Can't mirror node into itself");
+  const bool stream = p.sync == MirrorJob::Sync::Stream;
+  if (src == tgt && !stream) return Error(EINVAL, "Can't mirror node into itself");
   const std::string& fname = p.filter_node_name;
-  if (!fname.empty()) {
+  auto check_filter_name = [&]() -> Status {
+    if (fname.empty()) return {};
     if (!id_wellformed(fname)) return Error(EINVAL, "Invalid node-name: '" + fname + "'");
     if (fname.size() >= 32) return Error(EINVAL, "Node name too long");
     if (graph.find(fname)) return Error(EEXIST, "Duplicate nodes with node-name='" + fname + "'");
+    return {};
+  };
+  if (!p.job_before_filter) {
+    // (block-stream's filter comes from bdrv_insert_node, which says so.)
+    if (Status st = check_filter_name(); !st)
+      return stream ? Error(st.error().code, "Could not create node: " + st.error().what()) : st.take_error();
   }
   VBLK_TRY(mgr.check_new_id(p.job_id));
 
@@ -321,19 +389,29 @@ Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& grap
     mgr.early_fail(job);
     return Error(EINVAL, "Parameter 'speed' expects a non-negative value");
   }
+  if (p.job_before_filter) {
+    if (Status st = check_filter_name(); !st) {
+      mgr.early_fail(job);
+      return st.take_error();
+    }
+  }
   // The target: written by the job, only write-unchanged shared (QEMU's
   // blk_new(BLK_PERM_WRITE, BLK_PERM_WRITE_UNCHANGED)); a commit's base is
   // read by the chain above it meanwhile, and may need to grow.
   PermPair tp{kPermWrite, kPermWriteUnchanged};
-  if (p.sync == MirrorJob::Sync::Commit) {
+  if (p.sync == MirrorJob::Sync::Commit || p.sync == MirrorJob::Sync::CommitIntermediate) {
     tp.shared |= kPermConsistentRead | kPermWrite;
     if (tgt->length() < src->length()) tp.perm |= kPermResize;
   }
-  job->target_ref_ = NodeRef(tgt);
-  if (Status st = job->target_ref_.set_perms(tp); !st) {
-    job->target_ref_.reset();
-    mgr.early_fail(job);
-    return st.take_error();
+  // (A stream writes its source through the node itself, which its users
+  // keep using: no reference of the job's own.)
+  if (!stream) {
+    job->target_ref_ = NodeRef(tgt);
+    if (Status st = job->target_ref_.set_perms(tp); !st) {
+      job->target_ref_.reset();
+      mgr.early_fail(job);
+      return st.take_error();
+    }
   }
   if (tgt->read_only()) {
     job->target_ref_.reset();
@@ -348,8 +426,9 @@ Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& grap
   o.max_memory = std::max(buf, o.max_chunk);
   o.unmap_zeroes = p.unmap;
   o.speed = p.speed ? static_cast<uint64_t>(*p.speed) : 0;
-  auto filter = std::make_shared<MirrorTop>(src->loop(), src);
+  auto filter = std::make_shared<MirrorTop>(src->loop(), src, p.driver);
   if (!fname.empty()) filter->set_node_name(fname);
+  filter->set_covering(stream);
   if (auto st = graph.insert_filter(src, filter); !st) {
     job->target_ref_.reset();
     mgr.early_fail(job);
@@ -361,12 +440,17 @@ Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& grap
   job->filter_ = filter;
   job->bcs_ = std::make_unique<BlockCopyState>(*src, *tgt, o);
   job->sync_ = p.sync;
+  job->new_backing_ = p.new_backing;
+  job->overlay_ = p.overlay;
+  job->backing_str_ = p.backing_str;
+  job->target_backing_ = p.target_backing;
+  job->owns_target_ = p.owns_target;
   job->write_blocking_ = p.write_blocking;
   job->on_source_error_ = p.on_source_error;
   job->on_target_error_ = p.on_target_error;
   job->speed_ = o.speed;
   mgr.block(src.get(), job->type());
-  mgr.block(tgt.get(), job->type());
+  if (tgt != src) mgr.block(tgt.get(), job->type());
   job->start();
   return job;
 }

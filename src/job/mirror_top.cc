@@ -7,8 +7,8 @@
 
 namespace vblk {
 
-MirrorTop::MirrorTop(Loop& loop, std::shared_ptr<Node> source)
-    : FilterNode(loop, "mirror_top", std::move(source)), unheld_(loop), inside_(loop) {}
+MirrorTop::MirrorTop(Loop& loop, std::shared_ptr<Node> source, std::string driver)
+    : FilterNode(loop, std::move(driver), std::move(source)), unheld_(loop), inside_(loop) {}
 
 MirrorTop::~MirrorTop() = default;
 
@@ -80,7 +80,9 @@ Task<Status> MirrorTop::write_common(Method m, uint64_t offset, uint64_t bytes, 
   if (dest_) co_return co_await do_method(*dest_, m, offset, bytes, buf, flags);
   inside_.add();
   Status st;
-  if (bcs_ && write_blocking_) {
+  if (bcs_ && covering_) {
+    st = co_await write_covering(m, offset, bytes, buf, flags);
+  } else if (bcs_ && write_blocking_) {
     st = co_await write_blocking(m, offset, bytes, buf, flags);
   } else {
     st = co_await do_method(filtered(), m, offset, bytes, buf, flags);
@@ -95,20 +97,15 @@ Task<Status> MirrorTop::write_common(Method m, uint64_t offset, uint64_t bytes, 
   co_return st;
 }
 
-Task<Status> MirrorTop::write_blocking(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
-                                       uint32_t flags) {
+Task<void> MirrorTop::enter_range(ActiveOp& op) {
   BlockCopyState& bcs = *bcs_;
-  const uint64_t cs = bcs.options().cluster_size;
-  const uint64_t len = length();
-  const uint64_t begin = align_down(offset, cs);
-  const uint64_t end = std::min(align_up(offset + bytes, cs), align_up(len, cs));
   auto overlapping = [&]() -> ActiveOp* {
     for (ActiveOp* o : active_)
-      if (o->begin < end && begin < o->end) return o;
+      if (o->begin < op.end && op.begin < o->end) return o;
     return nullptr;
   };
-  // One write-blocking write per cluster at a time, and none while the
-  // engine copies there: source and target then see the same order.
+  // One such write per cluster at a time, and none while the engine copies
+  // there: source and target then see the same order.
   for (;;) {
     if (ActiveOp* o = overlapping()) {
       struct Wait {
@@ -120,11 +117,44 @@ Task<Status> MirrorTop::write_blocking(Method m, uint64_t offset, uint64_t bytes
       co_await Wait{o};
       continue;
     }
-    co_await bcs.wait_idle(begin, end - begin);
+    co_await bcs.wait_idle(op.begin, op.end - op.begin);
     if (!overlapping()) break;
   }
-  ActiveOp op{begin, end, {}};
   active_.push_back(&op);
+}
+
+void MirrorTop::leave_range(ActiveOp& op) {
+  std::erase(active_, &op);
+  for (auto h : op.waiters) loop().post(h);
+}
+
+Task<Status> MirrorTop::write_covering(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
+                                       uint32_t flags) {
+  BlockCopyState& bcs = *bcs_;
+  const uint64_t cs = bcs.options().cluster_size;
+  const uint64_t begin = align_down(offset, cs);
+  const uint64_t end = std::min(align_up(offset + bytes, cs), align_up(length(), cs));
+  ActiveOp op{begin, end, {}};
+  co_await enter_range(op);
+  std::unique_ptr<BlockCopyClaim> claim = bcs.claim(begin, end - begin);
+  Status st = co_await do_method(filtered(), m, offset, bytes, buf, flags);
+  bcs.end_claim(std::move(claim), false);
+  // Written (even in part: the format copied the rest of each cluster up):
+  // the source has its own data there now.
+  if (st.ok() && begin < end) bcs.bitmap().reset(begin, end - begin);
+  leave_range(op);
+  co_return st;
+}
+
+Task<Status> MirrorTop::write_blocking(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
+                                       uint32_t flags) {
+  BlockCopyState& bcs = *bcs_;
+  const uint64_t cs = bcs.options().cluster_size;
+  const uint64_t len = length();
+  const uint64_t begin = align_down(offset, cs);
+  const uint64_t end = std::min(align_up(offset + bytes, cs), align_up(len, cs));
+  ActiveOp op{begin, end, {}};
+  co_await enter_range(op);
   // The dirty clusters are taken from the engine (no task starts on them)
   // until the target has the data.
   std::unique_ptr<BlockCopyClaim> claim = bcs.claim(begin, end - begin);
@@ -165,8 +195,7 @@ Task<Status> MirrorTop::write_blocking(Method m, uint64_t offset, uint64_t bytes
       if (on_error_) on_error_(tst.error().code);
     }
   }
-  std::erase(active_, &op);
-  for (auto h : op.waiters) loop().post(h);
+  leave_range(op);
   co_return st;
 }
 

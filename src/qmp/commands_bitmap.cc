@@ -7,6 +7,7 @@
 #include <bit>
 
 #include "qmp/daemon.h"
+#include "qmp/transaction.h"
 
 namespace vblk::qmp {
 
@@ -123,7 +124,94 @@ Task<Reply> bitmap_sha256(Daemon& d, const OJson& a) {
   co_return Reply::ok(std::move(r));
 }
 
+Status to_status(const Reply& r) {
+  if (r.error) return Error(EINVAL, r.error->desc);
+  return {};
+}
+
+// The bitmap commands as transaction actions (QEMU 7.2's block_dirty_
+// bitmap_*_prepare/commit/abort): prepare does what the command does and
+// keeps what abort needs to undo it — the new bitmap to drop (add), the
+// old bits (clear, merge), the old state (enable, disable); remove only
+// hides the bitmap (busy) until commit drops it.
+class BitmapAction final : public TxAction {
+ public:
+  BitmapAction(std::string verb, const OJson& a) : verb_(std::move(verb)), name_("block-dirty-bitmap-" + verb_), a_(a) {}
+  const char* name() const override { return name_.c_str(); }
+
+  Task<Status> prepare(TxContext& tx) override {
+    Daemon& d = tx.d;
+    if (verb_ == "add") {
+      Reply r = co_await bitmap_add(d, a_);
+      if (!r.error) {
+        node_ = d.graph.find(a_["node"].get<std::string>());
+        added_ = true;
+      }
+      co_return to_status(r);
+    }
+    const char* key = "name";
+    if (verb_ == "merge") key = "target";
+    std::string target = a_[key].get<std::string>();
+    auto b = lookup(d, a_["node"].get<std::string>(), target, &node_);
+    if (verb_ == "remove") {
+      if (!b) co_return b.take_error();
+      VBLK_CO_TRY(check_bitmap(**b, kBitmapBusy | kBitmapRo));
+      if ((*b)->persistent) VBLK_CO_TRY(co_await node_->remove_persistent_bitmap((*b)->name));
+      (*b)->busy = true;
+      bm_ = *b;
+      co_return Status{};
+    }
+    if (b) {
+      saved_bits_ = (*b)->bits;
+      was_enabled_ = (*b)->enabled;
+    }
+    Reply r;
+    if (verb_ == "merge") {
+      r = co_await bitmap_merge(d, a_);
+    } else {
+      r = co_await bitmap_verb(d, a_, verb_);
+    }
+    if (!r.error) bm_ = *b;
+    co_return to_status(r);
+  }
+
+  Task<void> commit(TxContext&) override {
+    if (verb_ == "remove" && bm_) {
+      std::string name = bm_->name;
+      bm_->busy = false;
+      node_->bitmaps().remove(name);
+    }
+    co_return;
+  }
+
+  Task<void> abort(TxContext&) override {
+    if (added_) {
+      node_->bitmaps().remove(a_["name"].get<std::string>());
+    } else if (bm_ && verb_ == "remove") {
+      bm_->busy = false;
+    } else if (bm_ && (verb_ == "clear" || verb_ == "merge")) {
+      bm_->bits = *saved_bits_;
+    } else if (bm_) {
+      bm_->enabled = was_enabled_;
+    }
+    co_return;
+  }
+
+ private:
+  std::string verb_, name_;
+  OJson a_;
+  std::shared_ptr<Node> node_;
+  NamedBitmap* bm_ = nullptr;
+  bool added_ = false;
+  std::optional<DirtyBitmap> saved_bits_;
+  bool was_enabled_ = false;
+};
+
 }  // namespace
+
+std::unique_ptr<TxAction> make_bitmap_action(const std::string& verb, const OJson& args) {
+  return std::make_unique<BitmapAction>(verb, args);
+}
 
 OJson dirty_bitmaps_info(const Node& n) {
   OJson list = OJson::array();

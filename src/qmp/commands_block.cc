@@ -10,6 +10,8 @@
 
 namespace vblk::qmp {
 
+Task<void> drop_orphans(Daemon& d);
+
 namespace {
 
 // QMP is typed: where the command line accepts "on" or "4k", QMP wants a
@@ -132,6 +134,8 @@ Task<Reply> blockdev_add(Daemon& d, const OJson& args) {
   co_return Reply::ok();
 }
 
+}  // namespace
+
 // Drops implicit nodes (children opened inline) that nothing uses any more.
 Task<void> drop_orphans(Daemon& d) {
   for (bool again = true; again;) {
@@ -151,6 +155,14 @@ Task<void> drop_orphans(Daemon& d) {
   }
 }
 
+std::shared_ptr<Node> backing_parent(Daemon& d, const Node& n) {
+  for (auto& p : d.graph.nodes())
+    if (p->child("backing") == &n) return p;
+  return nullptr;
+}
+
+namespace {
+
 Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
   std::string name = args.at("node-name").get<std::string>();
   auto node = d.graph.find(name);
@@ -159,6 +171,9 @@ Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
     if (in_use(*node)) co_return Reply::fail("Node " + name + " is in use");
   // A job's op blocker (a backup's target).
   if (auto st = d.jobs.check_not_busy(node.get(), name); !st) co_return Reply::fail(st.error().what());
+  // QEMU blocks every operation but a few on a backing node (bdrv_set_backing_hd).
+  if (auto p = backing_parent(d, *node))
+    co_return Reply::fail("Node '" + name + "' is busy: node is used as backing hd of '" + p->node_name() + "'");
   if (!d.monitor_owned.count(name)) co_return Reply::fail("Node " + name + " is not owned by the monitor");
   // The graph and `node` hold it; anything more is a parent.
   if (node.use_count() > 2) co_return Reply::fail("Block device " + name + " is in use");
@@ -179,7 +194,8 @@ Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
 // Filter drivers are listed here (add copy-before-write, throttle, ...).
 // snapshot-access is not one: its `file` is data, not filtered (QEMU shows
 // no backing image under it).
-const char* const kFilterDrivers[] = {"blkdebug", "copy-before-write", "mirror_top", "throttle"};
+const char* const kFilterDrivers[] = {"blkdebug", "commit_top", "copy-before-write", "copy-on-read", "mirror_top",
+                                      "throttle"};
 
 Node* filter_or_cow_child(const Node& n) {
   if (Node* b = n.child("backing")) return b;
@@ -238,6 +254,9 @@ OJson node_info(Daemon& d, Node& n, bool flat) {
 }
 
 Task<Reply> query_named_block_nodes(Daemon& d, const OJson& args) {
+  // A node QEMU would have freed when its last user went (a drive-mirror
+  // target after its job) is not listed: collect such nodes first.
+  co_await drop_orphans(d);
   bool flat = args.contains("flat") && args.at("flat").get<bool>();
   OJson list = OJson::array();
   for (auto it = d.node_order.rbegin(); it != d.node_order.rend(); ++it) {
@@ -264,6 +283,18 @@ Status check_node_names(const Json& opts) {
 }
 
 }  // namespace
+
+Task<void> Daemon::drop_node(const std::string& name) {
+  auto node = graph.find(name);
+  if (!node) co_return;
+  monitor_owned.erase(name);
+  settings.erase(node.get());
+  co_await node->drain();
+  (void)co_await node->close();
+  node.reset();
+  (void)graph.remove(name);
+  co_await drop_orphans(*this);
+}
 
 Result<std::shared_ptr<Node>> Daemon::blockdev_add(const Json& in) {
   Json opts = in;

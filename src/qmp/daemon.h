@@ -69,6 +69,10 @@ struct Daemon {
   std::map<std::string, BlockExport> exports;
   std::vector<std::string> export_order;  // ids, oldest first
 
+  // Nodes opened by a job's command for the job alone (drive-backup's
+  // target, QEMU's anonymous #blockNNN): closed when the job concludes.
+  std::map<std::string, std::vector<std::string>> job_nodes;
+
   // True if something other than the graph and parents holds `n` (export,
   // job): blockdev-del answers "Node x is in use".
   std::vector<std::function<bool(const Node&)>> node_users;
@@ -94,6 +98,9 @@ struct Daemon {
   void note_new_nodes(const std::shared_ptr<Node>& top);
   // Opens blockdev options (QMP blockdev-add, --blockdev) into the graph.
   Result<std::shared_ptr<Node>> blockdev_add(const nlohmann::json& opts);
+  // Closes and forgets a node nobody else holds (a transaction's overlay
+  // that was not installed), with the implicit children it leaves unused.
+  Task<void> drop_node(const std::string& name);
   // Stops the NBD server (exports removed, BLOCK_EXPORT_DELETED each).
   Task<void> nbd_stop();
   // Everything down: monitors, exports, server, nodes closed.
@@ -106,6 +113,9 @@ void register_nbd_commands(Daemon& d);
 void register_job_commands(Daemon& d);
 void register_object_commands(Daemon& d);
 void register_bitmap_commands(Daemon& d);
+void register_create_commands(Daemon& d);
+void register_snapshot_commands(Daemon& d);
+void register_transaction_commands(Daemon& d);
 void register_vmstate_commands(Daemon& d);
 inline void register_all_commands(Daemon& d) {
   register_core_commands(d);
@@ -114,8 +124,15 @@ inline void register_all_commands(Daemon& d) {
   register_job_commands(d);
   register_object_commands(d);
   register_bitmap_commands(d);
+  register_create_commands(d);
+  register_snapshot_commands(d);
+  register_transaction_commands(d);
   register_vmstate_commands(d);
 }
+
+// The named node that has `n` as its backing file, if any (QEMU's op
+// blocker "node is used as backing hd of 'x'").
+std::shared_ptr<Node> backing_parent(Daemon& d, const Node& n);
 
 // query-named-block-nodes' "dirty-bitmaps" of a node (QEMU's BlockDirtyInfo
 // list, newest first); empty if the node has none.

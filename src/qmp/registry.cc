@@ -12,7 +12,8 @@ const char* type_word(ArgType t) {
     case ArgType::Enum: return "string";
     case ArgType::Bool: return "boolean";
     case ArgType::Int:
-    case ArgType::UInt32: return "integer";
+    case ArgType::UInt32:
+    case ArgType::UInt64: return "integer";
     case ArgType::Number: return "number";
     case ArgType::Struct:
     case ArgType::Object: return "object";
@@ -28,7 +29,8 @@ bool type_ok(ArgType t, const OJson& v) {
     case ArgType::Enum: return v.is_string();
     case ArgType::Bool: return v.is_boolean();
     case ArgType::Int:
-    case ArgType::UInt32: return v.is_number_integer();
+    case ArgType::UInt32:
+    case ArgType::UInt64: return v.is_number_integer();
     case ArgType::Number: return v.is_number();
     case ArgType::Struct:
     case ArgType::Object: return v.is_object();
@@ -52,6 +54,10 @@ std::optional<std::string> check_args(const std::vector<Arg>& members, bool open
       continue;
     }
     // QEMU's unsigned visitor words its errors differently.
+    if (m.type == ArgType::UInt64) {
+      if (!it->is_number_integer()) return "Parameter '" + full + "' expects uint64";
+      continue;
+    }
     if (m.type == ArgType::UInt32) {
       if (!it->is_number_integer()) return "Parameter '" + full + "' expects uint64";
       // (QEMU takes a negative number as the uint64 it casts to: too big.)

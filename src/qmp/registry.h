@@ -53,7 +53,9 @@ struct Reply {
   }
 };
 
-enum class ArgType { Str, Bool, Int, UInt32, Number, Enum, Struct, Object, List, Any };
+// UInt64: QAPI's uint64 and size (a negative number is taken as its uint64
+// cast, as QEMU's visitor does).
+enum class ArgType { Str, Bool, Int, UInt32, UInt64, Number, Enum, Struct, Object, List, Any };
 
 struct Arg {
   std::string name;

@@ -5,9 +5,9 @@ A qcow2 chain base <- mid <- top, each layer a node of its own (as libvirt
 adds them), top exported over NBD. Every scenario runs against both daemons
 with the same commands and asserts the same replies, job statuses, events
 and image contents (qemu-img compare of the chain against the base);
-normalised as in test_mirror.py. vblk commits only the active layer: an
-intermediate commit is refused (checked below), and the base must be a
-writable node (vblk cannot reopen a read-only backing file).
+normalised as in test_mirror.py. The base must be a writable node (vblk
+cannot reopen a read-only backing file). The intermediate commit is tested
+in test_stream.py, with block-stream.
 
 Environment: VBLK (binary under test), VBLK_MIRROR_ONE_DAEMON=1 (run with
 whichever daemon exists). Python standard library only.

@@ -508,6 +508,41 @@ class MirrorInteropTest(InteropTestCase):
         self.assertEqual(list(seen.values())[0], (True, SAME, True, True, True))
 
     @unittest.skipUnless(FIO, "needs fio")
+    def test_complete_while_fio_writes_and_verifies(self):
+        """fio writes 16 MiB through the export (each block once, with a
+        checksum) and then reads it all back through the export; the
+        write-blocking mirror completes while fio is still writing, so the
+        writes before the switch went to the source and the target, those
+        after to the target only, and the read-back (from the target) finds
+        every block: no write is lost at the switch."""
+        def run(q, d):
+            src, tgt = os.path.join(d, "src.raw"), os.path.join(d, "tgt.raw")
+            write_file(src, 32 * MiB, 10, sparse=True)
+            empty_file(tgt, 32 * MiB)
+            q.ok("blockdev-add", **file_node("src", src))
+            q.ok("blockdev-add", **file_node("tgt", tgt))
+            sock = self.export(q, d)
+            p = subprocess.Popen([FIO, "--name=v", "--ioengine=nbd", "--uri=nbd+unix:///src?socket=" + sock,
+                                  "--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=16M", "--offset=8M",
+                                  "--rate_iops=2000", "--verify=crc32c", "--verify_state_save=0",
+                                  "--output-format=json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, cwd=d)
+            time.sleep(0.3)
+            q.ok("blockdev-mirror", **{"job-id": "j", "device": "src", "target": "tgt", "sync": "full",
+                                       "copy-mode": "write-blocking"})
+            self.ready(q, 30)
+            q.ok("block-job-complete", device="j")
+            completed_while_writing = p.poll() is None
+            done = self.finished(q)
+            out, err = p.communicate(timeout=120)
+            self.assertEqual(p.returncode, 0, err)
+            verified = json.loads(out[out.index("{"):])["jobs"][0]["read"]["io_bytes"]
+            return completed_while_writing, "error" in done, verified, q.ok("query-block-exports")[0]["node-name"]
+        seen = self.each_daemon(run)
+        self.assertSame(seen)
+        self.assertEqual(list(seen.values())[0], (True, False, 16 * MiB, "tgt"))
+
+    @unittest.skipUnless(FIO, "needs fio")
     def test_background_converges_when_writer_pauses(self):
         """A background mirror under fio: once the writer stops, the job is
         (or becomes) ready; a soft cancel then leaves target == source."""

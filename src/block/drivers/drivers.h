@@ -20,7 +20,8 @@ Result<std::shared_ptr<Node>> open_snapshot_access(OpenContext& ctx, Json& opts)
 
 // Creates (or truncates) a file the way qemu-img create does for raw/file:
 // size rounded up to 512, preallocation off|falloc|full, first block written
-// so later O_DIRECT alignment probing reads real data.
-Status create_file(const std::string& path, uint64_t size, const std::string& prealloc);
+// so later O_DIRECT alignment probing reads real data. `exact` (QMP's
+// blockdev-create) keeps the size as given, as QEMU's file driver does.
+Status create_file(const std::string& path, uint64_t size, const std::string& prealloc, bool exact = false);
 
 }  // namespace vblk::drivers

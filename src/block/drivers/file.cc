@@ -356,12 +356,12 @@ Result<std::shared_ptr<Node>> open_posix(OpenContext& ctx, Json& opts, bool host
 Result<std::shared_ptr<Node>> open_file(OpenContext& ctx, Json& opts) { return open_posix(ctx, opts, false); }
 Result<std::shared_ptr<Node>> open_host_device(OpenContext& ctx, Json& opts) { return open_posix(ctx, opts, true); }
 
-Status create_file(const std::string& path, uint64_t size, const std::string& prealloc) {
+Status create_file(const std::string& path, uint64_t size, const std::string& prealloc, bool exact) {
   // An unknown mode fails before anything is touched; "metadata" is a valid
   // mode that raw cannot do, so (as in QEMU) the file is created first.
   if (prealloc != "off" && prealloc != "falloc" && prealloc != "full" && prealloc != "metadata")
     return Error(EINVAL, "invalid parameter value: " + prealloc);
-  uint64_t rounded = align_up(size, 512);
+  uint64_t rounded = exact ? size : align_up(size, 512);
   if (rounded < size) return Error(EINVAL, "Could not resize file: Invalid argument");
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return Error(errno, "Could not create '" + path + "': " + std::strerror(errno));
@@ -377,7 +377,7 @@ Status create_file(const std::string& path, uint64_t size, const std::string& pr
   if (prealloc == "metadata") return Error(EINVAL, "Unsupported preallocation mode: metadata");
   auto first_block = [&] {
     // Written so that O_DIRECT alignment probing later reads real data.
-    size_t n = rounded < 4096 ? 512 : 4096;
+    size_t n = exact ? static_cast<size_t>(std::min<uint64_t>(rounded, 4096)) : (rounded < 4096 ? 512 : 4096);
     AlignedBuffer zero(n, 4096);
     zero.zero();
     [[maybe_unused]] ssize_t w = ::pwrite(fd, zero.data(), n, 0);

@@ -14,6 +14,37 @@ Status Qcow2Node::check_create_size(uint64_t size, uint32_t cluster_size, bool e
   return {};
 }
 
+Status Qcow2Node::check_create_options(const CreateOptions& o, int64_t refcount_bits) {
+  if (o.size % 512) return Error(EINVAL, "Image size must be a multiple of 512 bytes");
+  const uint64_t cs = o.cluster_size;
+  if (o.extended_l2 && o.version < 3)
+    return Error(EINVAL,
+                 "Extended L2 entries are only supported with compatibility level 1.1 and above (use version=v3 or "
+                 "greater)");
+  if (cs < 512 || cs > (2u << 20) || (cs & (cs - 1)))
+    return Error(EINVAL, "Cluster size must be a power of two between 512 and 2048k");
+  if (o.extended_l2 && cs < 16384)
+    return Error(EINVAL, "Extended L2 entries are only supported with cluster sizes of at least 16384 bytes");
+  if (!o.backing_file.empty() && o.preallocation != "off" && !o.extended_l2)
+    return Error(EINVAL, "Backing file and preallocation can only be used at the same time if extended_l2 is on");
+  if (!o.backing_format.empty() && o.backing_file.empty())
+    return Error(EINVAL, "Backing format cannot be used without backing file");
+  if (o.version < 3 && o.lazy_refcounts)
+    return Error(EINVAL,
+                 "Lazy refcounts only supported with compatibility level 1.1 and above (use version=v3 or greater)");
+  if (refcount_bits <= 0 || refcount_bits > 64 || (refcount_bits & (refcount_bits - 1)))
+    return Error(EINVAL, "Refcount width must be a power of two and may not exceed 64 bits");
+  if (o.version < 3 && refcount_bits != 16)
+    return Error(EINVAL,
+                 "Different refcount widths than 16 bits require compatibility level 1.1 or above (use version=v3 or "
+                 "greater)");
+  if (o.compression_type != kCompressionZlib && o.version < 3)
+    return Error(EINVAL,
+                 "Non-zlib compression type is only supported with compatibility level 1.1 and above (use "
+                 "version=v3 or greater)");
+  return {};
+}
+
 Task<Status> Qcow2Node::do_truncate(uint64_t length, bool) { co_return co_await resize(length); }
 
 Task<Status> Qcow2Node::do_truncate_prealloc(uint64_t length, bool, Prealloc p) {
@@ -120,7 +151,7 @@ Task<Status> Qcow2Node::create(Loop& loop, std::shared_ptr<Node> file, const Cre
   Qcow2Node tmp(loop, file);
   tmp.refcount_bits_ = 1u << order;
   for (uint64_t i = 0; i < 3; ++i) tmp.refcount_set(meta.data() + 2 * cs, i, 1);
-  VBLK_CO_TRY(co_await file->truncate(0));
+  if (o.truncate_file) VBLK_CO_TRY(co_await file->truncate(0));
   VBLK_CO_TRY(co_await file->write(0, meta.span()));
 
   OpenContext ctx{loop};

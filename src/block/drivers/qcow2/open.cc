@@ -48,6 +48,28 @@ Task<Status> Qcow2Node::write_header() {
   co_return co_await file_->flush();
 }
 
+Task<Status> Qcow2Node::set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) {
+  if (read_only() || corrupt()) co_return Error(EACCES);
+  {
+    // The header names the new backing file before reads go there: a
+    // crash in between leaves an image that reads as the new chain does.
+    auto g = co_await lock_.scoped();
+    Header h = h_;
+    h.backing_file = backing ? file : std::string();
+    h.backing_format = backing ? fmt : std::string();
+    std::swap(h, h_);
+    Status st = co_await write_header();
+    if (!st.ok()) {
+      std::swap(h, h_);
+      co_return st;
+    }
+  }
+  backing_ = backing.get();
+  replace_child("backing", std::move(backing));
+  (void)refresh_perms();
+  co_return Status{};
+}
+
 Task<Status> Qcow2Node::mark_dirty() {
   if (h_.incompatible_features & kIncompatDirty) co_return Status{};
   // Everything written so far is consistent on disk before the bit says

@@ -104,6 +104,9 @@ class Qcow2Node final : public Node {
     std::string backing_file, backing_format;
     std::string preallocation = "off";
     uint32_t version = 3;
+    // The file is emptied first (qemu-img create). blockdev-create writes
+    // over what the node holds without shrinking it, as QEMU does.
+    bool truncate_file = true;
   };
   static Task<Status> create(Loop& loop, std::shared_ptr<Node> file, const CreateOptions& o);
 
@@ -115,6 +118,7 @@ class Qcow2Node final : public Node {
   uint64_t cluster_size() const override { return cs_; }
   std::string backing_file_name() const override { return h_.backing_file; }
   std::string backing_file_format() const override { return h_.backing_format; }
+  Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) override;
   nlohmann::ordered_json format_specific() const override;
   bool dirty_flag() const override { return h_.incompatible_features & kIncompatDirty; }
 
@@ -126,6 +130,11 @@ class Qcow2Node final : public Node {
   Task<Status> resize(uint64_t size, Prealloc prealloc = Prealloc::Off);
   // Checks an image's size for create: L1 must fit.
   static Status check_create_size(uint64_t size, uint32_t cluster_size, bool extended_l2);
+  // QEMU's qcow2_co_create checks, in its order and words, for options
+  // given as BlockdevCreateOptionsQcow2 (blockdev-create): the size a
+  // multiple of 512, the version's features, the cluster size, backing file
+  // and preallocation, refcount width. `refcount_bits` is the option as given.
+  static Status check_create_options(const CreateOptions& o, int64_t refcount_bits);
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override;
@@ -136,6 +145,9 @@ class Qcow2Node final : public Node {
   Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_truncate(uint64_t length, bool exact) override;
   Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc) override;
+  void backing_changed(Node* b) override { backing_ = b; }
+  // Bitmaps stored, caches flushed, dirty bit cleared: a close's work.
+  Task<Status> prepare_read_only() override { return do_close(); }
 
  private:
   friend struct Qcow2Opener;

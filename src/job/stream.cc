@@ -1,0 +1,85 @@
+// block-stream's checks (see include/vblk/stream.h).
+#include "vblk/stream.h"
+
+#include <algorithm>
+
+namespace vblk {
+
+namespace {
+
+bool chain_contains(const Node& top, const Node& n) {
+  for (const Node* p = &top; p; p = chain_next(*p))
+    if (p == &n) return true;
+  return false;
+}
+
+std::shared_ptr<Node> shared_of(Graph& graph, const Node* n) {
+  for (auto& s : graph.nodes())
+    if (s.get() == n) return s;
+  return nullptr;
+}
+
+// QEMU's bdrv_find_backing_image (as in commit.cc).
+std::shared_ptr<Node> find_backing_image(Graph& graph, const Node& from, const std::string& name) {
+  for (const Node* p = &from; p; p = chain_next(*p)) {
+    Node* b = p->child("backing");
+    if (b && (p->backing_file_name() == name || b->filename() == name)) return shared_of(graph, b);
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+Result<std::shared_ptr<MirrorJob>> start_stream(JobManager& mgr, Graph& graph, const StreamArgs& a) {
+  if (a.base && a.base_node) return Error(EINVAL, "'base' and 'base-node' cannot be specified at the same time");
+  if (a.base && a.bottom) return Error(EINVAL, "'base' and 'bottom' cannot be specified at the same time");
+  if (a.bottom && a.base_node) return Error(EINVAL, "'bottom' and 'base-node' cannot be specified at the same time");
+  auto bs = graph.find(a.device);
+  if (!bs) return Error(ENOENT, "Cannot find device='" + a.device + "' nor node-name='" + a.device + "'");
+
+  std::shared_ptr<Node> base;  // the new backing file (nullptr: none)
+  if (a.base) {
+    base = find_backing_image(graph, *bs, *a.base);
+    if (!base) return Error(ENOENT, "Can't find '" + *a.base + "' in the backing chain");
+  }
+  if (a.base_node) {
+    base = graph.find(*a.base_node);
+    if (!base) return Error(ENOENT, "Cannot find device='' nor node-name='" + *a.base_node + "'");
+    if (base == bs || !chain_contains(*bs, *base))
+      return Error(EINVAL, "Node '" + *a.base_node + "' is not a backing image of '" + a.device + "'");
+  }
+  if (a.bottom) {
+    auto bottom = graph.find(*a.bottom);
+    if (!bottom) return Error(ENOENT, "Cannot find device='' nor node-name='" + *a.bottom + "'");
+    if (dynamic_cast<FilterNode*>(bottom.get()))
+      return Error(EINVAL, "Node '" + *a.bottom + "' is a filter, use a non-filter node as 'bottom'");
+    if (!chain_contains(*bs, *bottom))
+      return Error(EINVAL, "Node '" + *a.bottom + "' is not in a chain starting from '" + a.device + "'");
+    // Everything down to `bottom` is streamed: its backing file stays.
+    Node* below = chain_next(*bottom);
+    base = below ? shared_of(graph, below) : nullptr;
+  }
+  // Op blockers on the chain from the device down to the base.
+  for (Node* n = bs.get(); n && n != base.get(); n = chain_next(*n))
+    VBLK_TRY(mgr.check_not_busy(n, n->node_name()));
+  if (!base && a.backing_file) return Error(EINVAL, "backing file specified, but streaming the entire chain");
+
+  MirrorJobParams p;
+  p.job_id = a.job_id.value_or(std::string());
+  p.filter_node_name = a.filter_node_name.value_or(std::string());
+  p.sync = MirrorJob::Sync::Stream;
+  p.speed = a.speed;
+  p.on_source_error = a.on_error;
+  p.on_target_error = a.on_error;
+  p.auto_finalize = a.auto_finalize;
+  p.auto_dismiss = a.auto_dismiss;
+  p.driver = "copy-on-read";
+  // A guest write must allocate whole bitmap clusters in the node, or the
+  // rest of a cluster it marks clean would be lost with the backing file.
+  p.granularity = bs->cluster_size() ? std::max<uint64_t>(512, bs->cluster_size()) : 0;
+  p.new_backing = base;
+  if (base) p.backing_str = a.backing_file.value_or(base->filename());
+  return start_mirror_job(mgr, graph, bs, bs, p);
+}
+
+}  // namespace vblk

@@ -1,0 +1,225 @@
+// blockdev-create (QEMU 7.2's qmp_blockdev_create and BlockdevCreateOptions):
+// the options' union is checked here as QEMU's QAPI visitor checks it, then a
+// "create" job (include/vblk/create_job.h) runs the block layer's creation
+// code: the file driver's create_file (exact size, as QEMU's file driver)
+// or Qcow2Node::create on an existing node (a node name or inline options),
+// after Qcow2Node::check_create_options (qcow2_co_create's checks). Errors
+// found while the job runs (an unknown node, a bad cluster size) end the job
+// with QEMU's message, not the command.
+#include "block/drivers/drivers.h"
+#include "block/drivers/qcow2/qcow2.h"
+#include "block/open.h"
+#include "qmp/daemon.h"
+#include "qmp/transaction.h"
+#include "vblk/buffer.h"
+#include "vblk/create_job.h"
+#include "vblk/node_ref.h"
+
+namespace vblk::qmp {
+
+namespace {
+
+// QEMU 7.2's BlockdevDriver enum (qemu-storage-daemon's build).
+const std::vector<std::string> kBlockdevDrivers = {
+    "blkdebug", "blklogwrites", "blkreplay", "blkverify", "bochs",  "cloop",       "compress",     "copy-before-write",
+    "copy-on-read", "dmg",      "file",      "snapshot-access", "ftp", "ftps",     "gluster",      "host_cdrom",
+    "host_device",  "http",     "https",     "iscsi",     "luks",   "nbd",         "nfs",          "null-aio",
+    "null-co",      "nvme",     "parallels", "preallocate", "qcow", "qcow2",       "qed",          "quorum",
+    "raw",          "rbd",      "replication", "ssh",     "throttle", "vdi",       "vhdx",         "vmdk",
+    "vpc",          "vvfat"};
+// Union branches with create options that vblk has no driver for.
+const char* const kForeignCreate[] = {"gluster", "luks", "nfs", "parallels", "qcow", "qed",
+                                      "rbd",     "ssh",  "vdi", "vhdx",      "vmdk", "vpc"};
+const std::vector<std::string> kPrealloc = {"off", "metadata", "falloc", "full"};
+
+const std::vector<Arg> kFileCreate = {{"filename", ArgType::Str, true},
+                                      {"size", ArgType::UInt64, true},
+                                      {"preallocation", ArgType::Enum, false, kPrealloc},
+                                      {"nocow", ArgType::Bool},
+                                      {"extent-size-hint", ArgType::UInt64}};
+
+const std::vector<Arg> kQcow2Create = {{"file", ArgType::Any, true},
+                                       {"data-file", ArgType::Any},
+                                       {"data-file-raw", ArgType::Bool},
+                                       {"extended-l2", ArgType::Bool},
+                                       {"size", ArgType::UInt64, true},
+                                       {"version", ArgType::Enum, false, {"v2", "v3"}},
+                                       {"backing-file", ArgType::Str},
+                                       {"backing-fmt", ArgType::Enum, false, kBlockdevDrivers},
+                                       {"encrypt", ArgType::Object},
+                                       {"cluster-size", ArgType::UInt64},
+                                       {"preallocation", ArgType::Enum, false, kPrealloc},
+                                       {"lazy-refcounts", ArgType::Bool},
+                                       {"refcount-bits", ArgType::Int},
+                                       {"compression-type", ArgType::Enum, false, {"zlib", "zstd"}}};
+
+uint64_t u64(const OJson& v) { return v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(v.get<int64_t>()); }
+
+// A BlockdevRef (alternate of a node name and inline blockdev options).
+std::optional<std::string> check_blockdev_ref(const OJson& v, const std::string& name, const std::string& full) {
+  if (v.is_string()) return std::nullopt;
+  if (!v.is_object()) return "Invalid parameter type for '" + name + "', expected: BlockdevRef";
+  if (!v.contains("driver")) return "Parameter '" + full + ".driver' is missing";
+  if (!v["driver"].is_string()) return "Invalid parameter type for '" + full + ".driver', expected: string";
+  std::string drv = v["driver"].get<std::string>();
+  if (std::find(kBlockdevDrivers.begin(), kBlockdevDrivers.end(), drv) == kBlockdevDrivers.end())
+    return "Parameter 'driver' does not accept value '" + drv + "'";
+  if ((drv == "file" || drv == "host_device") && !v.contains("filename"))
+    return "Parameter '" + full + ".filename' is missing";
+  return std::nullopt;
+}
+
+Task<Status> create_file_body(std::string path, uint64_t size, std::string prealloc) {
+  co_return drivers::create_file(path, size, prealloc, /*exact=*/true);
+}
+
+// The node a BlockdevRef names or describes (QEMU's bdrv_open_blockdev_ref).
+Result<std::shared_ptr<Node>> open_ref(Daemon& d, const OJson& ref) {
+  if (ref.is_string()) {
+    std::string name = ref.get<std::string>();
+    if (auto n = d.graph.find(name)) return n;
+    return Error(ENODEV, "Cannot find device='" + name + "' nor node-name='" + name + "'");
+  }
+  OpenContext ctx{.loop = d.loop, .graph = &d.graph, .throttle_groups = &d.throttle_groups};
+  return open_node(ctx, Json::parse(ref.dump()));
+}
+
+Task<Status> create_qcow2_body(Daemon& d, OJson file_ref, qcow2::Qcow2Node::CreateOptions o, int64_t refcount_bits,
+                               bool data_file, bool encrypt) {
+  auto file = open_ref(d, file_ref);
+  if (!file) co_return file.take_error();
+  VBLK_CO_TRY(qcow2::Qcow2Node::check_create_options(o, refcount_bits));
+  if (data_file) co_return Error(ENOTSUP, "External data files are not supported by vblk");
+  if (encrypt) co_return Error(ENOTSUP, "Encrypted images are not supported by vblk");
+  o.refcount_bits = static_cast<uint32_t>(refcount_bits);
+  o.truncate_file = false;
+  if (!qcow2::Qcow2Node::check_create_size(o.size, o.cluster_size, o.extended_l2))
+    co_return Error(EFBIG, "Could not resize image: Failed to grow the L1 table: File too large");
+  // QEMU's qcow2_co_create writes through a BlockBackend that takes write
+  // and resize on the file node: others' conflicting locks refuse it.
+  NodeRef user(*file);
+  VBLK_CO_TRY(user.set_perms(PermPair{kPermWrite | kPermResize, kPermAll}));
+  co_return co_await qcow2::Qcow2Node::create(d.loop, *file, o);
+}
+
+// The members of the union branch of `drv` (the base's driver first).
+std::vector<Arg> create_members(const std::string& drv) {
+  std::vector<Arg> members = {{"driver", ArgType::Str, true}};
+  if (drv == "file") members.insert(members.end(), kFileCreate.begin(), kFileCreate.end());
+  if (drv == "qcow2") members.insert(members.end(), kQcow2Create.begin(), kQcow2Create.end());
+  return members;
+}
+
+Task<Reply> blockdev_create(Daemon& d, const OJson& a) {
+  const std::string id = a["job-id"].get<std::string>();
+  const OJson& o = a["options"];
+  if (!o.contains("driver")) co_return Reply::fail("Parameter 'options.driver' is missing");
+  if (!o["driver"].is_string()) co_return Reply::fail("Invalid parameter type for 'options.driver', expected: string");
+  const std::string drv = o["driver"].get<std::string>();
+  if (std::find(kBlockdevDrivers.begin(), kBlockdevDrivers.end(), drv) == kBlockdevDrivers.end())
+    co_return Reply::fail("Parameter 'driver' does not accept value '" + drv + "'");
+  bool foreign = std::any_of(std::begin(kForeignCreate), std::end(kForeignCreate), [&](const char* s) { return drv == s; });
+  std::vector<Arg> members = create_members(drv);
+  if (auto e = check_args(members, foreign, o, "options")) co_return Reply::fail(*e);
+  if (drv == "qcow2") {
+    if (auto e = check_blockdev_ref(o["file"], "file", "options.file")) co_return Reply::fail(*e);
+    if (o.contains("data-file"))
+      if (auto e = check_blockdev_ref(o["data-file"], "data-file", "options.data-file")) co_return Reply::fail(*e);
+  }
+  if (foreign) co_return Reply::fail("Block driver '" + drv + "' not found or not supported");
+  if (drv != "file" && drv != "qcow2") co_return Reply::fail("Driver does not support blockdev-create");
+
+  CreateJob::Body body;
+  if (drv == "file") {
+    std::string prealloc = str_or(o, "preallocation", "off");
+    if (o.contains("extent-size-hint") && u64(o["extent-size-hint"]) > UINT32_MAX)
+      co_return Reply::fail("Extent size hint is too large");
+    body = [path = o["filename"].get<std::string>(), size = u64(o["size"]), prealloc] {
+      return create_file_body(path, size, prealloc);
+    };
+  } else {
+    qcow2::Qcow2Node::CreateOptions c;
+    c.size = u64(o["size"]);
+    if (o.contains("version")) c.version = o["version"] == "v2" ? 2 : 3;
+    if (o.contains("cluster-size")) {
+      uint64_t cs = u64(o["cluster-size"]);
+      c.cluster_size = cs > UINT32_MAX ? 1000 : static_cast<uint32_t>(cs);  // 1000: refused as QEMU refuses it
+    }
+    if (o.contains("extended-l2")) c.extended_l2 = o["extended-l2"].get<bool>();
+    if (o.contains("preallocation")) c.preallocation = o["preallocation"].get<std::string>();
+    if (o.contains("backing-file")) c.backing_file = o["backing-file"].get<std::string>();
+    if (o.contains("backing-fmt")) c.backing_format = o["backing-fmt"].get<std::string>();
+    if (o.contains("lazy-refcounts")) c.lazy_refcounts = o["lazy-refcounts"].get<bool>();
+    if (o.contains("compression-type") && o["compression-type"] == "zstd") c.compression_type = qcow2::kCompressionZstd;
+    int64_t bits = o.contains("refcount-bits") ? o["refcount-bits"].get<int64_t>() : 16;
+    bool data_file = o.contains("data-file"), encrypt = o.contains("encrypt");
+    body = [&d, ref = o["file"], c, bits, data_file, encrypt] {
+      return create_qcow2_body(d, ref, c, bits, data_file, encrypt);
+    };
+  }
+  auto job = d.jobs.create<CreateJob>(id, std::move(body));
+  if (!job) co_return Reply::fail(job.error().what());
+  (*job)->start();
+  co_return Reply::ok();
+}
+
+}  // namespace
+
+void register_create_commands(Daemon& d) {
+  d.registry.add({"blockdev-create",
+                  {{{"job-id", ArgType::Str, true}, {"options", ArgType::Struct, true, {}, {}, true}}},
+                  [&d](const OJson& a) { return blockdev_create(d, a); }});
+}
+
+}  // namespace vblk::qmp
+
+namespace vblk::qmp {
+
+Task<Status> create_image(Daemon& d, const std::string& path, const std::string& format, uint64_t size,
+                          const std::string& backing, const std::string& backing_fmt) {
+  if (format != "qcow2" && format != "raw") co_return Error(EINVAL, "Unknown file format '" + format + "'");
+  if (format == "raw") {
+    if (!backing.empty()) co_return Error(EINVAL, "Backing file not supported for file format 'raw'");
+    co_return drivers::create_file(path, size, "off");
+  }
+  qcow2::Qcow2Node::CreateOptions o;
+  o.size = align_up(size, 512);
+  o.backing_file = backing;
+  o.backing_format = backing_fmt;
+  VBLK_CO_TRY(qcow2::Qcow2Node::check_create_size(o.size, o.cluster_size, false));
+  VBLK_CO_TRY(drivers::create_file(path, 0, "off"));
+  OpenContext ctx{.loop = d.loop};
+  auto file = open_node(ctx, image_options("", "", path));
+  if (!file) co_return file.take_error();
+  (*file)->set_claim(PermPair{kPermWrite | kPermResize, kPermAll});
+  VBLK_CO_TRY((*file)->refresh_perms());
+  auto st = co_await qcow2::Qcow2Node::create(d.loop, *file, o);
+  if (!st) co_return st.error().prefixed("Could not create image");
+  (void)co_await (*file)->close();
+  co_return Status{};
+}
+
+std::string str_or(const OJson& a, const char* key, const std::string& def) {
+  if (!a.contains(key)) return def;
+  return a[key].get<std::string>();
+}
+
+Json image_options(const std::string& format, const std::string& node_name, const std::string& path) {
+  Json file = Json::object();
+  file["driver"] = "file";
+  file["filename"] = path;
+  if (format.empty()) return file;
+  Json o = Json::object();
+  o["driver"] = format;
+  if (!node_name.empty()) o["node-name"] = node_name;
+  o["file"] = std::move(file);
+  return o;
+}
+
+Result<std::shared_ptr<Node>> lookup_node(Daemon& d, const std::string& device, const std::string& node_name) {
+  if (!node_name.empty())
+    if (auto n = d.graph.find(node_name)) return n;
+  return Error(ENODEV, "Cannot find device='" + device + "' nor node-name='" + node_name + "'");
+}
+
+}  // namespace vblk::qmp
