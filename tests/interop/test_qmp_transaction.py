@@ -28,34 +28,10 @@ import unittest
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from graph_common import DAEMONS, QEMU_IO, GraphTestCase, compare, graph, img, img_info  # noqa: E402
+from graph_common import (DAEMONS, QEMU_IO, GraphTestCase, bitmaps, compare, data_bytes, export_point,  # noqa: E402
+                          graph, img, img_info, new_qcow2, qnode, tx)
 
 MiB = 1 << 20
-NBDINFO = "nbdinfo"
-
-
-def qnode(name, path, **extra):
-    n = {"driver": "qcow2", "node-name": name, "file": {"driver": "file", "filename": path}}
-    n.update(extra)
-    return n
-
-
-def bitmaps(q, node):
-    for n in q.ok("query-named-block-nodes", flat=True):
-        if n["node-name"] == node:
-            return [b for b in n.get("dirty-bitmaps", []) if "name" in b]
-    return None
-
-
-def tx(*actions, **props):
-    a = {"actions": [{"type": t, "data": d} for t, d in actions]}
-    if props:
-        a["properties"] = props
-    return a
-
-
-def data_bytes(extents):
-    return sum(e["length"] for e in extents if e.get("data", True) and not e.get("zero", False))
 
 
 class TransactionTest(GraphTestCase):
@@ -315,33 +291,17 @@ class TransactionTest(GraphTestCase):
             img("create", "-q", "-f", "qcow2", P("disk.qcow2"), str(size))
             self.io(P("disk.qcow2"), "write -P 1 0 3M", "write -z 3M 1M", "write -P 2 10M 1M", fmt="qcow2")
 
-        def create(c, job, options):
-            c("blockdev-create", **{"job-id": job, "options": options})
-            c.wait_job(job)
-            c("job-dismiss", id=job)
-            c.ev()
-
-        def new_qcow2(c, name, backing=None):
-            create(c, "c-" + name, {"driver": "file", "filename": P(name + ".qcow2"), "size": 0})
-            c("blockdev-add", driver="file", filename=P(name + ".qcow2"), **{"node-name": name + "-f"})
-            opts = {"driver": "qcow2", "file": name + "-f", "size": size}
-            if backing:
-                opts.update({"backing-file": P(backing + ".qcow2"), "backing-fmt": "qcow2"})
-            create(c, "q-" + name, opts)
-            c("blockdev-add", driver="qcow2", file=name + "-f", backing=None, **{"node-name": name})
+        def new_image(c, name, backing=None):
+            new_qcow2(c, P(name + ".qcow2"), name, size, backing and P(backing + ".qcow2"))
 
         def snapshot_source(name):
-            """The export's content now, and its allocation (NBD block status)."""
-            img("convert", "-f", "raw", "-O", "raw", uri, P(name + ".raw"))
-            r = subprocess.run([NBDINFO, "--map", "--json", uri], capture_output=True, text=True, check=True)
-            return data_bytes([{"length": e["length"], "data": e["type"] & 1 == 0}
-                               for e in json.loads(r.stdout)])
+            return export_point(uri, P(name + ".raw"))
 
         def run(q, c, out):
             c("blockdev-add", **qnode("disk", P("disk.qcow2")))
             c("nbd-server-start", addr={"type": "unix", "data": {"path": sock}})
             c("block-export-add", type="nbd", id="e", name="exp", writable=True, **{"node-name": "disk"})
-            new_qcow2(c, "full")
+            new_image(c, "full")
             alloc = [snapshot_source("pt0")]
             c("transaction", **tx(
                 ("blockdev-backup", {"job-id": "b0", "device": "disk", "target": "full", "sync": "full"}),
@@ -352,7 +312,7 @@ class TransactionTest(GraphTestCase):
                 self.io(uri, "write -P %d %dM 512k" % (10 + rnd, 2 * rnd), "write -z %dM 64k" % (6 + rnd),
                         "write -P %d %dM 1M" % (20 + rnd, 10 + rnd % 2))
                 cur = "inc%d" % rnd
-                new_qcow2(c, cur, backing=prev)
+                new_image(c, cur, backing=prev)
                 alloc.append(snapshot_source("pt%d" % rnd))
                 c("transaction", **tx(
                     ("block-dirty-bitmap-add", {"node": "disk", "name": "c%d" % (rnd + 1), "persistent": True}),
