@@ -96,44 +96,30 @@ int create_qcow2(const std::string& filename, uint64_t size, std::map<std::strin
   }
   if (opts.count("encrypt") && opts["encrypt"] == "on") return fail("Encrypted images are not supported by vblk");
   if (opts.count("data_file")) return fail("External data files are not supported by vblk");
-  o.cluster_size = static_cast<uint32_t>(sizes["cluster_size"]);
-  o.extended_l2 = opts.count("extended_l2") && opts["extended_l2"] == "on";
-  if (o.extended_l2 && o.version < 3)
-    return fail("Extended L2 entries are only supported with compatibility level 1.1 and above (use version=v3 or greater)");
-  uint64_t cs = sizes["cluster_size"];
-  if (cs < 512 || cs > (2u << 20) || (cs & (cs - 1)))
-    return fail("Cluster size must be a power of two between 512 and 2048k");
-  if (o.extended_l2 && cs < 16384)
-    return fail("Extended L2 entries are only supported with cluster sizes of at least 16384 bytes");
+  // Option values are parsed first (QEMU's QAPI visitor, in the schema's
+  // member order), then qcow2_co_create's checks run on the whole set.
   std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
   if (prealloc != "off" && prealloc != "metadata" && prealloc != "falloc" && prealloc != "full")
     return fail("Parameter 'preallocation' does not accept value '" + prealloc + "'");
-  if (opts.count("backing_file") && prealloc != "off" && !o.extended_l2)
-    return fail("Backing file and preallocation can only be used at the same time if extended_l2 is on");
-  if (opts.count("backing_fmt") && !opts.count("backing_file"))
-    return fail("Backing format cannot be used without backing file");
-  o.lazy_refcounts = opts.count("lazy_refcounts") && opts["lazy_refcounts"] == "on";
-  if (o.version < 3 && o.lazy_refcounts)
-    return fail("Lazy refcounts only supported with compatibility level 1.1 and above (use version=v3 or greater)");
   auto bits = parse_ulong(opts.count("refcount_bits") ? opts["refcount_bits"] : "16", 64);
-  if (!bits || *bits == 0 || (*bits & (*bits - 1)))
-    return fail("Refcount width must be a power of two and may not exceed 64 bits");
-  if (o.version < 3 && *bits != 16)
-    return fail("Different refcount widths than 16 bits require compatibility level 1.1 or above (use version=v3 or greater)");
-  o.refcount_bits = static_cast<uint32_t>(*bits);
+  if (!bits) return fail("Refcount width must be a power of two and may not exceed 64 bits");
   std::string ct = opts.count("compression_type") ? opts["compression_type"] : "zlib";
   if (ct == "zstd") {
     o.compression_type = qcow2::kCompressionZstd;
   } else if (ct != "zlib") {
     return fail("Parameter 'compression-type' does not accept value '" + ct + "'");
   }
-  if (o.compression_type != qcow2::kCompressionZlib && o.version < 3)
-    return fail("Non-zlib compression type is only supported with compatibility level 1.1 and above (use version=v3 or greater)");
-  if (opts.count("backing_file")) {
-    o.backing_file = opts["backing_file"];
-    o.backing_format = opts.count("backing_fmt") ? opts["backing_fmt"] : "";
-  }
+  o.cluster_size = static_cast<uint32_t>(std::min<uint64_t>(sizes["cluster_size"], UINT32_MAX));
+  if (sizes["cluster_size"] > UINT32_MAX) o.cluster_size = 1000;  // refused below as QEMU refuses it
+  o.extended_l2 = opts.count("extended_l2") && opts["extended_l2"] == "on";
+  o.lazy_refcounts = opts.count("lazy_refcounts") && opts["lazy_refcounts"] == "on";
+  if (opts.count("backing_file")) o.backing_file = opts["backing_file"];
+  if (opts.count("backing_fmt")) o.backing_format = opts["backing_fmt"];
   o.preallocation = prealloc;
+  if (auto st = qcow2::Qcow2Node::check_create_options(o, static_cast<int64_t>(std::min<uint64_t>(*bits, 128)));
+      !st)
+    return fail(st.error().what());
+  o.refcount_bits = static_cast<uint32_t>(*bits);
   if (auto st = qcow2::Qcow2Node::check_create_size(o.size, o.cluster_size, o.extended_l2); !st)
     return fail(st.error().what());
   auto st = drivers::create_file(filename, 0, "off");

@@ -115,6 +115,11 @@ class BackupAction final : public TxAction {
         b.sync = "full";
       }
     }
+    if (b.sync == "none") {
+      // The target reads through the source (QEMU's set_backing_hd case).
+      backing_name_ = (*src)->filename();
+      backing_fmt_ = (*src)->driver();
+    }
     const std::string path = b.target;
     if (mode != "existing")
       VBLK_CO_TRY(co_await create_image(d, path, format, (*src)->length(), backing_name_, backing_fmt_));

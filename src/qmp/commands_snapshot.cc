@@ -161,7 +161,10 @@ class InternalSnapshot final : public TxAction {
       co_return Error(ENOTSUP, "Block format '" + bs_->driver() + "' used by device '" + device +
                                    "' does not support internal snapshots");
     if (name.empty()) co_return Error(EINVAL, "Name is empty");
-    for (const auto& s : bs_->snapshots())
+    // A named list: a range-for over a temporary in a coroutine frame is
+    // what GCC 12 gets wrong.
+    const std::vector<SnapshotInfo> list = bs_->snapshots();
+    for (const auto& s : list)
       if (s.name == name)
         co_return Error(EEXIST, "Snapshot with name '" + name + "' already exists on device '" + device + "'");
     struct timeval tv;
@@ -202,7 +205,8 @@ Task<Reply> delete_internal_snapshot(Daemon& d, const OJson& a) {
   Node& bs = **n;
   if (auto st = d.jobs.check_not_busy(&bs, bs.node_name()); !st) co_return Reply::fail(st.error().what());
   std::optional<SnapshotInfo> found;
-  for (const auto& s : bs.snapshots())
+  const std::vector<SnapshotInfo> list = bs.snapshots();
+  for (const auto& s : list)
     if ((!has_id || s.id == id) && (!has_name || s.name == name)) {
       found = s;
       break;

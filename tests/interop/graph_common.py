@@ -47,6 +47,64 @@ def graph(q):
     return out
 
 
+def qnode(name, path, **extra):
+    """A qcow2 node over a file node, for blockdev-add."""
+    n = {"driver": "qcow2", "node-name": name, "file": {"driver": "file", "filename": path}}
+    n.update(extra)
+    return n
+
+
+def bitmaps(q, node):
+    """The named dirty bitmaps of `node` as query-named-block-nodes has them."""
+    for n in q.ok("query-named-block-nodes", flat=True):
+        if n["node-name"] == node:
+            return [b for b in n.get("dirty-bitmaps", []) if "name" in b]
+    return None
+
+
+def tx(*actions, **props):
+    """transaction arguments from (type, data) pairs and properties."""
+    a = {"actions": [{"type": t, "data": d} for t, d in actions]}
+    if props:
+        a["properties"] = props
+    return a
+
+
+def data_bytes(extents):
+    """Bytes of data (not holes, not zero) in qemu-img map / nbdinfo extents."""
+    return sum(e["length"] for e in extents if e.get("data", True) and not e.get("zero", False))
+
+
+def create_job(c, job, options):
+    """blockdev-create as a job, waited for and dismissed (events recorded)."""
+    c("blockdev-create", **{"job-id": job, "options": options})
+    c.wait_job(job)
+    c("job-dismiss", id=job)
+    c.ev()
+
+
+def new_qcow2(c, path, name, size, backing=None):
+    """A backup target as libvirt makes one: a file and a qcow2 image on it
+    by blockdev-create (the backing file `backing`, a path, in its header),
+    opened without its backing chain."""
+    create_job(c, "c-" + name, {"driver": "file", "filename": path, "size": 0})
+    c("blockdev-add", driver="file", filename=path, **{"node-name": name + "-f"})
+    opts = {"driver": "qcow2", "file": name + "-f", "size": size}
+    if backing:
+        opts.update({"backing-file": backing, "backing-fmt": "qcow2"})
+    create_job(c, "q-" + name, opts)
+    c("blockdev-add", driver="qcow2", file=name + "-f", backing=None, **{"node-name": name})
+
+
+def export_point(uri, raw_path):
+    """The content of an NBD export now, copied to `raw_path`, and its
+    allocated bytes (NBD block status, holes excluded)."""
+    img("convert", "-f", "raw", "-O", "raw", uri, raw_path)
+    r = subprocess.run(["nbdinfo", "--map", "--json", uri], capture_output=True, text=True, check=True,
+                       timeout=60)
+    return data_bytes([{"length": e["length"], "data": e["type"] & 1 == 0} for e in json.loads(r.stdout)])
+
+
 def img(*args, check=True):
     r = subprocess.run([QEMU_IMG] + list(args), capture_output=True, text=True, timeout=120)
     if check and r.returncode != 0:

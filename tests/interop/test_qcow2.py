@@ -610,7 +610,13 @@ class VblkCreateTest(Qcow2TestCase):
                      ["-o", "refcount_bits=3"], ["-o", "refcount_bits=128"],
                      ["-o", "cluster_size=256"], ["-o", "cluster_size=4M"],
                      ["-o", "cluster_size=3000"], ["-o", "compat=2.0"],
-                     ["-o", "compression_type=lzo"]):
+                     ["-o", "compression_type=lzo"],
+                     # Values are parsed before qcow2_co_create's checks run.
+                     ["-o", "cluster_size=1000,preallocation=bogus"],
+                     ["-o", "compat=0.10,lazy_refcounts=on,compression_type=lz4"],
+                     ["-o", "compat=0.10,extended_l2=on,preallocation=bogus"],
+                     ["-o", "backing_fmt=raw,preallocation=metadata,lazy_refcounts=on,compat=0.10"],
+                     ["-o", "refcount_bits=0"]):
             with self.subTest(args=args):
                 v, q, dv, dq = self._create("err", args, "1M")
                 self.assertNotEqual(q.rc, 0, q)

@@ -28,34 +28,10 @@ import unittest
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from graph_common import DAEMONS, QEMU_IO, GraphTestCase, compare, graph, img, img_info  # noqa: E402
+from graph_common import (DAEMONS, QEMU_IO, GraphTestCase, bitmaps, compare, data_bytes, export_point,  # noqa: E402
+                          graph, img, img_info, new_qcow2, qnode, tx)
 
 MiB = 1 << 20
-NBDINFO = "nbdinfo"
-
-
-def qnode(name, path, **extra):
-    n = {"driver": "qcow2", "node-name": name, "file": {"driver": "file", "filename": path}}
-    n.update(extra)
-    return n
-
-
-def bitmaps(q, node):
-    for n in q.ok("query-named-block-nodes", flat=True):
-        if n["node-name"] == node:
-            return [b for b in n.get("dirty-bitmaps", []) if "name" in b]
-    return None
-
-
-def tx(*actions, **props):
-    a = {"actions": [{"type": t, "data": d} for t, d in actions]}
-    if props:
-        a["properties"] = props
-    return a
-
-
-def data_bytes(extents):
-    return sum(e["length"] for e in extents if e.get("data", True) and not e.get("zero", False))
 
 
 class TransactionTest(GraphTestCase):
@@ -234,14 +210,76 @@ class TransactionTest(GraphTestCase):
             c("query-jobs")
             c("job-dismiss", id="d")
             c.ev()
+            # sync=none: the target is created over the source and reads
+            # through it; the job runs until it is cancelled.
+            c("drive-backup", device="src", target=P("none.qcow2"), sync="none", format="qcow2", **{"job-id": "n"})
+            c.wait_job("n", "running")
+            c("block-job-cancel", device="n")
+            c.wait_job("n", "null")
             out.append(graph(q))
-            return {f: img_info(P(f)) for f in ("d1.qcow2", "d2.raw")}
+            return {f: img_info(P(f)) for f in ("d1.qcow2", "d2.raw", "none.qcow2")}
 
         self.both(run, prepare)
         for i in range(len(DAEMONS)):
             for f in ("d1.qcow2", "d2.raw", "exist.raw"):
                 self.assertEqual(compare(self.kept(i, "src.qcow2"), self.kept(i, f))[0], 0, f)
             self.assertEqual(img("check", "-U", self.kept(i, "d1.qcow2"), check=False).returncode, 0)
+
+    def test_mixed_and_manual_finalize(self):
+        P = self.path
+
+        def prepare():
+            img("create", "-q", "-f", "qcow2", P("base.qcow2"), "8M")
+            self.io(P("base.qcow2"), "write -P 3 0 4M", fmt="qcow2")
+            img("create", "-q", "-f", "qcow2", "-b", P("base.qcow2"), "-F", "qcow2", P("src.qcow2"))
+            self.io(P("src.qcow2"), "write -P 4 1M 1M", fmt="qcow2")
+            for t in ("t1", "t2"):
+                img("create", "-q", "-f", "qcow2", P(t + ".qcow2"), "8M")
+            self.src_image(P("o.qcow2"))
+
+        def run(q, c, out):
+            c("blockdev-add", **qnode("src", P("src.qcow2")))
+            c("blockdev-add", **qnode("o", P("o.qcow2")))
+            c("blockdev-add", **qnode("t1", P("t1.qcow2")))
+            c("blockdev-add", **qnode("t2", P("t2.qcow2")))
+            c("block-dirty-bitmap-add", node="src", name="p", persistent=True)
+            # Grouped, finalized by hand: one job-finalize finalizes both.
+            c("transaction", properties={"completion-mode": "grouped"},
+              **tx(("blockdev-backup", {"job-id": "j1", "device": "o", "target": "t1", "sync": "full",
+                                        "auto-finalize": False}),
+                   ("drive-backup", {"job-id": "j2", "device": "src", "target": P("top.qcow2"), "sync": "top",
+                                     "auto-finalize": False})))
+            c.wait_jobs(["j1", "j2"], "pending")
+            c("query-jobs")
+            c("job-finalize", id="j2")
+            c.wait_jobs(["j1", "j2"], "null")
+            # An internal snapshot and a bitmap in one transaction; then the
+            # node gets an overlay, its persistent bitmap stored as it goes
+            # read-only.
+            c("transaction", **tx(("blockdev-snapshot-internal-sync", {"device": "t2", "name": "s1"}),
+                                  ("block-dirty-bitmap-add", {"node": "src", "name": "q"}),
+                                  ("block-dirty-bitmap-disable", {"node": "src", "name": "p"})))
+            out.append(bitmaps(q, "src"))
+            c("transaction", **tx(("blockdev-snapshot-sync", {"node-name": "t2", "snapshot-file": P("ov.qcow2"),
+                                                              "snapshot-node-name": "ov"}),
+                                  ("block-dirty-bitmap-remove", {"node": "src", "name": "q"})))
+            c("blockdev-snapshot-sync", **{"node-name": "src", "snapshot-file": P("sov.qcow2"),
+                                           "snapshot-node-name": "sov"})
+            out.append([(n["node-name"], n["ro"]) for n in graph(q) if not n["node-name"].startswith("#")])
+            return img_info(P("top.qcow2"))
+
+        self.both(run, prepare)
+        for i in range(len(DAEMONS)):
+            self.assertEqual(compare(self.kept(i, "o.qcow2"), self.kept(i, "t1.qcow2"))[0], 0)
+            # sync=top: the top layer only, over the source's backing file.
+            self.assertEqual(compare(self.kept(i, "src.qcow2"), self.kept(i, "top.qcow2"))[0], 0)
+            m = json.loads(img("map", "--output=json", "-U", self.kept(i, "top.qcow2")).stdout)
+            self.assertEqual([(e["start"], e["length"]) for e in m if e["depth"] == 0 and e["data"]],
+                             [(MiB, MiB)], DAEMONS[i][0])
+            info = json.loads(img("info", "--output=json", "-U", self.kept(i, "src.qcow2")).stdout)
+            self.assertEqual([b["name"] for b in info["format-specific"]["data"].get("bitmaps", [])], ["p"])
+            r = img("snapshot", "-l", "-U", self.kept(i, "t2.qcow2"))
+            self.assertIn("s1", r.stdout)
 
     def test_libvirt_chain(self):
         P = self.path
@@ -253,33 +291,17 @@ class TransactionTest(GraphTestCase):
             img("create", "-q", "-f", "qcow2", P("disk.qcow2"), str(size))
             self.io(P("disk.qcow2"), "write -P 1 0 3M", "write -z 3M 1M", "write -P 2 10M 1M", fmt="qcow2")
 
-        def create(c, job, options):
-            c("blockdev-create", **{"job-id": job, "options": options})
-            c.wait_job(job)
-            c("job-dismiss", id=job)
-            c.ev()
-
-        def new_qcow2(c, name, backing=None):
-            create(c, "c-" + name, {"driver": "file", "filename": P(name + ".qcow2"), "size": 0})
-            c("blockdev-add", driver="file", filename=P(name + ".qcow2"), **{"node-name": name + "-f"})
-            opts = {"driver": "qcow2", "file": name + "-f", "size": size}
-            if backing:
-                opts.update({"backing-file": P(backing + ".qcow2"), "backing-fmt": "qcow2"})
-            create(c, "q-" + name, opts)
-            c("blockdev-add", driver="qcow2", file=name + "-f", backing=None, **{"node-name": name})
+        def new_image(c, name, backing=None):
+            new_qcow2(c, P(name + ".qcow2"), name, size, backing and P(backing + ".qcow2"))
 
         def snapshot_source(name):
-            """The export's content now, and its allocation (NBD block status)."""
-            img("convert", "-f", "raw", "-O", "raw", uri, P(name + ".raw"))
-            r = subprocess.run([NBDINFO, "--map", "--json", uri], capture_output=True, text=True, check=True)
-            return data_bytes([{"length": e["length"], "data": e["type"] & 1 == 0}
-                               for e in json.loads(r.stdout)])
+            return export_point(uri, P(name + ".raw"))
 
         def run(q, c, out):
             c("blockdev-add", **qnode("disk", P("disk.qcow2")))
             c("nbd-server-start", addr={"type": "unix", "data": {"path": sock}})
             c("block-export-add", type="nbd", id="e", name="exp", writable=True, **{"node-name": "disk"})
-            new_qcow2(c, "full")
+            new_image(c, "full")
             alloc = [snapshot_source("pt0")]
             c("transaction", **tx(
                 ("blockdev-backup", {"job-id": "b0", "device": "disk", "target": "full", "sync": "full"}),
@@ -290,7 +312,7 @@ class TransactionTest(GraphTestCase):
                 self.io(uri, "write -P %d %dM 512k" % (10 + rnd, 2 * rnd), "write -z %dM 64k" % (6 + rnd),
                         "write -P %d %dM 1M" % (20 + rnd, 10 + rnd % 2))
                 cur = "inc%d" % rnd
-                new_qcow2(c, cur, backing=prev)
+                new_image(c, cur, backing=prev)
                 alloc.append(snapshot_source("pt%d" % rnd))
                 c("transaction", **tx(
                     ("block-dirty-bitmap-add", {"node": "disk", "name": "c%d" % (rnd + 1), "persistent": True}),
