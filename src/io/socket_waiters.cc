@@ -64,6 +64,14 @@ bool SocketWaiters::try_now(IoRequest* r) const {
       pollfd p{r->fd, POLLIN, 0};
       if (::poll(&p, 1, 0) == 0) return false;
       ret = ::accept4(r->fd, nullptr, nullptr, SOCK_CLOEXEC | (nonblocking_accept_ ? SOCK_NONBLOCK : 0));
+      // A listener that was shut down (a server stopping wakes its accept
+      // so) polls as hung up while accept4 on a non-blocking one keeps
+      // answering EAGAIN: end the accept instead of waiting forever (the
+      // loop spun here, and `quit` never finished, without io_uring).
+      if (ret < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && (p.revents & (POLLHUP | POLLERR))) {
+        r->result = -EINVAL;
+        return true;
+      }
       break;
     }
     case IoRequest::Op::Connect:
