@@ -1,16 +1,29 @@
 #!/usr/bin/env python3
-"""Saving a VM state: vblk's buffered async writer against fio's sequential write.
+"""Saving and loading a VM state: vblk's buffered async writer and reader
+against fio's sequential write and read of the same size, same file system.
 
-Cases, each run --runs times with the tools alternating, all O_DIRECT on
-one file system (default a temp dir under /var/tmp):
-  fio-seq-1m      fio, 1 MiB sequential writes at queue depth 8 with
-                  io_uring into a fresh file (the bound for a stream);
-  vblk-16-4k      vblk_vmstate_bench: the stream in random pieces of 16 B
+Cases, each run --runs times with the order alternating:
+  fio-direct      fio, 1 MiB sequential writes at queue depth 8 with
+                  io_uring, O_DIRECT, into a fresh file (+ final fsync), then
+                  the same reads: the bound for a stream on this disk;
+  fio-direct-4m   the same in 4 MiB writes and reads (the ratios are
+                  against the faster fio row of the same cache mode);
+  fio-cached      the same through the page cache (the read after the
+                  file's cache was dropped);
+  vblk-direct     vblk_vmstate_bench: the stream in random pieces of 16 B
                   to 4 KiB (what migration code writes) into a fresh qcow2
-                  (64 KiB clusters), through VmstateWriter (1 MiB buffers,
-                  8 workers), then the snapshot;
-  vblk-64k        the same in 64 KiB pieces.
-Prints mean ± stdev MB/s and the ratio to fio (SPEC part 6's bar: >= 90 %).
+                  (64 KiB clusters), through VmstateWriter (4 MiB buffers,
+                  8 workers), then the snapshot; loaded back through
+                  VmstateReader; O_DIRECT;
+  vblk-cached     the same through the page cache (+ flush; the load after
+                  the cache was dropped);
+  qemufile-direct the same pieces written unbuffered, QEMU 7.2's way
+                  through the same node API: a 32 KiB QEMUFile buffer, each
+                  written synchronously, one at a time (and loaded so);
+  qemufile-cached the same, through the page cache.
+Prints mean ± stdev MB/s of save and load and the ratio to fio's write and
+read with the same cache mode (SPEC part 6's bar: vblk-direct >= 90 % of
+fio-direct). QEMU's own savevm of a real VM is bench_savevm_vm.py.
 """
 import argparse
 import json
@@ -29,21 +42,33 @@ def parse_size(s):
     return int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
 
 
-def run_fio(path, size):
-    r = subprocess.run(["fio", "--output-format=json", "--name=seq", "--filename=" + path, "--rw=write",
-                        "--bs=1M", "--iodepth=8", "--ioengine=io_uring", "--direct=1", "--size=%d" % size,
-                        "--end_fsync=1"], capture_output=True, text=True, check=True)
+def fio_job(path, size, rw, direct, bs):
+    argv = ["fio", "--output-format=json", "--name=seq", "--filename=" + path, "--rw=" + rw, "--bs=" + bs,
+            "--iodepth=8", "--ioengine=io_uring", "--direct=%d" % direct, "--size=%d" % size]
+    if rw == "write":
+        argv.append("--end_fsync=1")
+    r = subprocess.run(argv, capture_output=True, text=True, check=True)
     job = json.loads(r.stdout)["jobs"][0]
     # Elapsed including the final fsync, as the writer's flush counts too.
-    secs = job["job_runtime"] / 1000.0
-    return size / secs / 1e6
+    return size / (job["job_runtime"] / 1000.0) / 1e6
 
 
-def run_vblk(tool, path, size, lo, hi):
+def drop_cache(path):
+    subprocess.run(["dd", "if=" + path, "iflag=nocache", "count=0", "status=none"], check=True)
+
+
+def run_fio(path, size, direct, bs="1M"):
+    w = fio_job(path, size, "write", direct, bs)
+    drop_cache(path)
+    return w, fio_job(path, size, "read", direct, bs)
+
+
+def run_vblk(tool, path, size, cache, mode):
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", path, "1G"], check=True)
-    r = subprocess.run([tool, path, str(size), str(lo), str(hi), "direct"], capture_output=True, text=True,
-                       check=True)
-    return json.loads(r.stdout)["mb_per_s"]
+    r = subprocess.run([tool, path, str(size), "16", "4096", cache, "8", "0", mode], capture_output=True,
+                       text=True, check=True)
+    j = json.loads(r.stdout)
+    return j["mb_per_s"], j["load_mb_per_s"]
 
 
 def main():
@@ -54,34 +79,47 @@ def main():
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="256 MiB, 2 runs")
+    ap.add_argument("--cases", default="", help="comma-separated subset of the cases")
     args = ap.parse_args()
     if args.quick:
         args.size, args.runs = 256 << 20, 2
     if not shutil.which("fio"):
         sys.exit("fio not found")
     d = tempfile.mkdtemp(prefix="vblk-bench-vmstate-", dir=args.dir or "/var/tmp")
-    cases = [("fio-seq-1m", lambda p: run_fio(p, args.size)),
-             ("vblk-16-4k", lambda p: run_vblk(args.tool, p, args.size, 16, 4096)),
-             ("vblk-64k", lambda p: run_vblk(args.tool, p, args.size, 65536, 65536))]
+    cases = [("fio-direct", lambda p: run_fio(p, args.size, 1)),
+             ("fio-direct-4m", lambda p: run_fio(p, args.size, 1, "4M")),
+             ("fio-cached", lambda p: run_fio(p, args.size, 0)),
+             ("vblk-direct", lambda p: run_vblk(args.tool, p, args.size, "direct", "buffered")),
+             ("vblk-cached", lambda p: run_vblk(args.tool, p, args.size, "cached", "buffered")),
+             ("qemufile-direct", lambda p: run_vblk(args.tool, p, args.size, "direct", "qemufile")),
+             ("qemufile-cached", lambda p: run_vblk(args.tool, p, args.size, "cached", "qemufile"))]
+    cases = [c for c in cases if not args.cases or c[0] in args.cases.split(",")]
     res = {name: [] for name, _ in cases}
     try:
         for run in range(args.runs):
             order = cases if run % 2 == 0 else list(reversed(cases))
             for name, fn in order:
                 path = os.path.join(d, name)
-                mbs = fn(path)
+                save, load = fn(path)
                 os.unlink(path)
-                res[name].append(mbs)
-                print("run %d %-12s %8.1f MB/s" % (run, name, mbs), file=sys.stderr)
+                res[name].append((save, load))
+                print("run %d %-16s save %8.1f MB/s  load %8.1f MB/s" % (run, name, save, load), file=sys.stderr)
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    fio = statistics.mean(res["fio-seq-1m"])
-    print("VM state of %d MiB, O_DIRECT, %d runs" % (args.size >> 20, args.runs))
-    print("%-12s %18s %8s" % ("case", "MB/s", "vs fio"))
+
+    def stat(name, i):
+        v = [x[i] for x in res[name]]
+        return statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
+
+    print("VM state of %d MiB in pieces of 16 B - 4 KiB, %d runs, in %s" % (args.size >> 20, args.runs,
+                                                                           args.dir or "/var/tmp"))
+    print("%-16s %18s %8s %18s %8s" % ("case", "save MB/s", "vs fio", "load MB/s", "vs fio"))
     for name, _ in cases:
-        v = res[name]
-        sd = statistics.stdev(v) if len(v) > 1 else 0.0
-        print("%-12s %10.1f ± %5.1f %7.0f%%" % (name, statistics.mean(v), sd, 100 * statistics.mean(v) / fio))
+        refs = [r for r in res if r.startswith("fio-" + ("direct" if "direct" in name else "cached"))]
+        (sm, ss), (lm, ls) = stat(name, 0), stat(name, 1)
+        rs = "%7.0f%%" % (100 * sm / max(stat(r, 0)[0] for r in refs)) if refs else "       -"
+        rl = "%7.0f%%" % (100 * lm / max(stat(r, 1)[0] for r in refs)) if refs else "       -"
+        print("%-16s %10.1f ± %5.1f %s %10.1f ± %5.1f %s" % (name, sm, ss, rs, lm, ls, rl))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size": args.size, "runs": res}, f, indent=1)

@@ -11,13 +11,13 @@ namespace vblk {
 namespace {
 
 uint64_t unit_size(const Node& node, const VmstateOptions& o) {
-  uint64_t s = o.buffer_size ? o.buffer_size : std::max<uint64_t>(node.cluster_size(), uint64_t{1} << 20);
+  uint64_t s = o.buffer_size ? o.buffer_size : std::max<uint64_t>(node.cluster_size(), uint64_t{4} << 20);
   return align_up(s, 4096);
 }
 
 // Huge-page backed where the kernel allows and the size is whole huge
 // pages: one large buffer is then few physical segments per request (as
-// the COW buffers do it). A 1 MiB buffer would take a whole 2 MiB page.
+// the COW buffers do it). A smaller buffer would take a whole 2 MiB page.
 AlignedBuffer new_buffer(uint64_t size) {
   if (size % (2 << 20) == 0) return AlignedBuffer::huge(size);
   return AlignedBuffer(size, 4096);

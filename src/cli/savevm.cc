@@ -32,6 +32,10 @@ namespace vblk::cli {
 namespace {
 
 constexpr size_t kReadChunk = 1 << 20;  // large reads: one syscall per MiB of stream
+// Reads of the spill file: it is read back once, O_DIRECT, one read at a
+// time while the writer's workers write, so each read's latency counts:
+// 1 MiB reads gave 408 MB/s here, 8 MiB ones keep the disk busy.
+constexpr size_t kSpillReadChunk = 8 << 20;
 
 struct SaveResult {
   Status st;
@@ -43,7 +47,7 @@ struct SaveResult {
 Task<SaveResult> save_stream(Loop& loop, Node& node, std::vector<int> fds, VmstateOptions opts) {
   SaveResult r;
   VmstateWriter w(node, opts);
-  AlignedBuffer in(kReadChunk);
+  AlignedBuffer in(kSpillReadChunk);
   int fd = -1;
   std::function<long()> rd = [&]() -> long {
     for (;;) {
@@ -88,10 +92,65 @@ uint64_t now_ms() {
 // spill file, and the open is retried; a short grace after the end of the
 // stream, then the lock error stands. Returns the spill file (read from
 // its start) and the node, or no node.
+//
+// The spill is written with O_DIRECT in 4 MiB pieces where the file system
+// allows: the stream is read back once, so the page cache would only cost
+// (fresh page-cache pages filled at ~200 MB/s on the test machines, where
+// the disk takes 1.5 GB/s). The tail is padded to the block and the file
+// then cut to the stream's exact length.
+class SpillFile {
+ public:
+  bool open() {
+    const char* tmp = std::getenv("TMPDIR");
+    const char* dir = tmp && *tmp ? tmp : "/var/tmp";
+    fd_ = ::open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC | O_DIRECT, 0600);
+    if (fd_ < 0) fd_ = ::open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    return fd_ >= 0;
+  }
+  int fd() const { return fd_; }
+  bool append(const uint8_t* p, size_t n) {
+    while (n) {
+      const size_t k = std::min(n, buf_.size() - fill_);
+      std::memcpy(buf_.data() + fill_, p, k);
+      fill_ += k;
+      p += k;
+      n -= k;
+      if (fill_ == buf_.size() && !write_out(buf_.size())) return false;
+    }
+    return true;
+  }
+  // Writes what is buffered (padded to 4 KiB), cuts the file to the
+  // stream's length and rewinds it.
+  bool finish() {
+    const uint64_t len = written_ + fill_;
+    if (fill_ && !write_out((fill_ + 4095) / 4096 * 4096)) return false;
+    if (::ftruncate(fd_, static_cast<off_t>(len)) != 0) return false;
+    return ::lseek(fd_, 0, SEEK_SET) == 0;
+  }
+
+ private:
+  bool write_out(size_t n) {
+    if (n > fill_) std::memset(buf_.data() + fill_, 0, n - fill_);
+    for (size_t done = 0; done < n;) {
+      const ssize_t k = ::pwrite(fd_, buf_.data() + done, n - done, static_cast<off_t>(written_ + done));
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) return false;
+      done += static_cast<size_t>(k);
+    }
+    written_ += fill_ < n ? fill_ : n;
+    fill_ = 0;
+    return true;
+  }
+  int fd_ = -1;
+  AlignedBuffer buf_{4 << 20};
+  size_t fill_ = 0;
+  uint64_t written_ = 0;
+};
+
 std::shared_ptr<Node> wait_for_image(Loop& loop, ImageArgs& a, int in, int* spill, bool* eof) {
-  const char* tmp = std::getenv("TMPDIR");
-  *spill = ::open(tmp && *tmp ? tmp : "/var/tmp", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-  if (*spill < 0) return nullptr;
+  SpillFile sf;
+  if (!sf.open()) return nullptr;
+  *spill = sf.fd();
   std::vector<uint8_t> buf(kReadChunk);
   uint64_t eof_at = 0, next_try = now_ms() + 100;
   for (;;) {
@@ -104,11 +163,7 @@ std::shared_ptr<Node> wait_for_image(Loop& loop, ImageArgs& a, int in, int* spil
           *eof = true;
           eof_at = now_ms();
         }
-        for (ssize_t done = 0; n > 0 && done < n;) {
-          const ssize_t k = ::write(*spill, buf.data() + done, static_cast<size_t>(n - done));
-          if (k < 0 && errno != EINTR) return nullptr;
-          if (k > 0) done += k;
-        }
+        if (n > 0 && !sf.append(buf.data(), static_cast<size_t>(n))) return nullptr;
       }
     } else {
       ::usleep(50 * 1000);
@@ -117,7 +172,7 @@ std::shared_ptr<Node> wait_for_image(Loop& loop, ImageArgs& a, int in, int* spil
     next_try = now_ms() + 100;
     auto node = open_cli_image(loop, a);
     if (node) {
-      ::lseek(*spill, 0, SEEK_SET);
+      if (!sf.finish()) return nullptr;
       return node;
     }
     if (a.open_error->code != EAGAIN) return nullptr;
@@ -202,6 +257,9 @@ int cmd_savevm(int argc, char** argv) {
   Loop loop;
   Error open_error;
   a.open_error = &open_error;
+  // A pipe of 1 MiB (the kernel's default is 64 KiB): fewer, larger reads
+  // and fewer wake-ups of the producer. Not a pipe, or no room: as it is.
+  (void)::fcntl(fd, F_SETPIPE_SZ, 1 << 20);
   auto node = open_cli_image(loop, a);
   int spill = -1;
   bool eof = false;

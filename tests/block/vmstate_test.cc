@@ -110,11 +110,11 @@ TEST(VmstateWriter, RandomPiecesGiveBackTheStreamInAlignedBufferWrites) {
   }
 }
 
-TEST(VmstateWriter, DefaultBufferIsAtLeastOneMiB) {
+TEST(VmstateWriter, DefaultBufferIsAtLeastFourMiB) {
   Loop loop;
   VmNode node(loop);
   VmstateWriter w(node);
-  EXPECT_EQ(w.buffer_size(), 1u << 20);
+  EXPECT_EQ(w.buffer_size(), 4u << 20);
 }
 
 TEST(VmstateWriter, PositionsGoingBackwardsOrSkippingAreReadModifyWritten) {
