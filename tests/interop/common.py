@@ -107,6 +107,41 @@ def storage_daemons() -> list:
     return out
 
 
+class BothDaemons:
+    """Mixin for an InteropTestCase whose scenarios run against
+    qemu-storage-daemon and `vblk serve` in turn, with the same input, and
+    compare what each observed. `chdir_to_workdir`: the scenario (and the
+    daemon) run in the daemon's work directory, for relative file names as
+    images record them."""
+
+    chdir_to_workdir = False
+
+    def each_daemon(self, scenario):
+        """Runs scenario(qmp, workdir) for each daemon; returns {name: observation}."""
+        from qmp_driver import Daemon
+        seen = {}
+        for name, cmd in storage_daemons():
+            with self.subTest(daemon=name):
+                d = self.subdir(name.replace(" ", "_"))
+                cwd = os.getcwd()
+                if self.chdir_to_workdir:
+                    os.chdir(d)
+                try:
+                    dm = Daemon(cmd, os.path.join(d, "qmp.sock"), os.path.join(d, "daemon.log"))
+                    try:
+                        seen[name] = scenario(dm.qmp, d)
+                    finally:
+                        dm.quit()
+                finally:
+                    os.chdir(cwd)
+        return seen
+
+    def assertSame(self, seen):
+        vals = list(seen.values())
+        for name, v in seen.items():
+            self.assertEqual(v, vals[0], "%s differs from %s" % (name, list(seen)[0]))
+
+
 def run(argv: Sequence[str], cwd: Optional[str] = None, timeout: float = 60,
         stdin_data: Optional[bytes] = None) -> Result:
     """Run argv, capturing stdout, stderr and the exit code."""

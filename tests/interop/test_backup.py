@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, VBLK, rand_bytes, storage_daemons  # noqa: E402
-from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
+from common import BothDaemons, MiB, InteropTestCase, VBLK, rand_bytes, storage_daemons  # noqa: E402
 
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
@@ -67,7 +66,7 @@ def block_events(events):
 
 
 @unittest.skipUnless(QSD and QEMU_IMG, "needs qemu-storage-daemon and qemu-img")
-class BackupInteropTest(InteropTestCase):
+class BackupInteropTest(BothDaemons, InteropTestCase):
 
     def setUp(self):
         super().setUp()
@@ -92,23 +91,6 @@ class BackupInteropTest(InteropTestCase):
             f.truncate(size)
         return src, tgt
 
-    def each_daemon(self, scenario):
-        """Runs scenario(daemon, workdir) for both daemons; returns {name: observation}."""
-        seen = {}
-        for name, cmd in DAEMONS:
-            with self.subTest(daemon=name):
-                d = self.subdir(name.replace(" ", "_"))
-                dm = Daemon(cmd, os.path.join(d, "qmp.sock"), os.path.join(d, "daemon.log"))
-                try:
-                    seen[name] = scenario(dm.qmp, d)
-                finally:
-                    dm.quit()
-        return seen
-
-    def assertSame(self, seen):
-        vals = list(seen.values())
-        for name, v in seen.items():
-            self.assertEqual(v, vals[0], "%s differs from %s" % (name, list(seen)[0]))
 
     def wait_done(self, q, timeout=120):
         e = q.event("BLOCK_JOB_COMPLETED", timeout)

@@ -24,8 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, storage_daemons  # noqa: E402
-from qmp_driver import Daemon  # noqa: E402
+from common import BothDaemons, MiB, InteropTestCase, storage_daemons  # noqa: E402
 from test_mirror import SAME, compare, job_statuses, norm  # noqa: E402
 
 QSD = shutil.which("qemu-storage-daemon")
@@ -51,29 +50,13 @@ def qcow2_node(name, path, backing):
 
 
 @unittest.skipUnless(QSD and QEMU_IMG and QEMU_IO, "needs qemu-storage-daemon, qemu-img and qemu-io")
-class CommitInteropTest(InteropTestCase):
+class CommitInteropTest(BothDaemons, InteropTestCase):
 
     def setUp(self):
         super().setUp()
         if len(DAEMONS) < 2 and not os.environ.get("VBLK_MIRROR_ONE_DAEMON"):
             self.skipTest("needs both qemu-storage-daemon and vblk serve")
 
-    def each_daemon(self, scenario):
-        seen = {}
-        for name, cmd in DAEMONS:
-            with self.subTest(daemon=name):
-                d = self.subdir(name.replace(" ", "_"))
-                dm = Daemon(cmd, os.path.join(d, "qmp.sock"), os.path.join(d, "daemon.log"))
-                try:
-                    seen[name] = scenario(dm.qmp, d)
-                finally:
-                    dm.quit()
-        return seen
-
-    def assertSame(self, seen):
-        vals = list(seen.values())
-        for name, v in seen.items():
-            self.assertEqual(v, vals[0], "%s differs from %s" % (name, list(seen)[0]))
 
     def setup_chain(self, q, d):
         base, mid, top = make_chain(d)

@@ -45,8 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, VBLK, rand_bytes, run, storage_daemons  # noqa: E402
-from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
+from common import BothDaemons, MiB, InteropTestCase, VBLK, rand_bytes, run, storage_daemons  # noqa: E402
 
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
@@ -99,30 +98,13 @@ def unstable(evs):
 
 
 @unittest.skipUnless(QSD and QEMU_IMG and QEMU_IO, "needs qemu-storage-daemon, qemu-img and qemu-io")
-class FleecingInteropTest(InteropTestCase):
+class FleecingInteropTest(BothDaemons, InteropTestCase):
 
     def setUp(self):
         super().setUp()
         if len(DAEMONS) < 2 and not os.environ.get("VBLK_FLEECING_ONE_DAEMON"):
             self.skipTest("needs both qemu-storage-daemon and vblk serve")
 
-    def each_daemon(self, scenario):
-        """Runs scenario(qmp, workdir) for both daemons; returns {name: observation}."""
-        seen = {}
-        for name, cmd in DAEMONS:
-            with self.subTest(daemon=name):
-                d = self.subdir(name.replace(" ", "_"))
-                dm = Daemon(cmd, os.path.join(d, "qmp.sock"), os.path.join(d, "daemon.log"))
-                try:
-                    seen[name] = scenario(dm.qmp, d)
-                finally:
-                    dm.quit()
-        return seen
-
-    def assertSame(self, seen):
-        vals = list(seen.values())
-        for name, v in seen.items():
-            self.assertEqual(v, vals[0], "%s differs from %s" % (name, list(seen)[0]))
 
     def img(self, *args):
         r = run([QEMU_IMG] + list(args))

@@ -33,8 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, InteropTestCase, rand_bytes, storage_daemons  # noqa: E402
-from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
+from common import BothDaemons, MiB, InteropTestCase, rand_bytes, storage_daemons  # noqa: E402
 
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
@@ -112,30 +111,13 @@ def fio_done(p):
 
 
 @unittest.skipUnless(QSD and QEMU_IMG, "needs qemu-storage-daemon and qemu-img")
-class MirrorInteropTest(InteropTestCase):
+class MirrorInteropTest(BothDaemons, InteropTestCase):
 
     def setUp(self):
         super().setUp()
         if len(DAEMONS) < 2 and not os.environ.get("VBLK_MIRROR_ONE_DAEMON"):
             self.skipTest("needs both qemu-storage-daemon and vblk serve")
 
-    def each_daemon(self, scenario):
-        """Runs scenario(qmp, workdir) for both daemons; returns {name: observation}."""
-        seen = {}
-        for name, cmd in DAEMONS:
-            with self.subTest(daemon=name):
-                d = self.subdir(name.replace(" ", "_"))
-                dm = Daemon(cmd, os.path.join(d, "qmp.sock"), os.path.join(d, "daemon.log"))
-                try:
-                    seen[name] = scenario(dm.qmp, d)
-                finally:
-                    dm.quit()
-        return seen
-
-    def assertSame(self, seen):
-        vals = list(seen.values())
-        for name, v in seen.items():
-            self.assertEqual(v, vals[0], "%s differs from %s" % (name, list(seen)[0]))
 
     def export(self, q, d, node="src"):
         sock = os.path.join(d, "nbd.sock")

@@ -26,8 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import InteropTestCase, storage_daemons  # noqa: E402
-from qmp_driver import Daemon  # noqa: E402
+from common import BothDaemons, InteropTestCase, storage_daemons  # noqa: E402
 from test_commit import make_chain, qcow2_node  # noqa: E402
 from test_mirror import SAME, compare, job_statuses, norm  # noqa: E402
 
@@ -44,36 +43,15 @@ def info(path):
 
 
 @unittest.skipUnless(QSD and QEMU_IMG and QEMU_IO, "needs qemu-storage-daemon, qemu-img and qemu-io")
-class StreamInteropTest(InteropTestCase):
+class StreamInteropTest(BothDaemons, InteropTestCase):
+    chdir_to_workdir = True  # relative file names, as the images record them
+
 
     def setUp(self):
         super().setUp()
         if len(DAEMONS) < 2 and not os.environ.get("VBLK_MIRROR_ONE_DAEMON"):
             self.skipTest("needs both qemu-storage-daemon and vblk serve")
 
-    def each_daemon(self, scenario):
-        seen = {}
-        for name, cmd in DAEMONS:
-            with self.subTest(daemon=name):
-                d = self.subdir(name.replace(" ", "_"))
-                cwd = os.getcwd()
-                os.chdir(d)  # relative file names (the daemon's too), as the images record them
-                try:
-                    dm = Daemon(cmd, os.path.join(d, "qmp.sock"), os.path.join(d, "daemon.log"))
-                except BaseException:
-                    os.chdir(cwd)
-                    raise
-                try:
-                    seen[name] = scenario(dm.qmp, d)
-                finally:
-                    os.chdir(cwd)
-                    dm.quit()
-        return seen
-
-    def assertSame(self, seen):
-        vals = list(seen.values())
-        for name, v in seen.items():
-            self.assertEqual(v, vals[0], "%s differs from %s" % (name, list(seen)[0]))
 
     def setup_chain(self, q, d):
         make_chain(".")
