@@ -1,6 +1,8 @@
 // block-commit's checks and the active commit (see include/vblk/commit.h).
 #include "vblk/commit.h"
 
+#include "job/chain_job_params.h"
+
 namespace vblk {
 
 namespace {
@@ -79,15 +81,7 @@ Result<std::shared_ptr<MirrorJob>> start_commit(JobManager& mgr, Graph& graph, c
       if (n->child("backing") == top.get()) overlay = n;
     if (!overlay) return Error(ENOENT, "Could not find overlay image for " + top->filename() + ":");
     VBLK_TRY(mgr.check_not_busy(overlay.get(), overlay->node_name()));
-    MirrorJobParams p;
-    p.job_id = a.job_id.value_or(std::string());
-    p.filter_node_name = a.filter_node_name.value_or(std::string());
-    p.sync = MirrorJob::Sync::CommitIntermediate;
-    p.speed = a.speed;
-    p.on_source_error = a.on_error;
-    p.on_target_error = a.on_error;
-    p.auto_finalize = a.auto_finalize;
-    p.auto_dismiss = a.auto_dismiss;
+    MirrorJobParams p = chain_job_params(a, MirrorJob::Sync::CommitIntermediate);
     p.driver = "commit_top";
     p.job_before_filter = true;
     p.overlay = overlay;
@@ -95,16 +89,7 @@ Result<std::shared_ptr<MirrorJob>> start_commit(JobManager& mgr, Graph& graph, c
     return start_mirror_job(mgr, graph, top, base, p);
   }
   if (a.backing_file) return Error(EINVAL, "'backing-file' specified, but 'top' is the active layer");
-  MirrorJobParams p;
-  // QEMU names the job after the device: "" for a node name.
-  p.job_id = a.job_id.value_or(std::string());
-  p.filter_node_name = a.filter_node_name.value_or(std::string());
-  p.sync = MirrorJob::Sync::Commit;
-  p.speed = a.speed;
-  p.on_source_error = a.on_error;
-  p.on_target_error = a.on_error;
-  p.auto_finalize = a.auto_finalize;
-  p.auto_dismiss = a.auto_dismiss;
+  MirrorJobParams p = chain_job_params(a, MirrorJob::Sync::Commit);
   return start_mirror_job(mgr, graph, top, base, p);
 }
 

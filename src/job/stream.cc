@@ -1,6 +1,8 @@
 // block-stream's checks (see include/vblk/stream.h).
 #include "vblk/stream.h"
 
+#include "job/chain_job_params.h"
+
 #include <algorithm>
 
 namespace vblk {
@@ -64,15 +66,7 @@ Result<std::shared_ptr<MirrorJob>> start_stream(JobManager& mgr, Graph& graph, c
     VBLK_TRY(mgr.check_not_busy(n, n->node_name()));
   if (!base && a.backing_file) return Error(EINVAL, "backing file specified, but streaming the entire chain");
 
-  MirrorJobParams p;
-  p.job_id = a.job_id.value_or(std::string());
-  p.filter_node_name = a.filter_node_name.value_or(std::string());
-  p.sync = MirrorJob::Sync::Stream;
-  p.speed = a.speed;
-  p.on_source_error = a.on_error;
-  p.on_target_error = a.on_error;
-  p.auto_finalize = a.auto_finalize;
-  p.auto_dismiss = a.auto_dismiss;
+  MirrorJobParams p = chain_job_params(a, MirrorJob::Sync::Stream);
   p.driver = "copy-on-read";
   // A guest write must allocate whole bitmap clusters in the node, or the
   // rest of a cluster it marks clean would be lost with the backing file.
