@@ -9,6 +9,7 @@
 
 #include "block/drivers/qcow2/qcow2.h"
 #include "block/open.h"
+#include "qcow2_temp_image.h"
 
 using namespace vblk;
 
@@ -17,32 +18,16 @@ namespace {
 class Qcow2Bitmaps : public ::testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/var/tmp/vblk-qbm-XXXXXX";
-    int fd = mkstemp(tmpl);
-    ASSERT_GE(fd, 0);
-    close(fd);
-    path_ = tmpl;
-    Loop loop;
-    OpenContext ctx{loop};
-    auto file = open_node(ctx, Json{{"driver", "file"}, {"filename", path_}});
-    ASSERT_TRUE(file.ok());
     qcow2::Qcow2Node::CreateOptions o;
     o.size = kSize;
-    ASSERT_TRUE(loop.run(qcow2::Qcow2Node::create(loop, *file, o)).ok());
-    ASSERT_TRUE(loop.run((*file)->close()).ok());
+    ASSERT_NO_FATAL_FAILURE(image_.create(o));
+    path_ = image_.path();
   }
-  void TearDown() override { unlink(path_.c_str()); }
-
-  std::shared_ptr<Node> open(Loop& loop, bool ro = false) {
-    OpenContext ctx{loop};
-    ctx.read_only = ro;
-    auto n = open_node(ctx, Json{{"driver", "qcow2"}, {"file", {{"driver", "file"}, {"filename", path_}}}});
-    EXPECT_TRUE(n.ok()) << (n.ok() ? "" : n.error().what());
-    return n.ok() ? *n : nullptr;
-  }
+  std::shared_ptr<Node> open(Loop& loop, bool ro = false) { return image_.open(loop, ro); }
   static qcow2::Qcow2Node& q(const std::shared_ptr<Node>& n) { return static_cast<qcow2::Qcow2Node&>(*n); }
 
   static constexpr uint64_t kSize = 64ull << 20;
+  vblk::testing::Qcow2TempImage image_;
   std::string path_;
 };
 

@@ -14,6 +14,7 @@
 #include "block/drivers/qcow2/qcow2.h"
 #include "block/open.h"
 #include "vblk/vmstate.h"
+#include "qcow2_temp_image.h"
 
 using namespace vblk;
 
@@ -217,28 +218,14 @@ namespace {
 class Qcow2Vmstate : public ::testing::TestWithParam<uint32_t> {
  protected:
   void SetUp() override {
-    char tmpl[] = "/var/tmp/vblk-vms-XXXXXX";
-    int fd = mkstemp(tmpl);
-    ASSERT_GE(fd, 0);
-    close(fd);
-    path_ = tmpl;
-    Loop loop;
-    OpenContext ctx{loop};
-    auto file = open_node(ctx, Json{{"driver", "file"}, {"filename", path_}});
-    ASSERT_TRUE(file.ok());
     qcow2::Qcow2Node::CreateOptions o;
     o.size = 3 << 20;  // not a whole L2 table's reach for the small clusters
     o.cluster_size = GetParam();
-    ASSERT_TRUE(loop.run(qcow2::Qcow2Node::create(loop, *file, o)).ok());
-    ASSERT_TRUE(loop.run((*file)->close()).ok());
+    ASSERT_NO_FATAL_FAILURE(image_.create(o));
+    path_ = image_.path();
   }
-  void TearDown() override { unlink(path_.c_str()); }
-  std::shared_ptr<Node> open(Loop& loop) {
-    OpenContext ctx{loop};
-    auto n = open_node(ctx, Json{{"driver", "qcow2"}, {"file", {{"driver", "file"}, {"filename", path_}}}});
-    EXPECT_TRUE(n.ok()) << (n.ok() ? "" : n.error().what());
-    return n.ok() ? *n : nullptr;
-  }
+  std::shared_ptr<Node> open(Loop& loop) { return image_.open(loop); }
+  vblk::testing::Qcow2TempImage image_;
   std::string path_;
 };
 
