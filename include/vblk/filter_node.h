@@ -25,6 +25,9 @@ class FilterNode : public Node {
 
   Node& filtered() const { return *filtered_; }
   bool reports_dirty_flag() const override { return filtered_->reports_dirty_flag(); }
+  Task<Status> prepare_writes(std::span<const WriteRange> ranges) override {
+    co_return co_await filtered_->prepare_writes(ranges);
+  }
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override;
