@@ -334,8 +334,9 @@ def row_iops(args, vblk):
                "--rw=randwrite", "--bs=4k", "--iodepth=16", f"--size={size}", "--runtime=3", "--time_based",
                "--output-format=json"]
 
-        def iops(p):
-            return json.loads(p.stdout)["jobs"][0]["write"]["iops"]
+        def iops(text):
+            # fio's nbd engine prints a line before the JSON
+            return json.loads(text[text.index("{"):])["jobs"][0]["write"]["iops"]
         for r in range(args.runs):
             for name in (list(daemons) if r % 2 == 0 else list(daemons)[::-1]):
                 bi.rm(dst)
@@ -350,7 +351,7 @@ def row_iops(args, vblk):
                     dm.qmp.ok("block-export-add", {"type": "nbd", "id": "e", "node-name": "source",
                                                    "writable": True})
                     p = subprocess.run(fio, capture_output=True, text=True, check=True)
-                    res[name]["idle"].append(iops(p))
+                    res[name]["idle"].append(iops(p.stdout))
                     fp = subprocess.Popen(fio, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     time.sleep(0.3)
                     t0 = time.monotonic()
@@ -359,7 +360,7 @@ def row_iops(args, vblk):
                     ev, t1 = dm.qmp.next_event({"BLOCK_JOB_COMPLETED"}, 600)
                     res[name]["backup_s"].append(t1 - t0)
                     o, _ = fp.communicate()
-                    res[name]["backup"].append(json.loads(o)["jobs"][0]["write"]["iops"])
+                    res[name]["backup"].append(iops(o))
                     dm.quit()
                     dm = None
                 finally:
