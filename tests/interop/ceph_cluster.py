@@ -209,9 +209,8 @@ admin socket =
         self._spawn("osd.%d" % i, ["ceph-osd", "-c", self.conf, "-f", "-i", str(i)])
 
     def _make_pool(self) -> None:
+        # Its size is the conf's `osd pool default size`.
         self.ceph("osd", "pool", "create", self.pool, "8", "8", "replicated")
-        self.ceph("osd", "pool", "set", self.pool, "size", str(self.pool_size),
-                  "--yes-i-really-mean-it")
         # Blocks until the pool's PGs are active, i.e. the OSDs are up.
         self.rbd("pool", "init", self.pool, timeout=120)
 

@@ -147,7 +147,7 @@ class RbdBackupTest(InteropTestCase):
             snap = "rbd:%s/%s@s%d:conf=%s" % (CLUSTER.pool, image, rnd, CLUSTER.conf)
             r = qemu("compare", "-f", "raw", "-F", "raw", os.path.join(d, "ref%d.raw" % rnd), snap)
             self.assertEqual(r.rc, 0, "round %d: %r" % (rnd, r))
-            if rnd:
+            if rnd and vblk_daemon:  # (the anchor's extents: its len per round, compared below)
                 p = CLUSTER.rbd("diff", "--format", "json", "--from-snap", "s%d" % (rnd - 1),
                                 "%s/%s@s%d" % (CLUSTER.pool, image, rnd))
                 changed = {e["offset"] // OBJECT for e in json.loads(p.stdout)}
