@@ -28,6 +28,9 @@ class FilterNode : public Node {
   Task<Status> prepare_writes(std::span<const WriteRange> ranges) override {
     co_return co_await filtered_->prepare_writes(ranges);
   }
+  // QEMU's bdrv_get_info looks through a filter: a backup or mirror into a
+  // throttled target picks the target's cluster size (rbd: its object size).
+  uint64_t cluster_size() const override { return filtered_->cluster_size(); }
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override;
