@@ -180,6 +180,16 @@ class RbdBackupTest(InteropTestCase):
         self.assertEqual(r.rc, 0, r)
         r = qemu("compare", "-f", "qcow2", "-F", "raw", src, target)
         self.assertEqual(r.rc, 0, r)
+        # A backup that fails (a read error on the source) takes back the
+        # RBD image it created, as it removes a file target.
+        failing = ("driver=qcow2,file.driver=blkdebug,file.image.driver=file,file.image.filename=%s,"
+                   "file.inject-error.0.event=read_aio,file.inject-error.0.errno=5" % src)
+        r = vblk("backup", "-O", "raw", "--image-opts", failing, CLUSTER.spec("cli-failed"))
+        self.assertNotEqual(r.rc, 0, r)
+        self.assertIn("Input/output error", r.stderr)
+        images = CLUSTER.rbd("ls", CLUSTER.pool).stdout.decode().split()
+        self.assertIn("cli-full", images)
+        self.assertNotIn("cli-failed", images)
 
 
 if __name__ == "__main__":
