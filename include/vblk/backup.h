@@ -75,6 +75,11 @@ struct BackupArgs {
   std::optional<std::string> cow_spill_dir;
   int64_t cow_spill_size = 0;
   bool cow_spill_direct = true;  // x-perf cow-spill-direct
+  // vblk's CLI: zero runs of this many bytes (aligned) in the data read
+  // become write-zeroes on the target (BlockCopyOptions::detect_zeroes);
+  // 0: off, as QMP's blockdev-backup, where the target node's own
+  // detect-zeroes option decides.
+  uint64_t detect_zeroes = 0;
 };
 
 class BackupJob : public BlockJob {

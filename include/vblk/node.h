@@ -29,6 +29,7 @@
 #include "vblk/named_bitmap.h"
 #include "vblk/perm.h"
 #include "vblk/result.h"
+#include "vblk/status_cache.h"
 #include "vblk/sync.h"
 #include "vblk/task.h"
 
@@ -62,6 +63,14 @@ enum StatusFlags : uint32_t {
 class Node;
 class NodeRef;
 
+// detect-zeroes (QEMU's BlockdevDetectZeroesOptions): what a write of a
+// buffer that is all zeroes becomes at this node.
+enum class DetectZeroes {
+  Off,    // an ordinary write
+  On,     // write-zeroes
+  Unmap,  // write-zeroes that may unmap (needs discard=unmap)
+};
+
 // How a growing truncate prepares the new area (QEMU's PreallocMode).
 enum class Prealloc { Off, Metadata, Falloc, Full };
 // "off", "metadata", "falloc", "full"; nullopt for anything else.
@@ -94,6 +103,10 @@ struct NodeCaps {
   bool serialise_zeroes = false;  // zeroes/discard change metadata: no overlap allowed
   bool supports_backing = false;  // unallocated ranges fall through to "backing"
   bool compressed_writes = false; // do_write honours kReqCompressed
+  // do_block_status answers whole extents that only this node's requests
+  // change, plain (map == offset, file == this): block_status() keeps them
+  // in the node's StatusCache (status_cache.h). Protocol drivers set it.
+  bool cache_status = false;
 };
 
 // Consistency checks (qemu-img check): QEMU's BdrvCheckMode bits and its
@@ -181,6 +194,11 @@ class Node {
   // Growable nodes (a format's file child) accept I/O past their end.
   void set_growable(bool on) { growable_ = on; }
   bool growable() const { return growable_; }
+  // detect-zeroes=on|unmap: write() turns an all-zero buffer into
+  // write_zeroes (with kReqMayUnmap for unmap), as QEMU's
+  // bdrv_aligned_pwritev does, where the driver implements write-zeroes.
+  void set_detect_zeroes(DetectZeroes m) { detect_zeroes_ = m; }
+  DetectZeroes detect_zeroes() const { return detect_zeroes_; }
 
   // ---- permissions and image locks (perm.h)
   // The node's cumulative pair: what its users need, what they share.
@@ -217,6 +235,9 @@ class Node {
   // base): the first layer that allocates the range answers; depth counts
   // the layers visited.
   Task<Result<BlockStatus>> block_status_above(uint64_t offset, uint64_t bytes);
+  // The extents block_status() remembered (caps().cache_status), for tests
+  // and statistics; the request path keeps it current.
+  const StatusCache& status_cache() const { return status_cache_; }
   // Copies bytes from this node to dst without a bounce through memory, when
   // both sides allow it (copy_file_range). ENOTSUP if not possible: callers
   // fall back to read+write.
@@ -393,6 +414,12 @@ class Node {
   Task<Status> write_padded(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags);
   Task<Status> zeroes_by_writing(uint64_t offset, uint64_t bytes, uint32_t flags);
   Status check_range(uint64_t offset, uint64_t bytes, bool write) const;
+  // [offset, offset + bytes) changes: cached extents there are dropped (a
+  // plain write keeps data extents, see status_cache.h).
+  void remember_status(uint64_t gen, uint64_t offset, const BlockStatus& s);
+  void status_changed(uint64_t offset, uint64_t bytes, bool plain_write) {
+    if (caps_.cache_status) status_cache_.invalidate(offset, bytes, plain_write, kStatusData);
+  }
 
   Loop& loop_;
   std::string driver_;
@@ -407,6 +434,7 @@ class Node {
   bool writethrough_ = false;
   bool no_flush_ = false;
   bool growable_ = false;
+  DetectZeroes detect_zeroes_ = DetectZeroes::Off;
   bool closed_ = false;  // close() ran
   uint64_t in_flight_ = 0;
   Tracked* tracked_head_ = nullptr;
@@ -414,6 +442,7 @@ class Node {
   std::vector<NodeRef*> refs_;
   CoEvent idle_;
   BitmapSet bitmaps_;
+  StatusCache status_cache_;
   CorruptionHandler corruption_handler_;
 };
 

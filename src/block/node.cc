@@ -14,6 +14,10 @@ namespace {
 // Bounce and zero buffers are capped so a huge request does not allocate its
 // whole size at once.
 constexpr uint64_t kBounceChunk = 1 << 20;
+// write() from zeroes_by_writing: the zero buffer is no candidate for
+// detect-zeroes (it would come back as the write_zeroes it emulates).
+// Internal to this file, never passed to drivers.
+constexpr uint32_t kReqNoDetect = 1u << 31;
 }  // namespace
 
 Node::Node(Loop& loop, std::string driver) : loop_(loop), driver_(std::move(driver)), idle_(loop) { idle_.set(); }
@@ -191,6 +195,13 @@ Task<Status> Node::read_aligned(uint64_t offset, std::span<uint8_t> buf, uint32_
 Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
   if (buf.empty()) co_return Status{};
   VBLK_CO_TRY(check_range(offset, buf.size(), true));
+  const bool detect = detect_zeroes_ != DetectZeroes::Off && !(flags & (kReqNoDetect | kReqCompressed));
+  flags &= ~kReqNoDetect;
+  if (detect && caps_.zeroes && buffer_is_zero(buf)) {
+    // detect-zeroes: the whole request is zeroes (QEMU's bdrv_aligned_pwritev).
+    const uint32_t zf = detect_zeroes_ == DetectZeroes::Unmap ? kReqMayUnmap : 0u;
+    co_return co_await write_zeroes(offset, buf.size(), (flags & (kReqFua | kReqSerialising)) | zf);
+  }
   if (writethrough_) flags |= kReqFua;
   const uint64_t align = limits_.request_alignment;
   const uint64_t begin = align_down(offset, align);
@@ -208,6 +219,9 @@ Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t
   flags &= ~kReqSerialising;
   if (find_conflict(t)) co_await wait_conflicts(t);
   link(t);
+  // Before and after: a block status answered while the write runs is not
+  // kept (the generation moved), one cached before is dropped after.
+  status_changed(offset, buf.size(), true);
   Status st;
   if (aligned && is_aligned(buf.data(), limits_.buffer_alignment)) {
     st = co_await write_aligned(offset, buf, flags);
@@ -222,6 +236,7 @@ Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t
   } else {
     st = co_await write_padded(offset, buf, flags);
   }
+  status_changed(offset, buf.size(), true);
   bitmaps_.mark(offset, buf.size());
   untrack(t);
   co_return st;
@@ -285,6 +300,7 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
     if (find_conflict(t)) co_await wait_conflicts(t);
   link(t);
     Status st;
+    status_changed(head_end, mid_end - head_end, false);
     if (caps_.zeroes) {
       const uint64_t max = limits_.max_zeroes ? limits_.max_zeroes : mid_end - head_end;
       bool emulate_fua = (flags & kReqFua) && !caps_.native_fua;
@@ -298,6 +314,7 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
     } else {
       st = Error(ENOTSUP);
     }
+    status_changed(head_end, mid_end - head_end, false);
     // The fallback below writes zero buffers through write(), which marks.
     if (caps_.zeroes) bitmaps_.mark(head_end, mid_end - head_end);
     untrack(t);
@@ -318,7 +335,7 @@ Task<Status> Node::zeroes_by_writing(uint64_t offset, uint64_t bytes, uint32_t f
   zero.zero();
   for (uint64_t pos = offset; pos < offset + bytes;) {
     uint64_t n = std::min<uint64_t>(zero.size(), offset + bytes - pos);
-    VBLK_CO_TRY(co_await write(pos, zero.span().subspan(0, n), flags & kReqFua));
+    VBLK_CO_TRY(co_await write(pos, zero.span().subspan(0, n), (flags & kReqFua) | kReqNoDetect));
     pos += n;
   }
   co_return Status{};
@@ -339,7 +356,9 @@ Task<Status> Node::discard(uint64_t offset, uint64_t bytes) {
   Tracked t{a, e, caps_.serialise_zeroes};
   if (find_conflict(t)) co_await wait_conflicts(t);
   link(t);
+  status_changed(a, e - a, false);
   Status st = co_await do_discard(a, e - a);
+  status_changed(a, e - a, false);
   untrack(t);
   if (!st.ok() && st.error().code == ENOTSUP) co_return Status{};
   co_return st;
@@ -356,11 +375,15 @@ Task<Status> Node::flush() {
 Task<Status> Node::truncate(uint64_t length, bool exact, Prealloc prealloc) {
   if (read_only_) co_return Error(EPERM, "Block node is read-only");
   co_await drain();
+  status_cache_.clear();
+  Status st;
   if (prealloc == Prealloc::Off) {
-    VBLK_CO_TRY(co_await do_truncate(length, exact));
+    st = co_await do_truncate(length, exact);
   } else {
-    VBLK_CO_TRY(co_await do_truncate_prealloc(length, exact, prealloc));
+    st = co_await do_truncate_prealloc(length, exact, prealloc);
   }
+  status_cache_.clear();
+  VBLK_CO_TRY(st);
   bitmaps_.resize(length_);
   co_return Status{};
 }
@@ -396,9 +419,16 @@ Task<Result<BlockStatus>> Node::block_status(uint64_t offset, uint64_t bytes) {
   const uint64_t align = limits_.request_alignment;
   const uint64_t a = align_down(offset, align);
   const uint64_t e = std::max(align_up(offset + bytes, align), a + align);
-  auto r = co_await do_block_status(a, e - a);
-  if (!r) co_return r;
-  BlockStatus s = *r;
+  BlockStatus s;
+  if (const StatusCache::Entry* hit = caps_.cache_status ? status_cache_.lookup(a) : nullptr) {
+    s = BlockStatus{.flags = hit->flags, .bytes = hit->end - a, .map = a, .file = this};
+  } else {
+    const uint64_t gen = status_cache_.generation();
+    auto r = co_await do_block_status(a, e - a);
+    if (!r) co_return r;
+    s = *r;
+    if (caps_.cache_status) remember_status(gen, a, s);
+  }
   // Narrow the widened answer back to what was asked.
   uint64_t skip = offset - a;
   s.bytes = s.bytes > skip ? std::min(s.bytes - skip, bytes) : std::min<uint64_t>(bytes, align - skip);
@@ -438,6 +468,14 @@ Task<Result<BlockStatus>> Node::block_status(uint64_t offset, uint64_t bytes) {
   s.flags &= ~kStatusEof;
   if (offset + s.bytes == length_) s.flags |= kStatusEof;
   co_return s;
+}
+
+void Node::remember_status(uint64_t gen, uint64_t offset, const BlockStatus& s) {
+  if (!s.bytes || s.file != this || (s.flags & (kStatusRaw | kStatusRecurse))) return;
+  if ((s.flags & kStatusOffsetValid) && s.map != offset) return;
+  // A hole another process may fill stays uncached (status_cache.h).
+  if (!(s.flags & kStatusData) && (perms_.shared & kPermWrite)) return;
+  status_cache_.fill(gen, offset, offset + s.bytes, s.flags & (kStatusData | kStatusZero | kStatusOffsetValid));
 }
 
 Task<Result<BlockStatus>> Node::block_status_above(uint64_t offset, uint64_t bytes) {
@@ -485,7 +523,15 @@ Task<Status> Node::copy_range(uint64_t offset, Node& dst, uint64_t dst_offset, u
   link(t1);
   if (dst.find_conflict(t2)) co_await dst.wait_conflicts(t2);
   dst.link(t2);
+  // The offload writes the node copy_target() names (a raw format's file),
+  // past that node's request path: its cached extents go here.
+  uint64_t real_offset = dst_offset;
+  Node* real = dst.copy_target(real_offset);
+  dst.status_changed(dst_offset, bytes, true);
+  if (real && real != &dst) real->status_changed(real_offset, bytes, true);
   Status st = co_await do_copy_range_to(offset, dst, dst_offset, bytes, flags);
+  dst.status_changed(dst_offset, bytes, true);
+  if (real && real != &dst) real->status_changed(real_offset, bytes, true);
   dst.bitmaps_.mark(dst_offset, bytes);
   if (st.ok() && dst.growable_ && dst_offset + bytes > dst.length_) dst.length_ = dst_offset + bytes;
   dst.untrack(t2);

@@ -74,11 +74,25 @@ Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
     nctx.cache_no_flush = no_flush->value_or(ctx.cache_no_flush);
   }
   nctx.discard_unmap = false;
-  for (const char* k : {"discard", "detect-zeroes"}) {
-    auto v = take_string(opts, k);
-    VBLK_TRY(v);
-    if (std::string(k) == "discard" && *v) nctx.discard_unmap = **v == "unmap" || **v == "on";
+  auto discard = take_string(opts, "discard");
+  VBLK_TRY(discard);
+  if (*discard) nctx.discard_unmap = **discard == "unmap" || **discard == "on";
+  // detect-zeroes is the node's own (not inherited), checked as QEMU's
+  // bdrv_parse_detect_zeroes does.
+  auto dz_s = take_string(opts, "detect-zeroes");
+  VBLK_TRY(dz_s);
+  DetectZeroes dz = DetectZeroes::Off;
+  if (*dz_s) {
+    if (**dz_s == "on") {
+      dz = DetectZeroes::On;
+    } else if (**dz_s == "unmap") {
+      dz = DetectZeroes::Unmap;
+    } else if (**dz_s != "off") {
+      return Error(EINVAL, "Parameter 'detect-zeroes' does not accept value '" + **dz_s + "'");
+    }
   }
+  if (dz == DetectZeroes::Unmap && !nctx.discard_unmap)
+    return Error(EINVAL, "setting detect-zeroes to unmap is not allowed without setting discard operation to unmap");
   auto auto_ro = take_bool(opts, "auto-read-only");
   VBLK_TRY(auto_ro);
   auto force_share = take_bool(opts, "force-share");
@@ -87,6 +101,7 @@ Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
   auto node = d->open(nctx, opts);
   VBLK_TRY(node);
   if (!opts.empty()) return Error(EINVAL, leftover_error(*d, first_key(opts)));
+  (*node)->set_detect_zeroes(dz);
   if (nctx.force_share) {
     if (!(*node)->read_only()) return Error(EINVAL, "force-share=on can only be used with read-only images");
     (*node)->set_force_share(true);

@@ -192,6 +192,10 @@ int cmd_backup(int argc, char** argv) {
   }
   if (rate) a.speed = static_cast<int64_t>(rate);
   a.cow_buffer_size = static_cast<int64_t>(cow_buffer);
+  // Zeroes found in the data are written as zeroes (holes where the target
+  // can unmap), so a backup is as sparse as qemu-img convert makes it
+  // (qemu-img's default -S 4k).
+  a.detect_zeroes = 4096;
   auto job = start_backup(jobs, graph, a);
   if (!job) {
     error_report((incremental ? "Refusing the incremental backup: " : "Cannot start the backup: ") +

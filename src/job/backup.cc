@@ -284,6 +284,7 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
     o.copy.use_copy_range = false;
   }
   o.copy.skip_unallocated = sync == BackupJob::Sync::Top;
+  o.copy.detect_zeroes = a.detect_zeroes;
   o.copy.speed = a.speed ? static_cast<uint64_t>(*a.speed) : 0;
   if (a.max_memory) o.copy.max_memory = a.max_memory;
   auto cbw = std::make_shared<CopyBeforeWrite>(src->loop(), src, tgt, o);

@@ -36,6 +36,8 @@ class FileNode final : public Node {
     caps_.zeroes = true;
     caps_.discard = true;
     caps_.copy_range = true;
+    // Whole extents from lseek, kept by the node (status_cache.h).
+    caps_.cache_status = !is_blockdev;
   }
   ~FileNode() override { ::close(fd_); }
 
@@ -151,29 +153,40 @@ class FileNode final : public Node {
     co_return Status{};
   }
 
+  // The whole extent at offset, up to the next hole or data boundary, not
+  // clipped to `bytes`: the node caches it (status_cache.h), so a fully
+  // written file costs one lseek pair per pass, a sparse one a pair per extent.
   Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override {
     BlockStatus s{.flags = kStatusOffsetValid, .bytes = bytes, .map = offset, .file = this};
     if (blockdev_) {
       s.flags |= kStatusData;
       co_return s;
     }
+    const uint64_t align = limits_.request_alignment;
     // lseek on a local file is a metadata lookup that does not wait for I/O.
     off_t d = ::lseek(fd_, static_cast<off_t>(offset), SEEK_DATA);
     if (d < 0) {
-      s.flags |= errno == ENXIO ? kStatusZero : kStatusData;  // ENXIO: a hole up to EOF
+      if (errno == ENXIO) {  // a hole up to the end of the file
+        s.flags |= kStatusZero;
+        s.bytes = std::max(bytes, length() > offset ? length() - offset : 0);
+      } else {
+        s.flags |= kStatusData;
+      }
       co_return s;
     }
     if (static_cast<uint64_t>(d) > offset) {
-      s.flags |= kStatusZero;
-      s.bytes = std::min<uint64_t>(bytes, static_cast<uint64_t>(d) - offset);
-      co_return s;
+      // A hole up to d; a hole shorter than the alignment unit reads as
+      // part of a data block.
+      uint64_t n = align_down(static_cast<uint64_t>(d) - offset, align);
+      if (n) {
+        s.flags |= kStatusZero;
+        s.bytes = n;
+        co_return s;
+      }
     }
     off_t h = ::lseek(fd_, static_cast<off_t>(offset), SEEK_HOLE);
     s.flags |= kStatusData;
-    if (h > static_cast<off_t>(offset)) {
-      uint64_t n = align_up(static_cast<uint64_t>(h) - offset, limits_.request_alignment);
-      s.bytes = std::min<uint64_t>(bytes, n);
-    }
+    if (h > static_cast<off_t>(offset)) s.bytes = align_up(static_cast<uint64_t>(h) - offset, align);
     co_return s;
   }
 

@@ -16,6 +16,7 @@ class RawNode final : public Node {
     limits_ = file_->limits();
     caps_ = file_->caps();
     caps_.native_fua = true;  // FUA is passed down; the child emulates it if needed
+    caps_.cache_status = false;  // its answers are the child's, cached there
     set_length(size);
     add_child("file", std::move(file));
   }

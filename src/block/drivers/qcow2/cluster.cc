@@ -30,9 +30,24 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes, boo
   const uint64_t in_cluster = offset & (cs_ - 1);
   Mapping m;
   // A run never crosses an L2 table: cap at its end.
+  const uint64_t table_span = uint64_t{1} << (h_.cluster_bits + l2_bits_);
   uint64_t table_end = (l1i + 1) << (h_.cluster_bits + l2_bits_);
+  const uint64_t asked = max_bytes;
   max_bytes = std::min(max_bytes, table_end - offset);
   if (l1i >= l1.size() || !(l1[l1i] & kL1OffsetMask)) {
+    // No L2 table: for readers (block status, map) the run goes on over
+    // the following L1 entries without one, a table's span per entry
+    // instead of one answer per table. Writers allocate per table.
+    if (!for_write) {
+      for (uint64_t i = l1i + 1; table_end - offset < asked && (i >= l1.size() || !(l1[i] & kL1OffsetMask)); ++i) {
+        if (i >= l1.size()) {
+          table_end = offset + asked;  // beyond the table: unallocated to the end
+          break;
+        }
+        table_end += table_span;
+      }
+      max_bytes = std::min(asked, table_end - offset);
+    }
     m.bytes = max_bytes;
     co_return m;
   }
@@ -99,6 +114,24 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes, boo
   // Extend the run over following units with the same type (and, for
   // Normal, contiguous host offsets and the same COPIED state).
   uint64_t run = std::min(max_bytes, unit - (offset % unit));
+  if (l2_entry_size_ == 8 && (m.type == ClusterType::Unallocated || m.type == ClusterType::Normal)) {
+    // Standard entries, one per cluster: an unallocated run is a run of
+    // zero words and a contiguous data run one of words a cluster apart
+    // (same flags), so the scan compares words instead of classifying each
+    // entry (map and block status of a large sparse image walk millions).
+    uint64_t prev = l2_entry(*t, l2i);
+    if (m.type == ClusterType::Normal || prev == 0) {
+      const uint64_t step = m.type == ClusterType::Normal ? cs_ : 0;
+      for (uint64_t idx = l2i + 1; run < max_bytes && idx < l2_entries_; ++idx) {
+        const uint64_t e = l2_entry(*t, idx);
+        if (e != prev + step) break;
+        prev = e;
+        run += std::min(cs_, max_bytes - run);
+      }
+      m.bytes = run;
+      co_return m;
+    }
+  }
   uint64_t expect_host = m.host + run;
   uint64_t idx = l2i, s = sub;
   while (run < max_bytes) {
