@@ -328,6 +328,7 @@ def row_iops(args, vblk):
         size = 2 * args.size
         fill(src, size)
         daemons = {"qemu-storage-daemon": ["qemu-storage-daemon"], "vblk serve": [vblk, "serve"]}
+        daemons = {k: v for k, v in daemons.items() if re.search(args.iops_daemons, k)}
         res = {n: {"idle": [], "backup": [], "backup_s": []} for n in daemons}
         sock = os.path.join(d, "nbd.sock")
         fio = ["fio", "--name=guest", "--ioengine=nbd", f"--uri=nbd+unix:///source?socket={sock}",
@@ -355,8 +356,8 @@ def row_iops(args, vblk):
                     fp = subprocess.Popen(fio, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     time.sleep(0.3)
                     t0 = time.monotonic()
-                    dm.qmp.ok("blockdev-backup", {"job-id": "j", "device": "source", "target": "target",
-                                                  "sync": "full"})
+                    dm.qmp.ok("blockdev-backup", dict({"job-id": "j", "device": "source", "target": "target",
+                                                       "sync": "full"}, **args.iops_backup_args))
                     ev, t1 = dm.qmp.next_event({"BLOCK_JOB_COMPLETED"}, 600)
                     res[name]["backup_s"].append(t1 - t0)
                     o, _ = fp.communicate()
@@ -397,6 +398,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--fio-size", type=bi.parse_size, default=256 * MIB,
                     help="the guest's working set for the iops row (from offset 0)")
+    ap.add_argument("--iops-backup-args", type=json.loads, default={},
+                    help="extra blockdev-backup arguments for the iops row (JSON), e.g. x-perf")
+    ap.add_argument("--iops-daemons", default=".", help="regex of the daemons in the iops row")
     ap.add_argument("--big-dir", default="/var/tmp", help="where the 1 TiB qcow2 is made (kept between runs)")
     args = ap.parse_args()
     vblk = bi.resolve_tool(args.vblk, "vblk")

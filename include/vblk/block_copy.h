@@ -196,6 +196,12 @@ class BlockCopyState {
   // While held, calls that respect the rate limit start no new tasks: the
   // claimer writes its data to the target first.
   void hold_background(bool on);
+  // A guest request reached the source (copy-before-write notes each one).
+  // For the next 100 ms, calls that honour the rate limit (the job's
+  // background copy) keep one task in flight instead of max_workers, so
+  // the guest's requests do not queue behind dozens of 1 MiB chunks; calls
+  // that ignore it (copy-before-write itself) are not held back.
+  void note_foreground() { foreground_ns_ = Loop::now_ns(); }
   // Bytes of tasks and claims in flight.
   uint64_t in_flight_bytes() const { return in_flight_bytes_; }
 
@@ -249,6 +255,7 @@ class BlockCopyState {
   uint64_t in_flight_bytes_ = 0;
   uint64_t pending_bytes_ = 0;  // claimed and kept, not yet copied
   bool held_ = false;
+  uint64_t foreground_ns_ = 0;  // last note_foreground(), 0: never
   std::vector<InFlight*> in_flight_;          // tasks of all calls
   std::vector<BlockCopyCall*> calls_;         // running calls (for kicks)
   std::vector<AlignedBuffer> slabs_;          // huge-page memory for data buffers

@@ -172,6 +172,13 @@ Task<bool> BlockCopyState::scan(BlockCopyCall& call) {
       if (call.sleep_stop_.stop_requested()) call.sleep_stop_ = std::stop_source();
       continue;
     }
+    if (!call.ignore_ratelimit_ && call.running_.count() > 0 && foreground_ns_ &&
+        Loop::now_ns() - foreground_ns_ < 100'000'000) {
+      // The guest is busy (note_foreground): one background task at a time.
+      call.workers_.release();
+      co_await call.running_.wait();
+      continue;
+    }
     if (!call.ignore_ratelimit_) {
       // Start a task only while the limit is not exceeded.
       if (uint64_t delay = rate_->delay_ns(Loop::now_ns())) {

@@ -188,6 +188,42 @@ TEST(BlockCopyTest, WorkerCapBoundsParallelTasks) {
   }
 }
 
+TEST(BlockCopyTest, ABusyGuestLeavesTheBackgroundCallOneTask) {
+  Fixture f(4 * MiB);
+  f.src.latency_ns = f.dst.latency_ns = 1'000'000;
+  auto o = opts();
+  o.max_chunk = 64 * KiB;
+  o.max_workers = 16;
+  BlockCopyState bcs(f.src, f.dst, o);
+  bcs.bitmap().set_all();
+  // A guest writing all along (a request every 5 ms, as copy-before-write
+  // notes them): the background call keeps one task.
+  bool copying = true;
+  auto guest = [](Loop& l, BlockCopyState& b, bool& on) -> Task<void> {
+    while (on) {
+      b.note_foreground();
+      co_await l.sleep(std::chrono::milliseconds(5));
+    }
+  };
+  auto copy = [&]() -> Task<Status> {
+    Status st = co_await bcs.copy(0, 2 * MiB);
+    copying = false;
+    co_return st;
+  };
+  spawn_detached(guest(f.loop, bcs, copying));
+  ASSERT_TRUE(f.loop.run(copy()).ok());
+  EXPECT_EQ(f.conc.peak, 1);
+  // Let the guest coroutine see the end before the loop goes.
+  auto pause = [](Loop& l) -> Task<void> { co_await l.sleep(std::chrono::milliseconds(20)); };
+  f.loop.run(pause(f.loop));
+  // Calls that ignore the limit (copy-before-write) are not held back.
+  f.conc.peak = 0;
+  bcs.note_foreground();
+  ASSERT_TRUE(f.loop.run(bcs.copy(2 * MiB, 2 * MiB, /*ignore_ratelimit=*/true)).ok());
+  EXPECT_EQ(f.conc.peak, 16);
+  EXPECT_EQ(f.dst.data(), f.src.data());
+}
+
 TEST(BlockCopyTest, MemoryBudgetMakesTasksWait) {
   Fixture f(4 * MiB);
   f.src.latency_ns = f.dst.latency_ns = 1'000'000;

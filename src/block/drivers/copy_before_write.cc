@@ -76,6 +76,7 @@ Task<void> CopyBeforeWrite::quiesce() { co_await orphans_.wait(); }
 
 Task<Status> CopyBeforeWrite::copy_before_write(uint64_t offset, uint64_t bytes) {
   if (!snapshot_error_.ok() || bytes == 0) co_return Status{};
+  bcs_->note_foreground();
   const uint64_t cs = bcs_->options().cluster_size;
   const uint64_t begin = align_down(offset, cs);
   const uint64_t end = std::min(align_up(offset + bytes, cs), align_up(length(), cs));
