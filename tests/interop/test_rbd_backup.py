@@ -35,7 +35,7 @@ OBJECT = 4 * MiB  # RBD's default object size: the backup's cluster size too
 ROUNDS = 10
 # qemu-storage-daemon (the anchor) runs the first QSD_ROUNDS rounds only,
 # to keep the file well under 30 s.
-QSD_ROUNDS = int(os.environ.get("VBLK_RBD_QSD_ROUNDS", 2))
+QSD_ROUNDS = int(os.environ.get("VBLK_RBD_QSD_ROUNDS", 1))
 QEMU_IO = shutil.which("qemu-io")
 CLUSTER = None
 
