@@ -23,6 +23,7 @@ const DriverInfo kDrivers[] = {
     {"null-co", true, drivers::open_null, nullptr},
     {"qcow2", false, drivers::open_qcow2, drivers::probe_qcow2},
     {"raw", false, drivers::open_raw, drivers::probe_raw},
+    {"rbd", true, drivers::open_rbd, nullptr},
     {"snapshot-access", false, drivers::open_snapshot_access, nullptr},
     {"throttle", false, drivers::open_throttle, nullptr},
 };
@@ -176,10 +177,12 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
   // NBD URIs name the protocol themselves (qemu-img's protocol prefixes).
   if (filename.rfind("nbd://", 0) == 0 || filename.rfind("nbd+unix://", 0) == 0 || filename.rfind("nbd+tcp://", 0) == 0)
     file["driver"] = "nbd";
+  // As does QEMU's "rbd:" prefix.
+  if (filename.rfind("rbd:", 0) == 0) file["driver"] = "rbd";
   file["filename"] = filename;
   if (o.direct) file["cache"]["direct"] = true;
   if (o.no_flush) file["cache"]["no-flush"] = true;
-  if (!o.aio.empty() && file["driver"] != "nbd") file["aio"] = o.aio;
+  if (!o.aio.empty() && file["driver"] != "nbd" && file["driver"] != "rbd") file["aio"] = o.aio;
   OpenContext fctx = ctx;
   fctx.read_only = o.read_only;
   fctx.no_io = fctx.no_io || o.no_io;

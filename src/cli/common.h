@@ -12,6 +12,7 @@
 #include <string>
 
 #include "block/open.h"
+#include "util/qdict_order.h"
 #include "vblk/loop.h"
 #include "vblk/node.h"
 
@@ -45,10 +46,6 @@ bool parse_cache_mode(const std::string& mode, CacheMode& out);
 // QEMU's JSON pretty printer (4-space indent, uppercase \u escapes), over
 // ordered JSON so key order is ours to choose.
 std::string qemu_json_pretty(const nlohmann::ordered_json& j);
-// Reorders object keys (recursively) the way QEMU's QDict iterates them:
-// by hash bucket, newest insertion first within a bucket. Build objects in
-// the QAPI schema's field order, then pass them through this.
-nlohmann::ordered_json qdict_order(const nlohmann::ordered_json& j);
 
 struct ImageArgs {
   std::string filename;

@@ -37,6 +37,13 @@ const OptSpec kRawOptions[] = {
     {"preallocation", OptKind::String, nullptr},
     {"extent_size_hint", OptKind::Size, nullptr},
 };
+// raw on an rbd: target: the rbd protocol's options (qemu_rbd_create_opts;
+// encrypt.* is not supported by vblk).
+const OptSpec kRawRbdOptions[] = {
+    {"size", OptKind::Size, nullptr},
+    {"cluster_size", OptKind::Size, nullptr},
+    {"password-secret", OptKind::String, nullptr},
+};
 const OptSpec kQcow2Options[] = {
     {"encrypt", OptKind::Bool, nullptr},
     {"cluster_size", OptKind::Size, "65536"},
@@ -193,7 +200,12 @@ int cmd_create(int argc, char** argv) {
     return 1;
   };
   std::span<const OptSpec> specs;
-  if (fmt == "raw" || fmt == "file") {
+  const bool rbd = filename.rfind("rbd:", 0) == 0;
+  if (rbd && (fmt == "raw" || fmt == "rbd")) {
+    specs = kRawRbdOptions;
+  } else if (rbd) {
+    return fail("vblk creates only raw images on rbd");
+  } else if (fmt == "raw" || fmt == "file") {
     specs = kRawOptions;
   } else if (fmt == "qcow2") {
     specs = kQcow2Options;
@@ -313,6 +325,13 @@ int cmd_create(int argc, char** argv) {
     std::fflush(stdout);
   }
 
+  if (rbd) {
+    if (opts.count("password-secret")) return fail("No secret with id '" + opts["password-secret"] + "'");
+    // QEMU rounds the size up to whole sectors for rbd.
+    auto st = drivers::create_rbd(filename, align_up(static_cast<uint64_t>(*size), 512), sizes["cluster_size"]);
+    if (!st) return fail(st.error().what());
+    return 0;
+  }
   std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
   if (fmt == "raw" || fmt == "file") {
     auto st = drivers::create_file(filename, static_cast<uint64_t>(*size), prealloc);

@@ -29,7 +29,7 @@ const std::vector<std::string> kBlockdevDrivers = {
     "vpc",          "vvfat"};
 // Union branches with create options that vblk has no driver for.
 const char* const kForeignCreate[] = {"gluster", "luks", "nfs", "parallels", "qcow", "qed",
-                                      "rbd",     "ssh",  "vdi", "vhdx",      "vmdk", "vpc"};
+                                      "ssh",     "vdi",  "vhdx", "vmdk",     "vpc"};
 const std::vector<std::string> kPrealloc = {"off", "metadata", "falloc", "full"};
 
 const std::vector<Arg> kFileCreate = {{"filename", ArgType::Str, true},
@@ -52,6 +52,12 @@ const std::vector<Arg> kQcow2Create = {{"file", ArgType::Any, true},
                                        {"lazy-refcounts", ArgType::Bool},
                                        {"refcount-bits", ArgType::Int},
                                        {"compression-type", ArgType::Enum, false, {"zlib", "zstd"}}};
+
+// BlockdevCreateOptionsRbd (the location is checked by the driver's parser).
+const std::vector<Arg> kRbdCreate = {{"location", ArgType::Object, true},
+                                     {"size", ArgType::UInt64, true},
+                                     {"cluster-size", ArgType::UInt64},
+                                     {"encrypt", ArgType::Object}};
 
 uint64_t u64(const OJson& v) { return v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(v.get<int64_t>()); }
 
@@ -102,11 +108,23 @@ Task<Status> create_qcow2_body(Daemon& d, OJson file_ref, qcow2::Qcow2Node::Crea
   co_return co_await qcow2::Qcow2Node::create(d.loop, *file, o);
 }
 
+// rbd_create and its connection block: they run on the loop's thread pool.
+Task<Status> create_rbd_body(Loop& loop, Json loc, uint64_t size, uint64_t cluster_size) {
+  Status st;
+  std::function<long()> fn = [&]() -> long {
+    st = drivers::create_rbd(loc, size, cluster_size);
+    return 0;
+  };
+  co_await loop.run_blocking(fn);
+  co_return st;
+}
+
 // The members of the union branch of `drv` (the base's driver first).
 std::vector<Arg> create_members(const std::string& drv) {
   std::vector<Arg> members = {{"driver", ArgType::Str, true}};
   if (drv == "file") members.insert(members.end(), kFileCreate.begin(), kFileCreate.end());
   if (drv == "qcow2") members.insert(members.end(), kQcow2Create.begin(), kQcow2Create.end());
+  if (drv == "rbd") members.insert(members.end(), kRbdCreate.begin(), kRbdCreate.end());
   return members;
 }
 
@@ -127,10 +145,16 @@ Task<Reply> blockdev_create(Daemon& d, const OJson& a) {
       if (auto e = check_blockdev_ref(o["data-file"], "data-file", "options.data-file")) co_return Reply::fail(*e);
   }
   if (foreign) co_return Reply::fail("Block driver '" + drv + "' not found or not supported");
-  if (drv != "file" && drv != "qcow2") co_return Reply::fail("Driver does not support blockdev-create");
+  if (drv != "file" && drv != "qcow2" && drv != "rbd") co_return Reply::fail("Driver does not support blockdev-create");
 
   CreateJob::Body body;
-  if (drv == "file") {
+  if (drv == "rbd") {
+    if (o.contains("encrypt")) co_return Reply::fail("RBD library does not support image encryption");
+    uint64_t cs = o.contains("cluster-size") ? u64(o["cluster-size"]) : 0;
+    body = [&d, loc = Json::parse(o["location"].dump()), size = u64(o["size"]), cs] {
+      return create_rbd_body(d.loop, loc, size, cs);
+    };
+  } else if (drv == "file") {
     std::string prealloc = str_or(o, "preallocation", "off");
     if (o.contains("extent-size-hint") && u64(o["extent-size-hint"]) > UINT32_MAX)
       co_return Reply::fail("Extent size hint is too large");

@@ -17,6 +17,14 @@ int probe_qcow2(std::span<const uint8_t> head);
 Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_throttle(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_snapshot_access(OpenContext& ctx, Json& opts);
+// rbd/rbd.cc when librbd is found, else rbd_unavailable.cc (which fails
+// every call saying the build has no rbd driver).
+Result<std::shared_ptr<Node>> open_rbd(OpenContext& ctx, Json& opts);
+// Creates an RBD image named in QEMU's filename syntax (rbd:pool/image...)
+// or by blockdev options (pool, image, conf...); cluster_size is the
+// object size (0: librbd's default).
+Status create_rbd(const std::string& filename, uint64_t size, uint64_t cluster_size);
+Status create_rbd(Json& opts, uint64_t size, uint64_t cluster_size);
 
 // Creates (or truncates) a file the way qemu-img create does for raw/file:
 // size rounded up to 512, preallocation off|falloc|full, first block written

@@ -22,6 +22,16 @@ class RawNode final : public Node {
   }
 
   bool reports_dirty_flag() const override { return file_child()->reports_dirty_flag(); }
+  // QEMU's raw_get_info asks the file (rbd: its object size).
+  uint64_t cluster_size() const override { return file_->cluster_size(); }
+  // A file known only by its options (json:{...}, e.g. rbd) makes the raw
+  // node's name json:{"driver": "raw", "file": {...}}, as QEMU's
+  // bdrv_refresh_filename builds it.
+  std::string filename() const override {
+    std::string f = file_->filename();
+    if (f.rfind("json:", 0) != 0) return f;
+    return "json:{\"driver\": \"raw\", \"file\": " + f.substr(5) + "}";
+  }
 
   // The whole file passes through as a filter's child would; a window of it
   // (offset, size) is data whose size must not change (QEMU's raw_child_perm:

@@ -1,0 +1,88 @@
+#include "block/drivers/rbd/rbd_connection.h"
+
+#include <rbd/librbd.h>
+
+#include <cstring>
+
+namespace vblk::rbd {
+
+namespace {
+
+// error_setg_errno's "<msg>: <strerror>".
+Error err(int r, const std::string& msg) { return Error(-r, msg + ": " + std::strerror(-r)); }
+
+}  // namespace
+
+RbdConnection::~RbdConnection() {
+  if (ioctx_) rados_ioctx_destroy(ioctx_);
+  if (cluster_) rados_shutdown(cluster_);
+}
+
+Result<std::unique_ptr<RbdConnection>> RbdConnection::connect(const RbdLocation& loc, bool cache) {
+  std::unique_ptr<RbdConnection> c(new RbdConnection());
+  if (loc.key_secret) {
+    // vblk has no secret objects yet: every id is unknown, as QEMU says it.
+    return Error(EINVAL, "No secret with id '" + *loc.key_secret + "'");
+  }
+  int r = rados_create(&c->cluster_, loc.user ? loc.user->c_str() : nullptr);
+  if (r < 0) {
+    c->cluster_ = nullptr;
+    return err(r, "error initializing");
+  }
+  // No conf: try the default locations and ignore a failure.
+  r = rados_conf_read_file(c->cluster_, loc.conf ? loc.conf->c_str() : nullptr);
+  if (loc.conf && r < 0) return err(r, "error reading conf file " + *loc.conf);
+  for (const auto& [k, v] : loc.keypairs) {
+    r = rados_conf_set(c->cluster_, k.c_str(), v.c_str());
+    if (r < 0) return Error(EINVAL, "invalid conf option " + k + ": " + std::strerror(-r));
+  }
+  if (!loc.servers.empty()) {
+    std::string mon;
+    for (const auto& s : loc.servers) {
+      if (!mon.empty()) mon += ';';
+      mon += s.host.find(':') != std::string::npos ? "[" + s.host + "]:" + s.port : s.host + ":" + s.port;
+    }
+    r = rados_conf_set(c->cluster_, "mon_host", mon.c_str());
+    if (r < 0) return err(r, "error setting mon_host");
+  }
+  if (!loc.auth_client_required.empty()) {
+    std::string acr;
+    for (const auto& a : loc.auth_client_required) acr += (acr.empty() ? "" : ";") + a;
+    r = rados_conf_set(c->cluster_, "auth_client_required", acr.c_str());
+    if (r < 0) return err(r, "Could not set 'auth_client_required'");
+  }
+  // Only an error if the option is unknown, and librbd's default is off.
+  rados_conf_set(c->cluster_, "rbd_cache", cache ? "true" : "false");
+  r = rados_connect(c->cluster_);
+  if (r < 0) return err(r, "error connecting");
+  r = rados_ioctx_create(c->cluster_, loc.pool.c_str(), &c->ioctx_);
+  if (r < 0) {
+    c->ioctx_ = nullptr;
+    return err(r, "error opening pool " + loc.pool);
+  }
+  if (loc.ns && !loc.ns->empty()) {
+    bool exists = false;
+    r = rbd_namespace_exists(c->ioctx_, loc.ns->c_str(), &exists);
+    if (r < 0) return err(r, "error checking namespace");
+    if (!exists) return Error(ENOENT, "namespace '" + *loc.ns + "' does not exist");
+  }
+  rados_ioctx_set_namespace(c->ioctx_, loc.ns ? loc.ns->c_str() : nullptr);
+  return c;
+}
+
+Status create_image(const RbdLocation& loc, uint64_t size, uint64_t cluster_size) {
+  if (loc.snapshot) return Error(EINVAL, "Can't use snapshot name for image creation");
+  int order = 0;
+  if (cluster_size) {
+    if (cluster_size & (cluster_size - 1)) return Error(EINVAL, "obj size needs to be power of 2");
+    if (cluster_size < 4096) return Error(EINVAL, "obj size too small");
+    order = __builtin_ctzll(cluster_size);
+  }
+  auto c = RbdConnection::connect(loc, false);
+  VBLK_TRY(c);
+  int r = rbd_create((*c)->ioctx(), loc.image.c_str(), size, &order);
+  if (r < 0) return err(r, "error rbd create");
+  return {};
+}
+
+}  // namespace vblk::rbd

@@ -1,0 +1,15 @@
+// Stands in for the rbd driver (rbd/) in builds without librbd: the driver
+// name is known, but opening or creating says this build cannot.
+#include "block/drivers/drivers.h"
+
+namespace vblk::drivers {
+
+namespace {
+Error unavailable() { return Error(ENOTSUP, "vblk was built without the rbd driver (librbd-dev, librados-dev)"); }
+}  // namespace
+
+Result<std::shared_ptr<Node>> open_rbd(OpenContext&, Json&) { return unavailable(); }
+Status create_rbd(const std::string&, uint64_t, uint64_t) { return unavailable(); }
+Status create_rbd(Json&, uint64_t, uint64_t) { return unavailable(); }
+
+}  // namespace vblk::drivers

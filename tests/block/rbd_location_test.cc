@@ -1,0 +1,59 @@
+// QEMU's rbd: filename syntax (block/rbd.c qemu_rbd_parse_filename).
+#include "block/drivers/rbd/rbd_location.h"
+
+#include <gtest/gtest.h>
+
+#include "util/qdict_order.h"
+
+namespace vblk::rbd {
+namespace {
+
+TEST(RbdLocation, PoolImageSnapshotOptions) {
+  auto l = parse_rbd_filename("rbd:pool/ns/img@snap:conf=/etc/c\\:x.conf:id=bob:rbd_cache=false");
+  ASSERT_TRUE(l.ok()) << l.error().what();
+  EXPECT_EQ(l->pool, "pool");
+  EXPECT_EQ(*l->ns, "ns");
+  EXPECT_EQ(l->image, "img");
+  EXPECT_EQ(*l->snapshot, "snap");
+  EXPECT_EQ(*l->conf, "/etc/c:x.conf");
+  EXPECT_EQ(*l->user, "bob");
+  ASSERT_EQ(l->keypairs.size(), 1u);
+  EXPECT_EQ(l->keypairs[0].first, "rbd_cache");
+  EXPECT_EQ(l->keypairs[0].second, "false");
+}
+
+TEST(RbdLocation, PlainAndEscapes) {
+  auto l = parse_rbd_filename("rbd:p/im\\@age");
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->image, "im@age");
+  EXPECT_EQ(*l->ns, "");
+  EXPECT_FALSE(l->snapshot);
+  EXPECT_FALSE(l->conf);
+}
+
+TEST(RbdLocation, QemuErrors) {
+  EXPECT_EQ(parse_rbd_filename("rbd:pool").error().what(), "Pool name is required");
+  EXPECT_EQ(parse_rbd_filename("nbd:x").error().what(), "File name must start with 'rbd:'");
+  EXPECT_EQ(parse_rbd_filename("rbd:p/i:foo").error().what(), "conf option foo has no value");
+}
+
+TEST(RbdLocation, JsonFilenameInQemuOrder) {
+  auto l = parse_rbd_filename("rbd:rbd/a:conf=/c:id=bob");
+  ASSERT_TRUE(l.ok());
+  // As qemu-img info prints it for the same filename.
+  EXPECT_EQ(qemu_json_compact(location_json(*l)),
+            R"({"pool": "rbd", "image": "a", "conf": "/c", "driver": "rbd", "namespace": "", "user": "bob"})");
+}
+
+TEST(RbdLocation, BlockdevOptions) {
+  Json o = {{"pool", "p"}, {"image", "i"}, {"auth-client-required", {"cephx", "none"}}};
+  auto l = take_rbd_location(o);
+  ASSERT_TRUE(l.ok());
+  EXPECT_TRUE(o.empty());
+  EXPECT_EQ(l->auth_client_required.size(), 2u);
+  Json missing = {{"pool", "p"}};
+  EXPECT_EQ(take_rbd_location(missing).error().what(), "Parameter 'image' is missing");
+}
+
+}  // namespace
+}  // namespace vblk::rbd

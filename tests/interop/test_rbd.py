@@ -1,0 +1,218 @@
+"""The rbd driver against QEMU's (qemu-block-extra) on a throwaway cluster.
+
+One single-OSD cluster (tests/interop/ceph_cluster.py: memstore, no cephx)
+serves every test of this file. Images written by vblk read identically
+through qemu-img and vice versa; `map`, `info` and the errors for a bad
+pool, image or conf file read as qemu-img's.
+
+Skipped, saying why, only when the Ceph daemons are not installed.
+"""
+
+import json
+import os
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import InteropTestCase, MiB, both, qemu, rand_bytes, storage_daemons, vblk  # noqa: E402
+import ceph_cluster  # noqa: E402
+
+CLUSTER = None
+
+
+def setUpModule():
+    global CLUSTER
+    if ceph_cluster.skip_reason():
+        return
+    CLUSTER = ceph_cluster.CephCluster(osds=1, memstore_mib=256)
+    CLUSTER.start()
+
+
+def tearDownModule():
+    if CLUSTER:
+        CLUSTER.stop()
+
+
+def write_pattern(path, size, pieces):
+    """A sparse local file with data at the given (offset, length, seed)."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for off, n, seed in pieces:
+            f.seek(off)
+            f.write(rand_bytes(n, seed))
+
+
+PIECES = [(0, 64 * 1024, 1), (5 * MiB + 4096, 300 * 1024, 2), (13 * MiB, 1 * MiB, 3)]
+
+
+class RbdTest(InteropTestCase):
+    counter = 0
+
+    def setUp(self):
+        super().setUp()
+        reason = ceph_cluster.skip_reason()
+        if reason:
+            self.skipTest(reason)
+
+    def name(self, tag):
+        RbdTest.counter += 1
+        return "%s-%d" % (tag, RbdTest.counter)
+
+    def spec(self, image):
+        return CLUSTER.spec(image)
+
+    def local(self, name, size=16 * MiB, pieces=PIECES):
+        p = os.path.join(self.tmp, name)
+        write_pattern(p, size, pieces)
+        return p
+
+    def assertSameFile(self, a, b):
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            self.assertTrue(fa.read() == fb.read(), "%s and %s differ" % (a, b))
+
+    # ---- create / info
+    def test_create_and_info_read_as_qemu_img(self):
+        img = self.name("create")
+        v = vblk("create", "-f", "raw", self.spec(img), "10000")
+        self.assertEqual(v.rc, 0, v)
+        self.assertEqual(v.stdout, "Formatting '%s', fmt=raw size=10000\n" % self.spec(img))
+        for args in (["info"], ["info", "--output=json"], ["info", "-f", "raw"]):
+            v, q = both(*(args + [self.spec(img)]))
+            self.assertSameResult(v, q, str(args))
+        self.assertIn('"driver": "rbd"', v.stdout)
+        self.assertIn("virtual size: 10 KiB (10240 bytes)", v.stdout)
+        # The same name again: librbd's EEXIST, worded as qemu-img words it.
+        v = vblk("create", "-f", "raw", self.spec(img), "1M")
+        q = qemu("create", "-f", "raw", self.spec(img), "1M")
+        self.assertNotEqual(v.rc, 0)
+        self.assertSameResult(v, q)
+        # With an object size: qemu-img sees vblk's choice.
+        img2 = self.name("objsize")
+        v = vblk("create", "-f", "raw", "-o", "cluster_size=1M", self.spec(img2), "8M")
+        self.assertEqual(v.rc, 0, v)
+        q = qemu("info", "--output=json", self.spec(img2))
+        self.assertEqual(json.loads(q.stdout)["cluster-size"], 1 * MiB)
+
+    # ---- data both ways
+    def test_vblk_writes_qemu_reads(self):
+        src = self.local("src.raw")
+        img = self.name("vw")
+        v = vblk("convert", "-O", "raw", src, self.spec(img))
+        self.assertEqual(v.rc, 0, v)
+        out = os.path.join(self.tmp, "back.raw")
+        q = qemu("convert", "-O", "raw", self.spec(img), out)
+        self.assertEqual(q.rc, 0, q)
+        self.assertSameFile(src, out)
+        q = qemu("compare", src, self.spec(img))
+        self.assertEqual(q.rc, 0, q)
+
+    def test_qemu_writes_vblk_reads(self):
+        src = self.local("src.raw")
+        img = self.name("qw")
+        q = qemu("convert", "-O", "raw", src, self.spec(img))
+        self.assertEqual(q.rc, 0, q)
+        out = os.path.join(self.tmp, "back.raw")
+        v = vblk("convert", "-O", "raw", self.spec(img), out)
+        self.assertEqual(v.rc, 0, v)
+        self.assertSameFile(src, out)
+        # And into qcow2 through vblk, checked by qemu-img.
+        out2 = os.path.join(self.tmp, "back.qcow2")
+        v = vblk("convert", "-O", "qcow2", self.spec(img), out2)
+        self.assertEqual(v.rc, 0, v)
+        self.assertEqual(qemu("check", out2).rc, 0)
+        self.assertEqual(qemu("compare", src, out2).rc, 0)
+
+    def test_rbd_to_rbd_and_io(self):
+        src = self.local("src.raw")
+        a, b = self.name("a"), self.name("b")
+        self.assertEqual(qemu("convert", "-O", "raw", src, self.spec(a)).rc, 0)
+        v = vblk("convert", "-O", "raw", self.spec(a), self.spec(b))
+        self.assertEqual(v.rc, 0, v)
+        self.assertEqual(qemu("compare", self.spec(a), self.spec(b)).rc, 0)
+        # Unaligned writes, write-zeroes and discard through `vblk io`,
+        # read back by qemu-io's twin (qemu-img compare against a local copy).
+        v = vblk("io", "-f", "raw", "-c", "write -P 0x5a 1000 7000", "-c", "write -z 2M 1M",
+                 "-c", "discard 12M 1M", self.spec(b))
+        self.assertEqual(v.rc, 0, v)
+        with open(src, "r+b") as f:
+            f.seek(1000)
+            f.write(b"\x5a" * 7000)
+            f.seek(2 * MiB)
+            f.write(b"\0" * MiB)
+            f.seek(12 * MiB)
+            f.write(b"\0" * MiB)
+        q = qemu("compare", src, self.spec(b))
+        self.assertEqual(q.rc, 0, q)
+
+    # ---- map
+    def _map_both(self, img):
+        for fmt in ("human", "json"):
+            v, q = both("map", "--output=" + fmt, self.spec(img))
+            self.assertSameResult(v, q, fmt)
+        return json.loads(v.stdout) if fmt == "json" else None
+
+    def test_map_fast_diff(self):
+        img = self.name("fd")
+        self.assertEqual(qemu("convert", "-O", "raw", self.local("s.raw"), self.spec(img)).rc, 0)
+        m = self._map_both(img)
+        # Objects with data and objects without: the diff was used.
+        self.assertTrue(any(e["data"] for e in m) and any(not e["data"] for e in m), m)
+
+    def test_map_without_fast_diff(self):
+        img = self.name("nofd")
+        CLUSTER.rbd("create", "--size", "16M", "--image-feature", "layering", "%s/%s" % (CLUSTER.pool, img))
+        v = vblk("convert", "-n", "-O", "raw", self.local("s.raw"), self.spec(img))
+        self.assertEqual(v.rc, 0, v)
+        m = self._map_both(img)
+        self.assertEqual(len(m), 1)
+        self.assertTrue(m[0]["data"])
+
+    # ---- blockdev-create
+    def test_blockdev_create_as_qemu_storage_daemon(self):
+        from qmp_driver import Daemon
+        seen = {}
+        for name, cmd in storage_daemons():
+            d = self.subdir(name.replace(" ", "_"))
+            dm = Daemon(cmd, os.path.join(d, "qmp.sock"), os.path.join(d, "log"))
+            self.addCleanup(dm.kill)
+            q = dm.qmp
+            img = self.name("bc")
+            loc = {"pool": CLUSTER.pool, "image": img, "conf": CLUSTER.conf}
+            outcome = []
+            for _ in range(2):  # the second one finds the image there
+                q.ok("blockdev-create", **{"job-id": "c", "options": {
+                    "driver": "rbd", "location": loc, "size": 8 * MiB, "cluster-size": MiB}})
+                while True:
+                    j = [x for x in q.ok("query-jobs") if x["id"] == "c"][0]
+                    if j["status"] == "concluded":
+                        break
+                    time.sleep(0.02)
+                outcome.append(j.get("error"))
+                q.ok("job-dismiss", id="c")
+            dm.quit()
+            info = json.loads(qemu("info", "--output=json", self.spec(img)).stdout)
+            seen[name] = (outcome, info["virtual-size"], info["cluster-size"])
+        self.assertIn("vblk serve", seen)
+        self.assertEqual(seen["vblk serve"], ([None, "error rbd create: File exists"], 8 * MiB, MiB))
+        for v in seen.values():
+            self.assertEqual(v, seen["vblk serve"])
+
+    # ---- errors
+    def test_errors_read_as_qemu_img(self):
+        conf = CLUSTER.conf
+        for name in ("rbd:nopool/x:conf=%s" % conf,
+                     "rbd:%s/noimage:conf=%s" % (CLUSTER.pool, conf),
+                     "rbd:%s/x:conf=/nonexistent.conf" % CLUSTER.pool,
+                     "rbd:%s/x:conf=%s:no_such_option=1" % (CLUSTER.pool, conf),
+                     "rbd:%s" % CLUSTER.pool):
+            v, q = both("info", name)
+            self.assertNotEqual(v.rc, 0, v)
+            self.assertSameResult(v, q, name)
+        v = vblk("convert", "-O", "raw", "rbd:nopool/x:conf=%s" % conf, os.path.join(self.tmp, "o"))
+        self.assertNotEqual(v.rc, 0)
+        self.assertIn("error opening pool nopool", v.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
