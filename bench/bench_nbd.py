@@ -22,6 +22,8 @@ Environments:
             I/O at all): the most fio's NBD client can do on this machine,
             whatever the server; "%cli" columns divide by it
   vblk      vblk nbd -f FMT --cache=none --aio=io_uring -e 8 -t, unix socket
+  vblk-wb   vblk nbd ... --cache=writeback --aio=threads (the page cache, as
+            qemu-nbd's default; the like-for-like of qn-thr-wb)
   qn-native qemu-nbd -f FMT --cache=none --aio=native -e 8 -t (native AIO
             needs O_DIRECT, so cache=none only)
   qn-uring  qemu-nbd ... --cache=none --aio=io_uring
@@ -84,6 +86,8 @@ def server_argv(env, vblk, fmt, image, sock, baseline=None):
         return [baseline, "nbd", "-f", fmt, "--cache=none", "--aio=io_uring", "-e", "8", "-t", "-k", sock, image]
     if env == "vblk":
         return [vblk, "nbd", "-f", fmt, "--cache=none", "--aio=io_uring", "-e", "8", "-t", "-k", sock, image]
+    if env == "vblk-wb":
+        return [vblk, "nbd", "-f", fmt, "--cache=writeback", "--aio=threads", "-e", "8", "-t", "-k", sock, image]
     if env in QEMU_NBD:
         cache, aio = QEMU_NBD[env]
         return ["qemu-nbd", "-f", fmt, f"--cache={cache}", f"--aio={aio}", "-e", "8", "-t", "-k", sock, image]
@@ -148,7 +152,7 @@ def main():
     cases = [(img, rw, int(jobs)) for img in images for rw in args.rw.split(",") for jobs in args.jobs.split(",")]
     if args.only:
         cases = [c for c in cases if re.search(args.only, f"{c[0][0]}/{c[1]}/{c[2]}")]
-    envs = ["device", "client", "vblk"] + (["vblk-base"] if baseline else []) + list(QEMU_NBD) + ["nbdkit"]
+    envs = ["device", "client", "vblk", "vblk-wb"] + (["vblk-base"] if baseline else []) + list(QEMU_NBD) + ["nbdkit"]
     envs = [e for e in envs if re.search(args.envs, e)] if args.envs else [e for e in envs if e != "nbdkit"]
     meta = bi.run_meta(vblk, {"qemu_nbd_version": ["qemu-nbd", "--version"], "nbdkit_version": ["nbdkit", "--version"],
                               "fio_version": ["fio", "--version"]},
@@ -216,44 +220,50 @@ def main():
     meta["elapsed_seconds"] = round(time.monotonic() - t_start, 1)
     meta["loadavg_end"] = bi.loadavg()
     qn = [e for e in envs if e in QEMU_NBD]
-    header = (["case"] + [f"{e} IOPS" for e in envs] + ["fastest qemu-nbd", "vblk %dev", "vblk %cli", "vblk/qn-best"] +
+    ours = [e for e in ("vblk", "vblk-wb") if e in envs]
+    header = (["case"] + [f"{e} IOPS" for e in envs] + ["fastest qemu-nbd"] +
+              [h for e in ours for h in (f"{e} %dev", f"{e} %cli", f"{e}/qn-best")] +
               (["vblk/base"] if baseline else []))
     rows = [header]
-    short_cli, short_qn = [], []
+    short_cli = {e: [] for e in ours}
+    short_qn = {e: [] for e in ours}
     mean = lambda per, e: statistics.fmean(per[e]) if per.get(e) else None  # noqa: E731
     for key, per in iops.items():
-        dev, cli, v = mean(per, "device"), mean(per, "client"), mean(per, "vblk")
+        dev, cli = mean(per, "device"), mean(per, "client")
         best = max((e for e in qn if per.get(e)), key=lambda e: mean(per, e), default=None)
         row = [key] + [bi.fmt_pm(*bi.mean_sd(per[e]), 0) if per.get(e) else "" for e in envs]
         row.append(f"{best} {mean(per, best):.0f}" if best else "")
-        row.append(f"{100 * v / dev:.0f} %" if v and dev else "")
-        row.append(f"{100 * v / cli:.0f} %" if v and cli else "")
-        row.append(f"{v / mean(per, best):.2f}" if v and best else "")
+        res = {"case": key, "iops": per}
+        for e in ours:
+            v = mean(per, e)
+            row.append(f"{100 * v / dev:.0f} %" if v and dev else "")
+            row.append(f"{100 * v / cli:.0f} %" if v and cli else "")
+            row.append(f"{v / mean(per, best):.2f}" if v and best else "")
+            if v and cli and 100 * v / cli < 90:
+                short_cli[e].append(key)
+            if v and best:
+                res[f"{e}_over_fastest_qemu_nbd"] = v / mean(per, best)
+                if v / mean(per, best) < 1.5:
+                    short_qn[e].append(key)
         if baseline:
-            b = mean(per, "vblk-base")
+            v, b = mean(per, "vblk"), mean(per, "vblk-base")
             row.append(f"{v / b:.2f}" if v and b else "")
         rows.append(row)
-        res = {"case": key, "iops": per}
         if dev:
             res["percent_of_device"] = {e: 100 * mean(per, e) / dev for e in per if e != "device"}
         if cli:
             res["percent_of_client"] = {e: 100 * mean(per, e) / cli for e in per if e not in ("device", "client")}
-            if v and 100 * v / cli < 90:
-                short_cli.append(key)
         if best:
             res["fastest_qemu_nbd"] = best
-            if v:
-                res["vblk_over_fastest_qemu_nbd"] = v / mean(per, best)
-                if v / mean(per, best) < 1.5:
-                    short_qn.append(key)
         results.append(res)
     print()
     print(bi.render_table(rows))
     print()
-    print("vblk >= 90 % of the client ceiling in every case" if not short_cli
-          else f"vblk below 90 % of the client ceiling in: {', '.join(short_cli)}")
-    print("vblk >= 1.5x the fastest qemu-nbd in every case" if not short_qn
-          else f"vblk below 1.5x the fastest qemu-nbd in: {', '.join(short_qn)}")
+    for e in ours:
+        print(f"{e} >= 90 % of the client ceiling in every case" if not short_cli[e]
+              else f"{e} below 90 % of the client ceiling in: {', '.join(short_cli[e])}")
+        print(f"{e} >= 1.5x the fastest qemu-nbd in every case" if not short_qn[e]
+              else f"{e} below 1.5x the fastest qemu-nbd in: {', '.join(short_qn[e])}")
     print(f"# total wall time {meta['elapsed_seconds']:.0f} s; load {meta['loadavg_end']} at end")
     bi.write_json(args.json, meta, results)
 

@@ -201,6 +201,14 @@ def main():
     res = {"argv": sys.argv, "size": args.size, "runs": args.runs, "rows": {}}
     # Room for a source image, one backup target and a guest target at once.
     mem = (3 * args.size) // MiB + 512
+    try:
+        run_rows(args, vblk, rows, work, res, mem)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(args, res)
+
+
+def run_rows(args, vblk, rows, work, res, mem):
     with ceph_cluster.CephCluster(osds=1, memstore_mib=mem) as c:
         src = os.path.join(work, "src.raw")
         fill(src, args.size)
@@ -235,8 +243,9 @@ def main():
                         print("guest baseline (no backup): %.0f IOPS" % base, flush=True)
                     print("guest %-12s run %d: %.0f IOPS" % (env, run, iops), flush=True)
             res["rows"]["guest"] = t
-    shutil.rmtree(work, ignore_errors=True)
 
+
+def report(args, res):
     print()
     print("RBD bench: %s, %d run(s), size %d MiB; memstore OSD (RAM)" % (" ".join(sys.argv), args.runs,
                                                                       args.size // MiB))

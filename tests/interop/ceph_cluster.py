@@ -258,6 +258,12 @@ def main() -> int:
     ap.add_argument("--memstore-mib", type=int, default=512)
     ap.add_argument("--pool", default="rbd")
     a = ap.parse_args()
+    # SIGTERM (and SIGINT, ignored in background jobs otherwise) end the
+    # wait below, so the daemons are stopped and the directory removed.
+    def _stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     t0 = time.time()
     with CephCluster(osds=a.osds, pool_size=a.pool_size, memstore_mib=a.memstore_mib, pool=a.pool) as c:
         print("cluster up in %.1f s: conf=%s pool=%s (e.g. %s)" % (time.time() - t0, c.conf, c.pool,

@@ -301,6 +301,12 @@ class Qcow2Node final : public Node {
   std::unique_ptr<MetaCache> l2_cache_;
   std::unique_ptr<MetaCache> rb_cache_;
   CoMutex lock_;
+  // Inflate jobs of this node on the thread pool (read_compressed): a few
+  // per core, so the pool's queue stays short (bounded) but never runs dry.
+  static unsigned inflate_jobs();
+  CoSemaphore inflate_slots_{loop(), inflate_jobs()};
+  // Clusters smaller than this inflate on the loop (a pool hop costs more).
+  static constexpr uint64_t kInflateOffloadMin = 16 << 10;
   uint64_t free_cluster_index_ = 0;
   uint64_t free_byte_offset_ = 0;  // packing point for compressed writes
   bool header_dirty_ = false;
