@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "block/drivers/drivers.h"
 #include "block/options.h"
 #include "cli/common.h"
 #include "cli/progress.h"
@@ -157,7 +158,11 @@ int cmd_backup(int argc, char** argv) {
     std::string bitmap;
     ~UndoUnlessDone() {
       if (done) return;
-      ::unlink(path.c_str());
+      if (path.rfind("rbd:", 0) == 0) {
+        (void)drivers::remove_rbd(path);
+      } else {
+        ::unlink(path.c_str());
+      }
       if (!bitmap.empty()) src.bitmaps().remove(bitmap);
     }
   } undo{target, done, *src, created_bitmap ? bitmap : std::string()};

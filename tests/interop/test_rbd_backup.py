@@ -35,7 +35,7 @@ OBJECT = 4 * MiB  # RBD's default object size: the backup's cluster size too
 ROUNDS = 10
 # qemu-storage-daemon (the anchor) runs the first QSD_ROUNDS rounds only,
 # to keep the file well under 30 s.
-QSD_ROUNDS = int(os.environ.get("VBLK_RBD_QSD_ROUNDS", 2))
+QSD_ROUNDS = int(os.environ.get("VBLK_RBD_QSD_ROUNDS", 1))
 QEMU_IO = shutil.which("qemu-io")
 CLUSTER = None
 
@@ -180,6 +180,16 @@ class RbdBackupTest(InteropTestCase):
         self.assertEqual(r.rc, 0, r)
         r = qemu("compare", "-f", "qcow2", "-F", "raw", src, target)
         self.assertEqual(r.rc, 0, r)
+        # A backup that fails (a read error on the source) takes back the
+        # RBD image it created, as it removes a file target.
+        failing = ("driver=qcow2,file.driver=blkdebug,file.image.driver=file,file.image.filename=%s,"
+                   "file.inject-error.0.event=read_aio,file.inject-error.0.errno=5" % src)
+        r = vblk("backup", "-O", "raw", "--image-opts", failing, CLUSTER.spec("cli-failed"))
+        self.assertNotEqual(r.rc, 0, r)
+        self.assertIn("Input/output error", r.stderr)
+        images = CLUSTER.rbd("ls", CLUSTER.pool).stdout.decode().split()
+        self.assertIn("cli-full", images)
+        self.assertNotIn("cli-failed", images)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ Result<std::shared_ptr<Node>> open_rbd(OpenContext& ctx, Json& opts);
 // object size (0: librbd's default).
 Status create_rbd(const std::string& filename, uint64_t size, uint64_t cluster_size);
 Status create_rbd(Json& opts, uint64_t size, uint64_t cluster_size);
+// Removes the image an rbd: name points at (a failed `vblk backup` takes
+// back the target it created, as it unlinks a file).
+Status remove_rbd(const std::string& filename);
 
 // Creates (or truncates) a file the way qemu-img create does for raw/file:
 // size rounded up to 512, preallocation off|falloc|full, first block written

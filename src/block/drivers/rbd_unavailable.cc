@@ -11,5 +11,6 @@ Error unavailable() { return Error(ENOTSUP, "vblk was built without the rbd driv
 Result<std::shared_ptr<Node>> open_rbd(OpenContext&, Json&) { return unavailable(); }
 Status create_rbd(const std::string&, uint64_t, uint64_t) { return unavailable(); }
 Status create_rbd(Json&, uint64_t, uint64_t) { return unavailable(); }
+Status remove_rbd(const std::string&) { return unavailable(); }
 
 }  // namespace vblk::drivers

@@ -247,5 +247,15 @@ Status create_rbd(Json& opts, uint64_t size, uint64_t cluster_size) {
   return rbd::create_image(*loc, size, cluster_size);
 }
 
+Status remove_rbd(const std::string& filename) {
+  auto loc = rbd::parse_rbd_filename(filename);
+  VBLK_TRY(loc);
+  auto conn = rbd::RbdConnection::connect(*loc, false);
+  VBLK_TRY(conn);
+  int r = rbd_remove((*conn)->ioctx(), loc->image.c_str());
+  if (r < 0) return Error(-r, "error removing " + loc->image + ": " + std::strerror(-r));
+  return {};
+}
+
 }  // namespace drivers
 }  // namespace vblk
