@@ -198,9 +198,10 @@ class BlockCopyState {
   void hold_background(bool on);
   // A guest request reached the source (copy-before-write notes each one).
   // For the next 100 ms, calls that honour the rate limit (the job's
-  // background copy) keep one task in flight instead of max_workers, so
-  // the guest's requests do not queue behind dozens of 1 MiB chunks; calls
-  // that ignore it (copy-before-write itself) are not held back.
+  // background copy) keep one task in flight instead of max_workers, with
+  // data chunks of at most 64 KiB (or a cluster), so the guest's requests
+  // do not queue behind dozens of 1 MiB chunks; calls that ignore it
+  // (copy-before-write itself) are not held back.
   void note_foreground() { foreground_ns_ = Loop::now_ns(); }
   // Bytes of tasks and claims in flight.
   uint64_t in_flight_bytes() const { return in_flight_bytes_; }

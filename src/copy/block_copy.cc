@@ -18,6 +18,10 @@ namespace vblk {
 
 namespace {
 enum Kind : int { kSkip, kZero, kData };
+// How long a guest request counts as recent (note_foreground), and the data
+// chunk of a background call meanwhile.
+constexpr uint64_t kForegroundNs = 100'000'000;
+constexpr uint64_t kForegroundChunk = 64 << 10;
 }  // namespace
 
 struct BlockCopyState::InFlight {
@@ -172,8 +176,9 @@ Task<bool> BlockCopyState::scan(BlockCopyCall& call) {
       if (call.sleep_stop_.stop_requested()) call.sleep_stop_ = std::stop_source();
       continue;
     }
-    if (!call.ignore_ratelimit_ && call.running_.count() > 0 && foreground_ns_ &&
-        Loop::now_ns() - foreground_ns_ < 100'000'000) {
+    const bool guest_busy =
+        !call.ignore_ratelimit_ && foreground_ns_ && Loop::now_ns() - foreground_ns_ < kForegroundNs;
+    if (guest_busy && call.running_.count() > 0) {
       // The guest is busy (note_foreground): one background task at a time.
       call.workers_.release();
       co_await call.running_.wait();
@@ -194,6 +199,10 @@ Task<bool> BlockCopyState::scan(BlockCopyCall& call) {
       break;
     }
     found = true;
+    if (guest_busy && c.kind == kData) {
+      // ... and a small one: a guest write waits for at most this much.
+      c.bytes = std::min(c.bytes, std::max(opts_.cluster_size, kForegroundChunk));
+    }
     pos = c.offset + c.bytes;
     if (c.kind == kSkip || (c.kind == kZero && opts_.target_is_zero)) {
       // Nothing to write. Skipped unallocated ranges leave the progress total;

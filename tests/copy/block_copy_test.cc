@@ -188,11 +188,10 @@ TEST(BlockCopyTest, WorkerCapBoundsParallelTasks) {
   }
 }
 
-TEST(BlockCopyTest, ABusyGuestLeavesTheBackgroundCallOneTask) {
+TEST(BlockCopyTest, ABusyGuestLeavesTheBackgroundCallOneSmallTask) {
   Fixture f(4 * MiB);
   f.src.latency_ns = f.dst.latency_ns = 1'000'000;
   auto o = opts();
-  o.max_chunk = 64 * KiB;
   o.max_workers = 16;
   BlockCopyState bcs(f.src, f.dst, o);
   bcs.bitmap().set_all();
@@ -213,6 +212,9 @@ TEST(BlockCopyTest, ABusyGuestLeavesTheBackgroundCallOneTask) {
   spawn_detached(guest(f.loop, bcs, copying));
   ASSERT_TRUE(f.loop.run(copy()).ok());
   EXPECT_EQ(f.conc.peak, 1);
+  // One task, of at most 64 KiB (not the 1 MiB data chunk).
+  for (auto& w : ops_of(f.dst, 'w')) EXPECT_LE(w.bytes, 64 * KiB);
+  EXPECT_EQ(ops_of(f.dst, 'w').size(), 32u);
   // Let the guest coroutine see the end before the loop goes.
   auto pause = [](Loop& l) -> Task<void> { co_await l.sleep(std::chrono::milliseconds(20)); };
   f.loop.run(pause(f.loop));
@@ -220,7 +222,8 @@ TEST(BlockCopyTest, ABusyGuestLeavesTheBackgroundCallOneTask) {
   f.conc.peak = 0;
   bcs.note_foreground();
   ASSERT_TRUE(f.loop.run(bcs.copy(2 * MiB, 2 * MiB, /*ignore_ratelimit=*/true)).ok());
-  EXPECT_EQ(f.conc.peak, 16);
+  EXPECT_EQ(f.conc.peak, 2);  // two 1 MiB chunks, at once
+  EXPECT_EQ(ops_of(f.dst, 'w').size(), 34u);
   EXPECT_EQ(f.dst.data(), f.src.data());
 }
 
