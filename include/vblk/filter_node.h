@@ -25,6 +25,9 @@ class FilterNode : public Node {
 
   Node& filtered() const { return *filtered_; }
   bool reports_dirty_flag() const override { return filtered_->reports_dirty_flag(); }
+  Task<Status> prepare_writes(std::span<const WriteRange> ranges) override {
+    co_return co_await filtered_->prepare_writes(ranges);
+  }
   // QEMU's bdrv_get_info looks through a filter: a backup or mirror into a
   // throttled target picks the target's cluster size (rbd: its object size).
   uint64_t cluster_size() const override { return filtered_->cluster_size(); }

@@ -247,6 +247,21 @@ class Node {
   Task<void> drain();
   uint64_t in_flight() const { return in_flight_; }
 
+  // A hint from a caller about to write the given ranges (a backup job
+  // knows its dirty clusters before copying them): set up the mapping
+  // metadata they will need in one step rather than one write at a time.
+  // qcow2 allocates their missing L2 tables in one batch (three flushes in
+  // all instead of three per table); filters pass it down; others ignore it.
+  // Changes no content; an error only means the writes will do it themselves.
+  struct WriteRange {
+    uint64_t offset;
+    uint64_t bytes;
+  };
+  virtual Task<Status> prepare_writes(std::span<const WriteRange> ranges) {
+    (void)ranges;
+    co_return Status{};
+  }
+
   // The node copy offload writes to when `this` is a copy_range destination:
   // pass-through layers adjust `offset` and ask their child; file returns
   // itself; everything else nullptr (no offload).

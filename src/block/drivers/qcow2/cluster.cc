@@ -1,5 +1,6 @@
 // L1/L2: mapping guest offsets to host clusters, and making L2 tables
 // writable (allocating or copying them). Lock held throughout.
+#include <algorithm>
 #include <fmt/format.h>
 
 #include "block/drivers/qcow2/qcow2.h"
@@ -218,6 +219,74 @@ Task<Result<MetaCache::Ref>> Qcow2Node::l2_for_write(uint64_t offset) {
   // The shared table lost a reference (a crash before this only leaks).
   if (old) VBLK_CO_TRY(co_await update_refcount(old, cs_, -1));
   co_return std::move(fresh);
+}
+
+// QEMU allocates an L2 table when the first write needs it: the refcounts
+// flushed, the table written and flushed, the L1 sector written with FUA,
+// three syncs per table, and every write waits for them. A writer that
+// knows its ranges ahead (an incremental backup into a fresh overlay
+// touches a table per 512 MiB of disk) gets all its tables in one run:
+// three syncs per batch. Only entries with no table at all are handled
+// here; a shared table (snapshots) is copied by l2_for_write as before.
+Task<Status> Qcow2Node::prepare_writes(std::span<const WriteRange> ranges) {
+  if (read_only() || corrupt()) co_return Status{};
+  const unsigned shift = h_.cluster_bits + l2_bits_;
+  std::vector<uint64_t> want;
+  for (const WriteRange& r : ranges) {
+    if (!r.bytes) continue;
+    const uint64_t last = std::min<uint64_t>((r.offset + r.bytes - 1) >> shift, l1_.size() - 1);
+    for (uint64_t i = r.offset >> shift; i <= last; ++i)
+      if (want.empty() || want.back() != i) want.push_back(i);
+  }
+  std::sort(want.begin(), want.end());
+  want.erase(std::unique(want.begin(), want.end()), want.end());
+
+  auto guard = co_await lock_.scoped();
+  std::vector<uint64_t> missing;
+  for (uint64_t i : want)
+    if (l1_[i] == 0) missing.push_back(i);
+  // Batches bound the tables pinned in the cache at once.
+  constexpr size_t kBatch = 32;
+  for (size_t b = 0; b < missing.size(); b += kBatch) {
+    std::vector<uint64_t> idx;
+    for (size_t k = b; k < std::min(missing.size(), b + kBatch); ++k)
+      idx.push_back(missing[k]);
+    if (idx.empty()) continue;
+    auto where = co_await alloc_clusters(idx.size());
+    if (!where) co_return where.take_error();
+    std::vector<MetaCache::Ref> tables;
+    Status st{};
+    for (size_t k = 0; k < idx.size() && st; ++k) {
+      auto t = co_await l2_cache_->get_empty(*where + k * cs_);
+      if (!t) {
+        st = t.take_error();
+        break;
+      }
+      t->mark_dirty();
+      tables.push_back(std::move(*t));
+    }
+    // The tables and their refcounts reach the disk before any L1 entry.
+    if (st) st = co_await l2_cache_->set_dependency(rb_cache_.get());
+    if (st) st = co_await l2_cache_->flush();
+    if (!st) {
+      tables.clear();
+      for (size_t k = 0; k < idx.size(); ++k) l2_cache_->discard(*where + k * cs_);
+      (void)co_await update_refcount(*where, idx.size() * cs_, -1);
+      co_return st;
+    }
+    tables.clear();
+    for (size_t k = 0; k < idx.size(); ++k) l1_.set(idx[k], (*where + k * cs_) | kOflagCopied);
+    // One synced write per 512-byte L1 sector (64 entries).
+    for (size_t k = 0; k < idx.size(); ++k) {
+      if (k && idx[k] / 64 == idx[k - 1] / 64) continue;
+      if (auto w = co_await write_l1_entry(idx[k]); !w) {
+        // Entries not yet on disk are dropped; their tables only leak.
+        for (size_t j = k; j < idx.size(); ++j) l1_.set(idx[j], 0);
+        co_return w;
+      }
+    }
+  }
+  co_return Status{};
 }
 
 Task<Status> Qcow2Node::free_entry(uint64_t e) {

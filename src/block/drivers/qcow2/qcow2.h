@@ -116,6 +116,8 @@ class Qcow2Node final : public Node {
   std::string backing_filename() const { return h_.backing_file; }
 
   uint64_t cluster_size() const override { return cs_; }
+  // The missing L2 tables of the ranges, allocated in one batch (cluster.cc).
+  Task<Status> prepare_writes(std::span<const WriteRange> ranges) override;
   std::string backing_file_name() const override { return h_.backing_file; }
   std::string backing_file_format() const override { return h_.backing_format; }
   Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) override;
