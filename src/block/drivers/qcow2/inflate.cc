@@ -1,4 +1,4 @@
-// Deflate clusters go through libdeflate (3-4x zlib's inflate speed on
+// Deflate clusters go through libdeflate (2-4x zlib's inflate speed on
 // 64 KiB clusters, bench/inflate_bench.cc); zstd clusters through libzstd's
 // streaming API as before. Both keep one context per thread, so a pool
 // worker allocates nothing per cluster.
