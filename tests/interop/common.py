@@ -443,3 +443,24 @@ def skip_unless_formats(testcase: unittest.TestCase, argv: Sequence[str]) -> Non
         if a in ("-f", "-F", "-O") and not vblk_has_format(argv[i + 1]):
             if argv[i + 1] in ("qcow2",):
                 testcase.skipTest("vblk has no %s driver yet" % argv[i + 1])
+
+
+def semi_compressible(n, seed):
+    """Deterministic data mixing incompressible 4k blocks, text-like
+    (compressible) blocks and zero blocks."""
+    rng = random.Random(seed)
+    words = [b"alpha", b"beta", b"gamma", b"delta", b"qcow2", b"cluster", b"\n",
+             b"refcount", b"L2", b"  "]
+    out = bytearray()
+    while len(out) < n:
+        kind = rng.randrange(4)
+        if kind == 0:
+            out += rng.randbytes(4096)
+        elif kind == 1:
+            out += bytes(4096)
+        else:
+            blk = bytearray()
+            while len(blk) < 4096:
+                blk += rng.choice(words)
+            out += blk[:4096]
+    return bytes(out[:n])

@@ -14,7 +14,6 @@ qemu-img, and the clusters around it still read.
 """
 
 import os
-import random
 import shutil
 import signal
 import struct
@@ -27,29 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import unittest  # noqa: E402
 
 from common import (KiB, MiB, VBLK, InteropTestCase, both, end_process, make_image, qemu,  # noqa: E402
-                    run, vblk, wait_for_socket)
+                    run, semi_compressible, vblk, wait_for_socket)
 
 NBDCOPY = shutil.which("nbdcopy")
 SIZE = 6 * MiB
-
-
-def semi_compressible(n, seed):
-    """Text-like (compressible), random (stored plain) and zero 4 KiB blocks."""
-    rng = random.Random(seed)
-    words = [b"alpha", b"beta", b"gamma", b"qcow2", b"cluster", b"\n", b"refcount", b"  "]
-    out = bytearray()
-    while len(out) < n:
-        kind = rng.randrange(5)
-        if kind == 0:
-            out += rng.randbytes(4096)
-        elif kind == 1:
-            out += bytes(4096)
-        else:
-            blk = bytearray()
-            while len(blk) < 4096:
-                blk += rng.choice(words)
-            out += blk[:4096]
-    return bytes(out[:n])
 
 
 def l2_entry(path, guest_cluster):

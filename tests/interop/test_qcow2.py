@@ -37,7 +37,6 @@ Sanity check for the suite itself: ``VBLK=$(which qemu-img)`` passes.
 
 import json
 import os
-import random
 import shutil
 import struct
 import sys
@@ -51,7 +50,7 @@ import unittest  # noqa: E402
 
 from common import (KiB, MiB, GiB, QEMU_IMG, VBLK, InteropTestCase, both,  # noqa: E402
                     file_state, make_image, make_tempdir, norm_qemu_err,
-                    norm_vblk_err, qemu, run, shm_dir, vblk)
+                    norm_vblk_err, qemu, run, semi_compressible, shm_dir, vblk)
 
 VBLK_IS_QEMU = os.path.realpath(VBLK) == os.path.realpath(QEMU_IMG)
 QEMU_IO = os.environ.get("QEMU_IO") or os.path.join(os.path.dirname(QEMU_IMG), "qemu-io")
@@ -88,27 +87,6 @@ def parallel_map(fn, items):
     """Build fixtures two at a time (the work is in subprocesses)."""
     with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as ex:
         return list(ex.map(fn, items))
-
-
-def semi_compressible(n, seed):
-    """Deterministic data mixing incompressible 4k blocks, text-like
-    (compressible) blocks and zero blocks."""
-    rng = random.Random(seed)
-    words = [b"alpha", b"beta", b"gamma", b"delta", b"qcow2", b"cluster", b"\n",
-             b"refcount", b"L2", b"  "]
-    out = bytearray()
-    while len(out) < n:
-        kind = rng.randrange(4)
-        if kind == 0:
-            out += rng.randbytes(4096)
-        elif kind == 1:
-            out += bytes(4096)
-        else:
-            blk = bytearray()
-            while len(blk) < 4096:
-                blk += rng.choice(words)
-            out += blk[:4096]
-    return bytes(out[:n])
 
 
 def qemu_io(d, img, ops, fmt="qcow2"):
