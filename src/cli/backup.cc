@@ -42,20 +42,21 @@ namespace {
 
 void usage() {
   std::printf("usage: %s backup [-f fmt] [-O output_fmt] [--bitmap name [--incremental -B backing_file [-F "
-              "backing_fmt]]] [--cow-buffer size] [-r rate_limit] [-p] [-q] source target\n",
+              "backing_fmt]]] [--cow-buffer size] [-r rate_limit] [--object objectdef] [-p] [-q] source target\n",
               g_prog.c_str());
 }
 
 }  // namespace
 
 int cmd_backup(int argc, char** argv) {
-  enum { OPT_BITMAP = 256, OPT_INCREMENTAL, OPT_COW_BUFFER, OPT_IMAGE_OPTS };
+  enum { OPT_BITMAP = 256, OPT_INCREMENTAL, OPT_COW_BUFFER, OPT_IMAGE_OPTS, OPT_OBJECT };
   static const option longopts[] = {
       {"help", no_argument, nullptr, 'h'},
       {"bitmap", required_argument, nullptr, OPT_BITMAP},
       {"incremental", no_argument, nullptr, OPT_INCREMENTAL},
       {"cow-buffer", required_argument, nullptr, OPT_COW_BUFFER},
       {"image-opts", no_argument, nullptr, OPT_IMAGE_OPTS},
+      {"object", required_argument, nullptr, OPT_OBJECT},
       {nullptr, 0, nullptr, 0},
   };
   optind = 0;
@@ -88,6 +89,7 @@ int cmd_backup(int argc, char** argv) {
       case OPT_BITMAP: bitmap = optarg; break;
       case OPT_INCREMENTAL: incremental = true; break;
       case OPT_IMAGE_OPTS: sa.image_opts = true; break;
+      case OPT_OBJECT: cli_object(optarg); break;
     }
   }
   if (optind != argc - 2) error_exit("Expecting a source and a target");

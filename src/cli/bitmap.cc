@@ -149,7 +149,7 @@ int cmd_bitmap(int argc, char** argv) {
         granularity = *g & 0xffffffffull;
         break;
       }
-      case OPT_OBJECT: break;
+      case OPT_OBJECT: cli_object(optarg); break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
       case OPT_ADD: actions.push_back({Op::Add, {}}); add = true; break;
       case OPT_REMOVE: actions.push_back({Op::Remove, {}}); break;

@@ -106,7 +106,7 @@ int cmd_check(int argc, char** argv) {
       case 'T': cache = optarg; break;
       case 'q': quiet = true; break;
       case 'U': force_share = true; break;
-      case OPT_OBJECT: break;
+      case OPT_OBJECT: cli_object(optarg); break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
     }
   }

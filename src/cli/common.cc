@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "block/options.h"
+#include "qmp/daemon.h"
+#include "util/secret_store.h"
 
 namespace vblk::cli {
 
@@ -21,6 +23,49 @@ void error_exit(const std::string& msg) {
   error_report(msg);
   std::fprintf(stderr, "Try '%s --help' for more information\n", g_prog.c_str());
   std::exit(1);
+}
+
+std::optional<std::string> keyval_object_bools(nlohmann::ordered_json& o) {
+  if (!o.contains("loaded") || !o["loaded"].is_string()) return std::nullopt;
+  const std::string v = o["loaded"];
+  if (v == "on" || v == "yes" || v == "true" || v == "y") {
+    o["loaded"] = true;
+  } else if (v == "off" || v == "no" || v == "false" || v == "n") {
+    o["loaded"] = false;
+  } else {
+    return std::string("Parameter 'loaded' expects 'on' or 'off'");
+  }
+  return std::nullopt;
+}
+
+void cli_object(const std::string& arg, int exit_code) {
+  auto kv = parse_keyval(arg, "qom-type");
+  if (!kv) {
+    error_report(kv.error().what());
+    std::exit(exit_code);
+  }
+  if (!kv->contains("qom-type") || (*kv)["qom-type"] != "secret") {
+    // Not used by any tool, but its id is taken: a key-secret naming it
+    // hears "is not a secret", a second object with it is a duplicate.
+    if (kv->contains("id") && (*kv)["id"].is_string()) {
+      auto st = SecretStore::process().add_other((*kv)["id"].get<std::string>());
+      if (!st) {
+        error_report(st.error().what());
+        std::exit(exit_code);
+      }
+    }
+    return;
+  }
+  auto o = nlohmann::ordered_json::parse(kv->dump());
+  auto bad = keyval_object_bools(o);
+  auto st = bad ? Status(Error(EINVAL, *bad)) : qmp::add_secret_object(o);
+  if (!st) {
+    std::string msg = st.error().what();
+    if (msg == "Parameter 'id' expects an identifier")
+      msg += "\nIdentifiers consist of letters, digits, '-', '.', '_', starting with a letter.";
+    error_report(msg);
+    std::exit(exit_code);
+  }
 }
 
 void unrecognized_option(char** argv, int optind) {

@@ -26,6 +26,17 @@ void error_report(const std::string& msg);
 [[noreturn]] void unrecognized_option(char** argv, int optind);
 [[noreturn]] void missing_argument(char** argv, int optind);
 
+// --object of the qemu-img style tools (qemu-img's user_creatable_process_
+// cmdline): a `secret` goes to the process's SecretStore, where rbd's
+// key-secret finds it; an invalid one prints QEMU's error and exits 1.
+// Other object types are accepted and ignored (no tool uses them) but
+// their ids are kept, as QEMU's are.
+// exit_code: compare's is 2.
+void cli_object(const std::string& arg, int exit_code = 1);
+// keyval gives "loaded=on" as a string; the object's schema wants a bool.
+// Returns QEMU's error for a value that is not a bool.
+std::optional<std::string> keyval_object_bools(nlohmann::ordered_json& o);
+
 // qemu-img's human size: "10 MiB", "1.5 KiB", "0.977 MiB".
 std::string size_to_str(uint64_t val);
 

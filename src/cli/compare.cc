@@ -170,7 +170,7 @@ int cmd_compare(int argc, char** argv) {
       case 'q': quiet = true; break;
       case 's': strict = true; break;
       case 'U': force_share = true; break;
-      case OPT_OBJECT: break;
+      case OPT_OBJECT: cli_object(optarg, 2); break;
       case OPT_IMAGE_OPTS: image_opts = true; break;
     }
   }

@@ -131,7 +131,7 @@ int cmd_convert(int argc, char** argv) {
         rate = static_cast<uint64_t>(*r);
         break;
       }
-      case kObject: break;
+      case kObject: cli_object(optarg); break;
       case kImageOpts: image_opts = true; break;
       case kTargetIsZero: target_is_zero = true; break;
     }

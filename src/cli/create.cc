@@ -173,7 +173,7 @@ int cmd_create(int argc, char** argv) {
         break;
       case 'q': quiet = true; break;
       case 'u': break;
-      case 256: break;
+      case 256: cli_object(optarg); break;
     }
   }
   if (optind >= argc) {

@@ -570,7 +570,8 @@ int cmd_io(int argc, char** argv) {
         error_report("-s (snapshot) is not supported by vblk io");
         return 1;
       case 'U': force_share = true; break;
-      case 'C': case 'm': case 'k': case 'T': case OPT_OBJECT: break;
+      case 'C': case 'm': case 'k': case 'T': break;
+      case OPT_OBJECT: cli_object(optarg); break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
     }
   }

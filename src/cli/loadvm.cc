@@ -91,7 +91,7 @@ int cmd_loadvm(int argc, char** argv) {
       case 't': cache = optarg; break;
       case 'q': break;
       case 'U': force_share = true; break;
-      case OPT_OBJECT: break;
+      case OPT_OBJECT: cli_object(optarg); break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
       case OPT_VMSTATE_OUT: output = optarg; break;
       case OPT_STATE_ONLY: state_only = true; break;

@@ -140,7 +140,7 @@ int cmd_map(int argc, char** argv) {
       }
       case OPT_OUTPUT: output = optarg; break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
-      case OPT_OBJECT: break;
+      case OPT_OBJECT: cli_object(optarg); break;
     }
   }
   if (optind != argc - 1) error_exit("Expecting one image file name");

@@ -58,12 +58,14 @@ void nbd_help() {
       "  -B, --bitmap=NAME         expose a persistent dirty bitmap\n"
       "\n"
       "General purpose options:\n"
+      "  --object type,id=ID,...   define an object such as 'secret' for providing\n"
+      "                            passwords and/or encryption keys\n"
       "      --fork                fork off the server process and exit the parent\n"
       "                            once the server is running\n"
       "      --pid-file=PATH       store the server's process ID in the given file\n");
 }
 
-enum { kOptCache = 256, kOptAio, kOptImageOpts, kOptFork, kOptPidFile };
+enum { kOptCache = 256, kOptAio, kOptImageOpts, kOptFork, kOptPidFile, kOptObject };
 
 struct NbdArgs {
   ImageArgs image;
@@ -84,6 +86,7 @@ NbdArgs parse(int argc, char** argv) {
       {"cache", required_argument, nullptr, kOptCache}, {"aio", required_argument, nullptr, kOptAio},
       {"image-opts", no_argument, nullptr, kOptImageOpts}, {"bitmap", required_argument, nullptr, 'B'},
       {"fork", no_argument, nullptr, kOptFork},    {"pid-file", required_argument, nullptr, kOptPidFile},
+      {"object", required_argument, nullptr, kOptObject},
       {nullptr, 0, nullptr, 0}};
   NbdArgs a;
   a.image.read_only = false;
@@ -144,6 +147,7 @@ NbdArgs parse(int argc, char** argv) {
       case 'B': a.bitmaps.insert(a.bitmaps.begin(), optarg); break;
       case kOptFork: a.fork = true; break;
       case kOptPidFile: a.pid_file = optarg; break;
+      case kOptObject: cli_object(optarg); break;
       case ':':
         nbd_usage_error(std::string("option requires an argument -- '") + static_cast<char>(optopt) + "'");
       default:

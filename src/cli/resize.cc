@@ -35,7 +35,7 @@ int cmd_resize(int argc, char** argv) {
       case 'h': std::printf("usage: %s resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size\n", g_prog.c_str()); return 0;
       case 'f': a.format = optarg; break;
       case 'q': quiet = true; break;
-      case OPT_OBJECT: break;
+      case OPT_OBJECT: cli_object(optarg); break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
       case OPT_PREALLOCATION:
         if (std::strcmp(optarg, "off") && std::strcmp(optarg, "metadata") && std::strcmp(optarg, "falloc") &&

@@ -213,7 +213,7 @@ int cmd_savevm(int argc, char** argv) {
       case 'f': a.format = optarg; break;
       case 't': cache = optarg; break;
       case 'q': quiet = true; break;
-      case OPT_OBJECT: break;
+      case OPT_OBJECT: cli_object(optarg); break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
       case OPT_VMSTATE: input = optarg; break;
       case OPT_WORKERS: {

@@ -54,7 +54,7 @@ int cmd_snapshot(int argc, char** argv) {
       case 'd': set_action(kDelete); break;
       case 'q': quiet = true; break;
       case 'U': force_share = true; break;
-      case OPT_OBJECT: break;
+      case OPT_OBJECT: cli_object(optarg); break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
     }
   }

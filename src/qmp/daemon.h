@@ -150,5 +150,8 @@ Status add_block_export(Daemon& d, const OJson& opts);
 bool id_wellformed(const std::string& id);
 // object-add for QMP and --object: {"qom-type", "id", properties...}.
 Status add_object(Daemon& d, const OJson& opts);
+// --object secret,... for the tools without a daemon (convert, info, map,
+// ...): checked as object-add checks it, kept in the process's SecretStore.
+Status add_secret_object(const OJson& opts);
 
 }  // namespace vblk::qmp
