@@ -2,9 +2,15 @@
 
 One monitor on 127.0.0.1 (a free port below the ephemeral range), N OSDs on
 the memstore object store (RAM only, nothing on disk but their small state
-files), one replicated pool initialised for RBD, no cephx (any `user` name is
-accepted, so the driver's `user`/`conf` options can still be exercised).
-No manager: I/O does not need one, and leaving it out saves seconds.
+files), one replicated pool initialised for RBD. By default no cephx (any
+`user` name is accepted, so the driver's `user`/`conf` options can still be
+exercised); with cephx=True every connection authenticates with cephx: the
+daemons and the admin tools read keys from the cluster's keyrings, and a
+second user, client.vblk (caps: profile rbd), has a known key
+(`user_key`) kept out of every conf, so a client reaches the cluster only
+through `client_conf` (mon address and auth settings, no keyring) plus that
+key, e.g. QEMU's key-secret. No manager: I/O does not need one, and leaving
+it out saves seconds.
 
 The clients' op timeouts are short (rados_osd_op_timeout,
 rados_mon_op_timeout), so a stopped cluster fails a request instead of
@@ -65,8 +71,13 @@ def _free_port(lo: int = 20000, hi: int = 30000) -> int:
 class CephCluster:
     def __init__(self, osds: int = 1, pool_size: Optional[int] = None,
                  memstore_mib: int = 512, pool: str = "rbd",
-                 op_timeout: int = 10, base_dir: Optional[str] = None):
+                 op_timeout: int = 10, base_dir: Optional[str] = None,
+                 cephx: bool = False):
         self.osds = osds
+        self.cephx = cephx
+        self.user = "vblk"      # client.vblk, cephx only
+        self.user_key = ""      # its key (base64, as in a keyring)
+        self.client_conf = ""   # mon host and auth only: no keyring
         self.pool_size = pool_size or min(osds, 3)
         self.memstore_mib = memstore_mib
         self.pool = pool
@@ -112,14 +123,15 @@ class CephCluster:
 
     def _write_conf(self) -> None:
         d = self.dir
+        auth = "cephx" if self.cephx else "none"
         conf = f"""[global]
 fsid = {self.fsid}
 mon host = [v2:127.0.0.1:{self.port}]
 ms bind msgr1 = false
-auth cluster required = none
-auth service required = none
-auth client required = none
-auth supported = none
+auth cluster required = {auth}
+auth service required = {auth}
+auth client required = {auth}
+auth supported = {auth}
 run dir = {d}/run
 admin socket = {d}/run/$name.asok
 pid file = {d}/run/$name.pid
@@ -155,8 +167,30 @@ client mount timeout = {self.op_timeout}
 log file = /dev/null
 admin socket =
 """
+        if self.cephx:
+            # Each OSD's own key, given to `ceph osd new` and its mkfs.
+            conf += f"[osd]\nkeyring = {d}/$name/keyring\n"
         with open(self.conf, "w") as f:
             f.write(conf)
+        # What a client outside the cluster knows: where the monitor is and
+        # how to authenticate, but no keyring (the key comes from elsewhere).
+        with open(self.client_conf, "w") as f:
+            f.write(f"""[global]
+fsid = {self.fsid}
+mon host = [v2:127.0.0.1:{self.port}]
+ms bind msgr1 = false
+auth client required = {auth}
+keyring = {d}/no-such-keyring
+[client]
+rados mon op timeout = {self.op_timeout}
+rados osd op timeout = {self.op_timeout}
+client mount timeout = {self.op_timeout}
+log file = /dev/null
+admin socket =
+""")
+
+    def gen_key(self) -> str:
+        return self.run("ceph-authtool", "--gen-print-key").stdout.decode().strip()
 
     def _spawn(self, name: str, argv: List[str]) -> None:
         log = open(os.path.join(self.dir, "log", name + ".out"), "wb")
@@ -173,6 +207,7 @@ admin socket =
         for sub in ("run", "log"):
             os.mkdir(os.path.join(self.dir, sub))
         self.conf = os.path.join(self.dir, "ceph.conf")
+        self.client_conf = os.path.join(self.dir, "client.conf")
         self.fsid = str(uuid.uuid4())
         self.port = _free_port()
         self._write_conf()
@@ -191,6 +226,13 @@ admin socket =
         monmap = os.path.join(d, "monmap")
         self.run("ceph-authtool", "--create-keyring", keyring, "--gen-key", "-n", "mon.",
                  "--cap", "mon", "allow *")
+        if self.cephx:
+            # The monitor's mkfs imports these users with their caps.
+            self.user_key = self.gen_key()
+            self.run("ceph-authtool", keyring, "--gen-key", "-n", "client.admin", "--cap", "mon", "allow *",
+                     "--cap", "osd", "allow *", "--cap", "mgr", "allow *")
+            self.run("ceph-authtool", keyring, "--add-key", self.user_key, "-n", "client." + self.user,
+                     "--cap", "mon", "profile rbd", "--cap", "osd", "profile rbd")
         self.run("monmaptool", "--create", "--fsid", self.fsid,
                  "--addv", "a", "[v2:127.0.0.1:%d]" % self.port, monmap)
         self.run("ceph-mon", "-c", c, "--mkfs", "-i", "a", "--monmap", monmap, "--keyring", keyring)
@@ -198,9 +240,18 @@ admin socket =
 
     def _start_osd(self, i: int) -> None:
         u = str(uuid.uuid4())
-        osd_id = self.ceph("osd", "new", u).strip()
-        assert osd_id == str(i), (osd_id, i)
         os.mkdir(os.path.join(self.dir, "osd.%d" % i))
+        if self.cephx:
+            key = self.gen_key()
+            secret = os.path.join(self.dir, "osd.%d" % i, "secret.json")
+            with open(secret, "w") as f:
+                f.write('{"cephx_secret": "%s"}' % key)
+            osd_id = self.ceph("osd", "new", u, "-i", secret).strip()
+            self.run("ceph-authtool", "--create-keyring", os.path.join(self.dir, "osd.%d" % i, "keyring"),
+                     "-n", "osd.%d" % i, "--add-key", key)
+        else:
+            osd_id = self.ceph("osd", "new", u).strip()
+        assert osd_id == str(i), (osd_id, i)
         self.run("ceph-osd", "-c", self.conf, "-i", str(i), "--mkfs", "--osd-uuid", u)
         self.start_osd(i)
 
@@ -257,6 +308,7 @@ def main() -> int:
     ap.add_argument("--pool-size", type=int, default=None)
     ap.add_argument("--memstore-mib", type=int, default=512)
     ap.add_argument("--pool", default="rbd")
+    ap.add_argument("--cephx", action="store_true")
     a = ap.parse_args()
     # SIGTERM (and SIGINT, ignored in background jobs otherwise) end the
     # wait below, so the daemons are stopped and the directory removed.
@@ -265,9 +317,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     t0 = time.time()
-    with CephCluster(osds=a.osds, pool_size=a.pool_size, memstore_mib=a.memstore_mib, pool=a.pool) as c:
+    with CephCluster(osds=a.osds, pool_size=a.pool_size, memstore_mib=a.memstore_mib, pool=a.pool,
+                     cephx=a.cephx) as c:
         print("cluster up in %.1f s: conf=%s pool=%s (e.g. %s)" % (time.time() - t0, c.conf, c.pool,
                                                                  c.spec("img")), flush=True)
+        if c.cephx:
+            print("client conf=%s user=%s key=%s" % (c.client_conf, c.user, c.user_key), flush=True)
         try:
             signal.pause()
         except KeyboardInterrupt:

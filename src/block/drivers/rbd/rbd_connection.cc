@@ -2,7 +2,11 @@
 
 #include <rbd/librbd.h>
 
+#include <string.h>
+
 #include <cstring>
+
+#include "util/secret_store.h"
 
 namespace vblk::rbd {
 
@@ -20,10 +24,6 @@ RbdConnection::~RbdConnection() {
 
 Result<std::unique_ptr<RbdConnection>> RbdConnection::connect(const RbdLocation& loc, bool cache) {
   std::unique_ptr<RbdConnection> c(new RbdConnection());
-  if (loc.key_secret) {
-    // vblk has no secret objects yet: every id is unknown, as QEMU says it.
-    return Error(EINVAL, "No secret with id '" + *loc.key_secret + "'");
-  }
   int r = rados_create(&c->cluster_, loc.user ? loc.user->c_str() : nullptr);
   if (r < 0) {
     c->cluster_ = nullptr;
@@ -44,6 +44,16 @@ Result<std::unique_ptr<RbdConnection>> RbdConnection::connect(const RbdLocation&
     }
     r = rados_conf_set(c->cluster_, "mon_host", mon.c_str());
     if (r < 0) return err(r, "error setting mon_host");
+  }
+  // QEMU's qemu_rbd_set_auth: the key is the secret's bytes in base64 (a
+  // Ceph key from a keyring is given as format=base64), the secret's id is
+  // all an error may name.
+  if (loc.key_secret) {
+    auto key = SecretStore::process().lookup_base64(*loc.key_secret);
+    if (!key) return Error(EIO, key.error().what());
+    r = rados_conf_set(c->cluster_, "key", key->c_str());
+    explicit_bzero(key->data(), key->size());
+    if (r < 0) return err(r, "Could not set 'key'");
   }
   if (!loc.auth_client_required.empty()) {
     std::string acr;

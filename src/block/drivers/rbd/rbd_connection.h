@@ -1,7 +1,8 @@
 // A connection to a Ceph cluster and one pool (librados), made the way
 // QEMU's qemu_rbd_connect makes it: the user as the client id, the conf file
 // (the default locations when none is given, failures ignored), the
-// filename's Ceph options, mon_host from `server`, auth options, rbd_cache
+// filename's Ceph options, mon_host from `server`, auth options (the key from
+// key-secret, a secret object of util/secret_store.h), rbd_cache
 // per cache mode, then connect, open the pool's I/O context and select the
 // namespace. Blocking: used while opening and creating, not for I/O.
 #pragma once

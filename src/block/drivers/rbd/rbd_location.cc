@@ -112,6 +112,22 @@ Result<RbdLocation> take_rbd_location(Json& opts) {
     if (!pool) return Error(EINVAL, "Parameter 'pool' is missing");
     if (!image) return Error(EINVAL, "Parameter 'image' is missing");
   }
+  // Dotted keys (--image-opts auth-client-required.0=none, server.0.host=)
+  // arrive as objects keyed "0", "1", ...: the list they spell.
+  for (const char* key : {"auth-client-required", "server"}) {
+    auto it = opts.find(key);
+    if (it == opts.end() || !it->is_object()) continue;
+    Json list = Json::array();
+    for (size_t i = 0; i < it->size(); ++i) {
+      auto m = it->find(std::to_string(i));
+      if (m == it->end()) {
+        list = nullptr;
+        break;
+      }
+      list.push_back(*m);
+    }
+    if (!list.is_null()) *it = std::move(list);
+  }
   auto acr = opts.find("auth-client-required");
   if (acr != opts.end()) {
     if (!acr->is_array()) return Error(EINVAL, "Invalid parameter type for 'auth-client-required', expected: array");
@@ -147,7 +163,8 @@ nlohmann::ordered_json location_json(const RbdLocation& loc) {
   if (loc.conf) j["conf"] = *loc.conf;
   if (loc.snapshot) j["snapshot"] = *loc.snapshot;
   if (loc.user) j["user"] = *loc.user;
-  if (loc.key_secret) j["key-secret"] = *loc.key_secret;
+  // key-secret is not among QEMU's strong runtime options: json: filenames
+  // leave it out (the secret's id names nothing outside this process).
   return qdict_order(j);
 }
 
