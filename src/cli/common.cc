@@ -283,7 +283,11 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
     error_report_hint(prefix + node.error().what(), node.error());
     return nullptr;
   }
-  if (probed_raw && !a.read_only) warn_probed_raw((*node)->filename());
+  // QEMU names the probed file (for rbd its json: name, not raw's).
+  if (probed_raw && !a.read_only) {
+    Node* f = (*node)->file_child();
+    warn_probed_raw(f ? f->filename() : (*node)->filename());
+  }
   // QEMU names the nodes a tool opens itself "#blockNNN", and its errors
   // quote them ("Can't store persistent bitmaps to #block173: ...").
   if ((*node)->node_name().empty()) {

@@ -87,6 +87,8 @@ int cmd_snapshot(int argc, char** argv) {
       sn.icount = 0;  // qemu-img leaves it zeroed
       auto st = loop.run(node->snapshot_create(sn));
       if (!st) {
+        // A driver's own report comes first (rbd: "failed to create snap: ...").
+        if (!st.error().message.empty()) error_report(st.error().message);
         error_report("Could not create snapshot '" + name + "': " + std::to_string(-st.error().code) + " (" +
                      std::strerror(st.error().code) + ")");
         ret = 1;
@@ -95,13 +97,14 @@ int cmd_snapshot(int argc, char** argv) {
     }
     case kApply: {
       auto st = loop.run(node->snapshot_goto(name));
+      if (node->driver() == "raw" && a.format.empty() && !a.image_opts) {
+        // qemu-img falls back to the raw node's file (rbd: its snapshots),
+        // reopening the raw node afterwards, whatever the outcome: its
+        // probing warning appears a second time.
+        warn_probed_raw(node->file_child() ? node->file_child()->filename() : node->filename());
+      }
       if (!st) {
         std::string why = st.error().what();
-        if (!node->supports_snapshots() && node->driver() == "raw" && a.format.empty() && !a.image_opts) {
-          // qemu-img falls back to the raw node's file, reopening the raw
-          // node afterwards: its probing warning appears a second time.
-          warn_probed_raw(node->filename());
-        }
         if (node->supports_snapshots() && st.error().code != EBUSY) {
           // The driver's own words come first, on their own line (QEMU's
           // error_report inside the driver), then the generic failure. EBUSY

@@ -198,6 +198,56 @@ class RbdTest(InteropTestCase):
         for v in seen.values():
             self.assertEqual(v, seen["vblk serve"])
 
+    # ---- snapshots
+    def test_snapshots_as_qemu_img(self):
+        """-c/-l/-a/-d on an RBD image (QEMU's rbd_snap_*), both tools taking
+        turns on the same image; @snap and snapshot= read a snapshot."""
+        img = self.name("snap")
+        a = self.local("a.raw", size=8 * MiB, pieces=[(0, 1 * MiB, 11), (6 * MiB, 64 * 1024, 12)])
+        b = self.local("b.raw", size=8 * MiB, pieces=[(512 * 1024, 2 * MiB, 13)])
+        self.assertEqual(vblk("convert", "-O", "raw", a, self.spec(img)).rc, 0)
+        v = vblk("snapshot", "-c", "s1", self.spec(img))
+        self.assertEqual(vblk("convert", "-n", "-f", "raw", "-O", "raw", b, self.spec(img)).rc, 0)
+        q = qemu("snapshot", "-c", "s2", self.spec(img))
+        self.assertSameResult(v, q)  # rc 0, the probing warning
+        self.assertEqual(v.rc, 0, v)
+        for args in (["snapshot", "-l"], ["info"], ["info", "--output=json"]):
+            v, q = both(*args, self.spec(img))
+            self.assertSameResult(v, q, args)
+        self.assertIn("s1", v.stdout)
+        # A snapshot reads as it was, read-only, through either spelling.
+        at = "rbd:%s/%s@s1:conf=%s" % (CLUSTER.pool, img, CLUSTER.conf)
+        opt = "driver=rbd,pool=%s,image=%s,conf=%s,snapshot=s1" % (CLUSTER.pool, img, CLUSTER.conf)
+        for name in ([at], ["--image-opts", opt]):
+            for tool, out in ((vblk, "v.raw"), (qemu, "q.raw")):
+                r = tool("convert", "-O", "raw", *name, os.path.join(self.tmp, out))
+                self.assertEqual(r.rc, 0, r)
+                self.assertSameFile(os.path.join(self.tmp, out), a)
+        v, q = both("info", at)
+        self.assertSameResult(v, q)
+        # Refusals: an existing name, a missing one, a snapshot opened for writing.
+        for args in (["-c", "s1"], ["-a", "nosuch"], ["-d", "nosuch"], ["-c", "x" * 130]):
+            v, q = both("snapshot", *args, self.spec(img))
+            self.assertSameResult(v, q, args)
+            self.assertEqual(v.rc, 1, v)
+        v, q = both("snapshot", "-c", "s3", at)
+        self.assertSameResult(v, q)
+        # Apply s1 (vblk), then delete s2 (vblk) and s1 (qemu-img).
+        v, q = both("snapshot", "-a", "s1", self.spec(img))
+        self.assertSameResult(v, q)
+        self.assertEqual(v.rc, 0, v)
+        r = qemu("convert", "-O", "raw", self.spec(img), os.path.join(self.tmp, "now.raw"))
+        self.assertEqual(r.rc, 0, r)
+        self.assertSameFile(os.path.join(self.tmp, "now.raw"), a)
+        self.assertEqual(vblk("snapshot", "-d", "s2", self.spec(img)).rc, 0)
+        v, q = both("snapshot", "-l", self.spec(img))
+        self.assertSameResult(v, q)
+        self.assertNotIn("s2", v.stdout)
+        self.assertEqual(qemu("snapshot", "-d", "s1", self.spec(img)).rc, 0)
+        v, q = both("snapshot", "-l", self.spec(img))
+        self.assertSameResult(v, q)
+        self.assertEqual(v.stdout, "")
+
     # ---- errors
     def test_errors_read_as_qemu_img(self):
         conf = CLUSTER.conf

@@ -47,6 +47,21 @@ class RawNode final : public Node {
     return file_->copy_target(offset);
   }
 
+  // QEMU's bdrv_snapshot_* fall back to the primary child when the format
+  // has no snapshots of its own: raw over rbd lists, creates, applies and
+  // deletes the RBD image's snapshots.
+  bool supports_snapshots() const override { return file_->supports_snapshots(); }
+  std::vector<SnapshotInfo> snapshots() const override { return file_->snapshots(); }
+  Task<Status> snapshot_create(SnapshotInfo& sn) override { co_return co_await file_->snapshot_create(sn); }
+  Task<Status> snapshot_goto(const std::string& id_or_name) override {
+    auto st = co_await file_->snapshot_goto(id_or_name);
+    if (st && !offset_ && !has_size_) set_length(file_->length());
+    co_return st;
+  }
+  Task<Status> snapshot_delete(const std::string& id, const std::string& name) override {
+    co_return co_await file_->snapshot_delete(id, name);
+  }
+
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override {
     co_return co_await file_->read(offset + offset_, buf, flags);
