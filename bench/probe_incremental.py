@@ -24,6 +24,7 @@ ap.add_argument("--pct", type=int, default=1)
 ap.add_argument("--perf", action="store_true")
 ap.add_argument("--xperf", default=None)
 ap.add_argument("--nodrop", action="store_true")
+ap.add_argument("--settle", type=float, default=0, help="seconds to wait before the transaction")
 ap.add_argument("--vblk", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build", "vblk"))
 a = ap.parse_args()
 size = bi.parse_size(a.size)
@@ -58,6 +59,7 @@ try:
     if a.perf:
         perf = subprocess.Popen(["perf", "record"] + (os.environ["PERFARGS"].split() if os.environ.get("PERFARGS") else ["-F", "4999", "-g"]) + ["-o", os.path.join(os.environ.get("PERFDIR", "/tmp"), "perf.data"), "-p", str(dm.proc.pid)], stderr=subprocess.DEVNULL)
         time.sleep(1.0)
+    if a.settle: time.sleep(a.settle)
     bk = {"job-id": "b", "device": "disk", "target": "tgt", "sync": "bitmap", "bitmap": "c1", "bitmap-mode": "never"}
     if a.xperf: bk["x-perf"] = json.loads(a.xperf)
     def cpu():

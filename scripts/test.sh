@@ -5,9 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 scripts/build.sh --asan
-# The fuzz build (clang, libFuzzer) is built here so that the bounded fuzz
-# run in ctest (fuzz.qcow2) only runs.
-scripts/fuzz.sh --build-only
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 echo "== sanitizer build (ASan + UBSan)"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The long runs CI's time budget leaves out: the randomized interop tests
+# with many repetitions (crash kills, point-in-time backups and fleecing
+# under guest writes, COW-buffer reps) in the optimised build, and an
+# unbounded-ish fuzz run. Exit status is non-zero on the first failure.
+#   scripts/soak.sh [SCALE]   SCALE multiplies the repetitions (default 1:
+#                             500 kills, 100 reps each, fuzz 10 min)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scale=${1:-1}
+[ -x build/vblk ] || scripts/build.sh
+export VBLK="$PWD/build/vblk" VBLK_CRASH_WRITER="$PWD/build/tests/vblk_crash_writer"
+export VBLK_CRASH_ROUNDS=$((500 * scale)) VBLK_COW_REPS=$((100 * scale)) \
+       VBLK_FLEECING_REPS=$((100 * scale)) VBLK_FLEECING_BUFFER_REPS=$((100 * scale)) \
+       VBLK_BACKUP_PIT_REPS=$((100 * scale))
+for t in test_crash test_backup test_fleecing test_fleecing_buffer test_cow_buffer; do
+  echo "== $t"
+  python3 "tests/interop/$t.py"
+done
+echo "== fuzz"
+scripts/fuzz.sh $((600 * scale))
