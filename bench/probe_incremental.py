@@ -55,6 +55,12 @@ try:
     B.create(q, "cq", {"driver": "qcow2", "file": "tgt-f", "size": size, "backing-file": full, "backing-fmt": "qcow2"}, 60)
     q.ok("blockdev-add", {"driver": "qcow2", "node-name": "tgt", "file": "tgt-f", "backing": None})
     q.events.clear()
+    seen = []
+    class Recorded(list):
+        def append(self, x):
+            seen.append(x)
+            super().append(x)
+    q.events = Recorded()
     perf = None
     if a.perf:
         perf = subprocess.Popen(["perf", "record"] + (os.environ["PERFARGS"].split() if os.environ.get("PERFARGS") else ["-F", "4999", "-g"]) + ["-o", os.path.join(os.environ.get("PERFDIR", "/tmp"), "perf.data"), "-p", str(dm.proc.pid)], stderr=subprocess.DEVNULL)
@@ -66,6 +72,7 @@ try:
         f=open("/proc/%d/stat"%dm.proc.pid).read().rsplit(")",1)[1].split()
         return (int(f[11])+int(f[12]))/os.sysconf("SC_CLK_TCK")
     c0=cpu()
+    w0 = time.time()
     t0 = time.monotonic()
     q.ok("transaction", actions=[
         {"type": "block-dirty-bitmap-add", "data": {"node": "disk", "name": "c2", "persistent": True}},
@@ -79,5 +86,9 @@ try:
     print("cpu %.3f" % (cpu()-c0))
     if perf: perf.send_signal(2); perf.wait()
     print("%s: txn %.3f job %.3f fsync %.3f total %.3f" % (a.env, t1-t0, t2-t1, t3-t2, t3-t0))
+    if os.environ.get("PROBE_EVENTS"):
+        for ev in seen:
+            ts = ev.get("timestamp", {})
+            print("  %+.3f %s %s" % (ts.get("seconds", 0) + ts.get("microseconds", 0) / 1e6 - w0, ev["event"], ev.get("data", {}).get("status", "")))
 finally:
     dm.quit()

@@ -43,6 +43,7 @@
 #include "vblk/graph.h"
 #include "vblk/job.h"
 #include "vblk/named_bitmap.h"
+#include "vblk/sync.h"
 
 namespace vblk {
 
@@ -105,7 +106,7 @@ class BackupJob : public BlockJob {
 
  private:
   friend Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, const BackupArgs& args);
-  Task<void> prepare_target(BlockCopyState& bcs);
+  Task<void> prepare_target(BlockCopyState& bcs, CoEvent& done);
   Task<Status> copy_loop();
   // Waits until the COW buffer is empty (ok) or a drain write failed and
   // the error policy says to report it.
