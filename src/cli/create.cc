@@ -37,12 +37,15 @@ const OptSpec kRawOptions[] = {
     {"preallocation", OptKind::String, nullptr},
     {"extent_size_hint", OptKind::Size, nullptr},
 };
-// raw on an rbd: target: the rbd protocol's options (qemu_rbd_create_opts;
-// encrypt.* is not supported by vblk).
+// raw on an rbd: target: the rbd protocol's options (qemu_rbd_create_opts,
+// in its order: the "Formatting" line lists them so).
 const OptSpec kRawRbdOptions[] = {
     {"size", OptKind::Size, nullptr},
     {"cluster_size", OptKind::Size, nullptr},
     {"password-secret", OptKind::String, nullptr},
+    {"encrypt.format", OptKind::String, nullptr},
+    {"encrypt.cipher-alg", OptKind::String, nullptr},
+    {"encrypt.key-secret", OptKind::String, nullptr},
 };
 const OptSpec kQcow2Options[] = {
     {"encrypt", OptKind::Bool, nullptr},
@@ -326,9 +329,16 @@ int cmd_create(int argc, char** argv) {
   }
 
   if (rbd) {
-    if (opts.count("password-secret")) return fail("No secret with id '" + opts["password-secret"] + "'");
+    std::optional<std::string> password;
+    if (opts.count("password-secret")) password = opts["password-secret"];
+    // encrypt.* -> {format, cipher-alg, key-secret}: QEMU's encrypt.
+    // sub-dictionary, absent when none is given.
+    Json encrypt = Json::object();
+    for (const char* k : {"format", "cipher-alg", "key-secret"})
+      if (opts.count(std::string("encrypt.") + k)) encrypt[k] = opts[std::string("encrypt.") + k];
     // QEMU rounds the size up to whole sectors for rbd.
-    auto st = drivers::create_rbd(filename, align_up(static_cast<uint64_t>(*size), 512), sizes["cluster_size"]);
+    auto st = drivers::create_rbd(filename, align_up(static_cast<uint64_t>(*size), 512), sizes["cluster_size"],
+                                  password, encrypt.empty() ? nullptr : &encrypt);
     if (!st) return fail(st.error().what());
     return 0;
   }

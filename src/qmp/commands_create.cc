@@ -109,10 +109,10 @@ Task<Status> create_qcow2_body(Daemon& d, OJson file_ref, qcow2::Qcow2Node::Crea
 }
 
 // rbd_create and its connection block: they run on the loop's thread pool.
-Task<Status> create_rbd_body(Loop& loop, Json loc, uint64_t size, uint64_t cluster_size) {
+Task<Status> create_rbd_body(Loop& loop, Json loc, uint64_t size, uint64_t cluster_size, std::optional<Json> enc) {
   Status st;
   std::function<long()> fn = [&]() -> long {
-    st = drivers::create_rbd(loc, size, cluster_size);
+    st = drivers::create_rbd(loc, size, cluster_size, enc ? &*enc : nullptr);
     return 0;
   };
   co_await loop.run_blocking(fn);
@@ -149,10 +149,16 @@ Task<Reply> blockdev_create(Daemon& d, const OJson& a) {
 
   CreateJob::Body body;
   if (drv == "rbd") {
-    if (o.contains("encrypt")) co_return Reply::fail("RBD library does not support image encryption");
     uint64_t cs = o.contains("cluster-size") ? u64(o["cluster-size"]) : 0;
-    body = [&d, loc = Json::parse(o["location"].dump()), size = u64(o["size"]), cs] {
-      return create_rbd_body(d.loop, loc, size, cs);
+    std::optional<Json> enc;
+    if (o.contains("encrypt")) {
+      enc = Json::parse(o["encrypt"].dump());
+      // QMP checks the schema before the job starts.
+      auto st = drivers::check_rbd_encrypt(*enc, "options.encrypt.");
+      if (!st) co_return Reply::fail(st.error().what());
+    }
+    body = [&d, loc = Json::parse(o["location"].dump()), size = u64(o["size"]), cs, enc] {
+      return create_rbd_body(d.loop, loc, size, cs, enc);
     };
   } else if (drv == "file") {
     std::string prealloc = str_or(o, "preallocation", "off");

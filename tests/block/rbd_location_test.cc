@@ -55,5 +55,39 @@ TEST(RbdLocation, BlockdevOptions) {
   EXPECT_EQ(take_rbd_location(missing).error().what(), "Parameter 'image' is missing");
 }
 
+TEST(RbdLocation, ImageOptsListsKeySecretAndEncrypt) {
+  // --image-opts spells lists with numbered keys; key-secret stays out of
+  // the json: name, as in QEMU.
+  Json o = {{"pool", "p"}, {"image", "i"}, {"key-secret", "s"}, {"auth-client-required", {{"0", "none"}}},
+            {"encrypt", {{"format", "luks2"}, {"key-secret", "pw"}}}};
+  auto l = take_rbd_location(o);
+  ASSERT_TRUE(l.ok()) << l.error().what();
+  EXPECT_TRUE(o.empty());
+  EXPECT_EQ(l->auth_client_required, std::vector<std::string>{"none"});
+  EXPECT_EQ(*l->key_secret, "s");
+  ASSERT_TRUE(l->encrypt.has_value());
+  EXPECT_EQ(l->encrypt->format, "luks2");
+  EXPECT_EQ(l->encrypt->key_secret, "pw");
+  EXPECT_EQ(qemu_json_compact(location_json(*l)), R"({"pool": "p", "image": "i", "driver": "rbd"})");
+}
+
+TEST(RbdLocation, EncryptionErrorsAsQemu) {
+  auto err = [](Json d, const std::string& prefix, bool create) {
+    auto e = parse_encryption(d, prefix, create);
+    return e.ok() ? std::string("ok") : e.error().what();
+  };
+  EXPECT_EQ(err({{"key-secret", "s"}}, "encrypt.", false), "Parameter 'encrypt.format' is missing");
+  EXPECT_EQ(err({{"format", "luks"}}, "", true), "Parameter 'key-secret' is missing");
+  EXPECT_EQ(err({{"format", "x"}, {"key-secret", "s"}}, "encrypt.", false),
+            "Parameter 'format' does not accept value 'x'");
+  EXPECT_EQ(err({{"format", "luks"}, {"key-secret", "s"}, {"cipher-alg", "sm4"}}, "", true),
+            "Parameter 'cipher-alg' does not accept value 'sm4'");
+  EXPECT_EQ(err({{"format", "luks"}, {"key-secret", "s"}, {"cipher-alg", "aes-128"}}, "", false),
+            "Parameter 'cipher-alg' is unexpected");
+  EXPECT_EQ(err({{"format", "luks"}, {"key-secret", "s"}, {"cipher-alg", "des"}}, "", true), "ok");
+  EXPECT_EQ(cipher_alg_number("des"), 3);
+  EXPECT_EQ(cipher_alg_number("twofish-256"), 11);
+}
+
 }  // namespace
 }  // namespace vblk::rbd

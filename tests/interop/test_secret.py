@@ -2,7 +2,7 @@
 of the qemu-img style commands against qemu-img, `vblk serve --object` against
 qemu-storage-daemon's command line, and QMP object-add / object-del against
 qemu-storage-daemon. No cluster: what the secrets unlock (rbd's key-secret) is
-tested in test_rbd_cephx.py. A secret's value never shows in vblk's output.
+tested in test_rbd_secrets.py. A secret's value never shows in vblk's output.
 """
 
 import base64

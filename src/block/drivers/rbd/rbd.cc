@@ -16,7 +16,8 @@
 // rbd_diff_iterate2 (whole objects) tells allocated from unallocated
 // (unallocated reads as zeroes); `cluster_size` (qemu-img info) is the object
 // size; snapshots (`snapshot=`, `@snap`) open read-only, and RBD snapshots
-// are the node's internal snapshots (vblk snapshot -c/-l/-a/-d, info).
+// are the node's internal snapshots (vblk snapshot -c/-l/-a/-d, info);
+// `encrypt` loads librbd's LUKS right after rbd_open (rbd_encryption.h).
 #include <rbd/librbd.h>
 
 #include <cstring>
@@ -24,6 +25,7 @@
 #include "block/drivers/drivers.h"
 #include "block/drivers/rbd/rbd_aio.h"
 #include "block/drivers/rbd/rbd_connection.h"
+#include "block/drivers/rbd/rbd_encryption.h"
 #include "vblk/buffer.h"
 #include "util/qdict_order.h"
 
@@ -77,8 +79,11 @@ class RbdNode final : public Node {
   uint64_t cluster_size() const override { return obj_size_; }
   Result<uint64_t> allocated_size() const override { return Error(ENOTSUP); }
   nlohmann::ordered_json format_specific() const override {
-    // No encryption support: QEMU's ImageInfoSpecificRbd without members.
-    return {{"type", "rbd"}, {"data", nlohmann::ordered_json::object()}};
+    // QEMU's ImageInfoSpecificRbd: encryption-format when the image (as this
+    // node reads it: not decrypted) starts with a LUKS header.
+    nlohmann::ordered_json data = nlohmann::ordered_json::object();
+    if (auto f = rbd::probe_encryption_format(image_, size_)) data["encryption-format"] = *f;
+    return {{"type", "rbd"}, {"data", data}};
   }
 
  protected:
@@ -279,6 +284,14 @@ Result<std::shared_ptr<Node>> open_rbd(OpenContext& ctx, Json& opts) {
   // Always opened read-write, as QEMU does (the image lock follows writers).
   int r = rbd_open((*conn)->ioctx(), loc->image.c_str(), &image, loc->snapshot ? loc->snapshot->c_str() : nullptr);
   if (r < 0) return Error(-r, "error reading header from " + loc->image + ": " + std::strerror(-r));
+  if (loc->encrypt) {
+    // The image reads decrypted from here on; its size is the payload's.
+    auto st = rbd::load_encryption(image, *loc->encrypt);
+    if (!st) {
+      rbd_close(image);
+      return st.error();
+    }
+  }
   rbd_image_info_t info;
   r = rbd_stat(image, &info, sizeof info);
   if (r < 0) {
@@ -297,17 +310,38 @@ Result<std::shared_ptr<Node>> open_rbd(OpenContext& ctx, Json& opts) {
   return std::shared_ptr<Node>(node);
 }
 
-Status create_rbd(const std::string& filename, uint64_t size, uint64_t cluster_size) {
+Status create_rbd(const std::string& filename, uint64_t size, uint64_t cluster_size,
+                  const std::optional<std::string>& password_secret, const Json* encrypt) {
   auto loc = rbd::parse_rbd_filename(filename);
   VBLK_TRY(loc);
-  return rbd::create_image(*loc, size, cluster_size);
+  std::optional<rbd::RbdEncryption> enc;
+  if (encrypt) {
+    // qemu-img's flat encrypt.* options: members named without a prefix.
+    auto e = rbd::parse_encryption(*encrypt, "", true);
+    VBLK_TRY(e);
+    enc = std::move(*e);
+  }
+  if (password_secret) loc->key_secret = *password_secret;
+  return rbd::create_image(*loc, size, cluster_size, enc);
 }
 
-Status create_rbd(Json& opts, uint64_t size, uint64_t cluster_size) {
+Status create_rbd(Json& opts, uint64_t size, uint64_t cluster_size, const Json* encrypt) {
   auto loc = rbd::take_rbd_location(opts);
   VBLK_TRY(loc);
   if (!opts.empty()) return Error(EINVAL, "Parameter 'location." + opts.begin().key() + "' is unexpected");
-  return rbd::create_image(*loc, size, cluster_size);
+  std::optional<rbd::RbdEncryption> enc;
+  if (encrypt) {
+    auto e = rbd::parse_encryption(*encrypt, "encrypt.", true);
+    VBLK_TRY(e);
+    enc = std::move(*e);
+  }
+  return rbd::create_image(*loc, size, cluster_size, enc);
+}
+
+Status check_rbd_encrypt(const Json& encrypt, const std::string& prefix) {
+  auto e = rbd::parse_encryption(encrypt, prefix, true);
+  if (!e) return e.error();
+  return {};
 }
 
 Status remove_rbd(const std::string& filename) {

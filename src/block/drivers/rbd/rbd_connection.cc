@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "block/drivers/rbd/rbd_encryption.h"
 #include "util/secret_store.h"
 
 namespace vblk::rbd {
@@ -80,7 +81,8 @@ Result<std::unique_ptr<RbdConnection>> RbdConnection::connect(const RbdLocation&
   return c;
 }
 
-Status create_image(const RbdLocation& loc, uint64_t size, uint64_t cluster_size) {
+Status create_image(const RbdLocation& loc, uint64_t size, uint64_t cluster_size,
+                    const std::optional<RbdEncryption>& encrypt) {
   if (loc.snapshot) return Error(EINVAL, "Can't use snapshot name for image creation");
   int order = 0;
   if (cluster_size) {
@@ -92,7 +94,14 @@ Status create_image(const RbdLocation& loc, uint64_t size, uint64_t cluster_size
   VBLK_TRY(c);
   int r = rbd_create((*c)->ioctx(), loc.image.c_str(), size, &order);
   if (r < 0) return err(r, "error rbd create");
-  return {};
+  if (!encrypt) return {};
+  rbd_image_t image = nullptr;
+  r = rbd_open((*c)->ioctx(), loc.image.c_str(), &image, nullptr);
+  if (r < 0) return err(r, "error opening image '" + loc.image + "' for encryption format");
+  Status st = format_encryption(image, *encrypt);
+  rbd_close(image);
+  if (!st) rbd_remove((*c)->ioctx(), loc.image.c_str());  // as QEMU: no half-made image
+  return st;
 }
 
 }  // namespace vblk::rbd

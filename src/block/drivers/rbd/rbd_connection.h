@@ -35,7 +35,9 @@ class RbdConnection {
 };
 
 // Creates an image of `size` bytes (QEMU's qemu_rbd_do_create: rbd_create
-// with the object order from cluster_size, 0 = librbd's default).
-Status create_image(const RbdLocation& loc, uint64_t size, uint64_t cluster_size);
+// with the object order from cluster_size, 0 = librbd's default), then with
+// `encrypt` formats it (removing the image again if that fails).
+Status create_image(const RbdLocation& loc, uint64_t size, uint64_t cluster_size,
+                    const std::optional<RbdEncryption>& encrypt = std::nullopt);
 
 }  // namespace vblk::rbd

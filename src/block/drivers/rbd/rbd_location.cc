@@ -1,5 +1,7 @@
 #include "block/drivers/rbd/rbd_location.h"
 
+#include <array>
+
 #include "util/qdict_order.h"
 
 namespace vblk::rbd {
@@ -41,6 +43,48 @@ std::string unescape(const std::string& s) {
 }
 
 }  // namespace
+
+// QEMU 7.2's QCryptoCipherAlgorithm, in order (its number shows in errors).
+static const std::array<const char*, 12> kCipherAlgs = {
+    "aes-128", "aes-192", "aes-256", "des", "3des", "cast5-128", "serpent-128", "serpent-192",
+    "serpent-256", "twofish-128", "twofish-192", "twofish-256"};
+
+int cipher_alg_number(const std::string& name) {
+  for (size_t i = 0; i < kCipherAlgs.size(); ++i)
+    if (name == kCipherAlgs[i]) return static_cast<int>(i);
+  return -1;
+}
+
+Result<RbdEncryption> parse_encryption(const Json& dict, const std::string& prefix, bool create) {
+  RbdEncryption enc;
+  auto member = [&](const char* key) -> const Json* {
+    auto it = dict.find(key);
+    return it == dict.end() ? nullptr : &*it;
+  };
+  const Json* format = member("format");
+  if (!format) return Error(EINVAL, "Parameter '" + prefix + "format' is missing");
+  std::string f = format->is_string() ? format->get<std::string>() : format->dump();
+  if (f != "luks" && f != "luks2") return Error(EINVAL, "Parameter 'format' does not accept value '" + f + "'");
+  enc.format = f;
+  const Json* key = member("key-secret");
+  if (!key) return Error(EINVAL, "Parameter '" + prefix + "key-secret' is missing");
+  if (!key->is_string()) {
+    return Error(EINVAL, "Invalid parameter type for '" + prefix + "key-secret', expected: string");
+  }
+  enc.key_secret = key->get<std::string>();
+  if (create) {
+    if (const Json* alg = member("cipher-alg")) {
+      std::string a = alg->is_string() ? alg->get<std::string>() : alg->dump();
+      if (cipher_alg_number(a) < 0) return Error(EINVAL, "Parameter 'cipher-alg' does not accept value '" + a + "'");
+      enc.cipher_alg = a;
+    }
+  }
+  for (const auto& [k, v] : dict.items()) {
+    if (k == "format" || k == "key-secret" || (create && k == "cipher-alg")) continue;
+    return Error(EINVAL, "Parameter '" + prefix + k + "' is unexpected");
+  }
+  return enc;
+}
 
 Result<RbdLocation> parse_rbd_filename(const std::string& filename) {
   if (filename.rfind("rbd:", 0) != 0) return Error(EINVAL, "File name must start with 'rbd:'");
@@ -138,6 +182,14 @@ Result<RbdLocation> take_rbd_location(Json& opts) {
       loc.auth_client_required.push_back(v);
     }
     opts.erase(acr);
+  }
+  auto enc = opts.find("encrypt");
+  if (enc != opts.end()) {
+    if (!enc->is_object()) return Error(EINVAL, "Invalid parameter type for 'encrypt', expected: object");
+    auto e = parse_encryption(*enc, "encrypt.", false);
+    VBLK_TRY(e);
+    loc.encrypt = std::move(*e);
+    opts.erase(enc);
   }
   auto srv = opts.find("server");
   if (srv != opts.end()) {

@@ -23,6 +23,20 @@ struct RbdServer {
   std::string port;
 };
 
+struct RbdEncryption {
+  std::string format;  // "luks" or "luks2"
+  std::string key_secret;
+  std::optional<std::string> cipher_alg;  // creating only: QCryptoCipherAlgorithm name
+};
+
+// RbdEncryptionOptions (luks, luks2) from a dict (`encrypt` of blockdev options, or the
+// encrypt.* create options). `prefix` names members in "is missing" errors
+// ("encrypt." for blockdev options, "" for create options, as QEMU's
+// visitors name them); create allows cipher-alg.
+Result<RbdEncryption> parse_encryption(const Json& dict, const std::string& prefix, bool create);
+// The number of a QCryptoCipherAlgorithm name (QEMU's errors show it), -1 if none.
+int cipher_alg_number(const std::string& name);
+
 struct RbdLocation {
   std::string pool;
   std::optional<std::string> ns;  // "namespace"; the filename syntax always sets it ("" if none)
@@ -33,6 +47,7 @@ struct RbdLocation {
   std::optional<std::string> key_secret;
   std::vector<std::string> auth_client_required;  // "cephx", "none"
   std::vector<RbdServer> servers;                  // mon_host override
+  std::optional<RbdEncryption> encrypt;            // loaded after rbd_open (rbd_encryption.h)
   // Ceph options from the filename, in order (QEMU's "=keyvalue-pairs").
   std::vector<std::pair<std::string, std::string>> keypairs;
 };
