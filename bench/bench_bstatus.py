@@ -15,7 +15,8 @@ Rows (each vblk row runs interleaved with its QEMU anchor, order rotating):
   iops       guest 4 KiB random writes (fio, ioengine=nbd, iodepth 16) to
              the backup source exported over NBD by the same daemon, idle
              and while a full backup of it runs (tmpfs); the ratio
-             busy/idle per daemon.
+             busy/idle per daemon; vblk also with its COW buffer
+             (x-perf cow-buffer-size, --iops-cow-buffer).
   map        a 1 TiB qcow2 with 1 % data (1 MiB written every 100 MiB by
              qemu-io): `vblk map` against `qemu-img map`, and `nbdinfo
              --map` against `vblk nbd` and `qemu-nbd` serving it.
@@ -327,7 +328,11 @@ def row_iops(args, vblk):
         src, dst = os.path.join(d, "src.raw"), os.path.join(d, "dst.raw")
         size = 2 * args.size
         fill(src, size)
-        daemons = {"qemu-storage-daemon": ["qemu-storage-daemon"], "vblk serve": [vblk, "serve"]}
+        daemons = {"qemu-storage-daemon": ["qemu-storage-daemon"], "vblk serve": [vblk, "serve"],
+                   "vblk serve, COW buffer": [vblk, "serve"]}
+        # vblk's COW buffer (x-perf cow-buffer-size, QEMU has none): a guest
+        # write's old data goes to memory and the target is written later.
+        job_extra = {"vblk serve, COW buffer": {"x-perf": {"cow-buffer-size": args.iops_cow_buffer}}}
         daemons = {k: v for k, v in daemons.items() if re.search(args.iops_daemons, k)}
         res = {n: {"idle": [], "backup": [], "backup_s": []} for n in daemons}
         sock = os.path.join(d, "nbd.sock")
@@ -357,7 +362,8 @@ def row_iops(args, vblk):
                     time.sleep(0.3)
                     t0 = time.monotonic()
                     dm.qmp.ok("blockdev-backup", dict({"job-id": "j", "device": "source", "target": "target",
-                                                       "sync": "full"}, **args.iops_backup_args))
+                                                       "sync": "full"}, **args.iops_backup_args,
+                                                      **job_extra.get(name, {})))
                     ev, t1 = dm.qmp.next_event({"BLOCK_JOB_COMPLETED"}, 600)
                     res[name]["backup_s"].append(t1 - t0)
                     o, _ = fp.communicate()
@@ -401,6 +407,8 @@ def main():
     ap.add_argument("--iops-backup-args", type=json.loads, default={},
                     help="extra blockdev-backup arguments for the iops row (JSON), e.g. x-perf")
     ap.add_argument("--iops-daemons", default=".", help="regex of the daemons in the iops row")
+    ap.add_argument("--iops-cow-buffer", type=bi.parse_size, default=256 * MIB,
+                    help="the COW buffer of the 'vblk serve, COW buffer' daemon in the iops row")
     ap.add_argument("--big-dir", default="/var/tmp", help="where the 1 TiB qcow2 is made (kept between runs)")
     args = ap.parse_args()
     vblk = bi.resolve_tool(args.vblk, "vblk")

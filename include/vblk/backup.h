@@ -43,7 +43,6 @@
 #include "vblk/graph.h"
 #include "vblk/job.h"
 #include "vblk/named_bitmap.h"
-#include "vblk/sync.h"
 
 namespace vblk {
 
@@ -106,7 +105,7 @@ class BackupJob : public BlockJob {
 
  private:
   friend Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, const BackupArgs& args);
-  Task<void> prepare_target(BlockCopyState& bcs, CoEvent& done);
+  Task<void> prepare_target(BlockCopyState& bcs);
   Task<Status> copy_loop();
   // Waits until the COW buffer is empty (ok) or a drain write failed and
   // the error policy says to report it.

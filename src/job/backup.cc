@@ -30,15 +30,7 @@ Task<Status> BackupJob::run() {
     while (!is_cancelled()) co_await yield();
   } else {
     BlockCopyState& bcs = cbw_->bcs();
-    // The target's preparation runs beside the copy: its syncs overlap the
-    // first source reads (the writes that need its tables wait for it in
-    // the target). The job ends only after it.
-    CoEvent prepared(loop());
-    if (sync_ == Sync::Bitmap) {
-      spawn_detached(prepare_target(bcs, prepared));
-    } else {
-      prepared.set();
-    }
+    if (sync_ == Sync::Bitmap) co_await prepare_target(bcs);
     for (;;) {
       st = co_await copy_loop();
       if (!st.ok() || is_cancelled()) break;
@@ -49,7 +41,6 @@ Task<Status> BackupJob::run() {
       // had passed: copy them too.
       if (bcs.bitmap().count() == 0 && bcs.in_flight_bytes() == 0 && cbw_->buffer_empty()) break;
     }
-    co_await prepared.wait();
     if (st.ok() && !is_cancelled() && !cbw_->snapshot_error().ok()) st = cbw_->snapshot_error();
   }
   // A cancelled or failed job drops what its buffer still holds (a
@@ -63,7 +54,7 @@ Task<Status> BackupJob::run() {
 // allocates its L2 tables in one batch instead of stalling the copy on
 // three syncs per table). Only a hint: a failure here is left for the
 // writes themselves to meet and report.
-Task<void> BackupJob::prepare_target(BlockCopyState& bcs, CoEvent& done) {
+Task<void> BackupJob::prepare_target(BlockCopyState& bcs) {
   std::vector<Node::WriteRange> ranges;
   const DirtyBitmap& bm = bcs.bitmap();
   uint64_t pos = 0, off = 0, n = 0;
@@ -72,7 +63,6 @@ Task<void> BackupJob::prepare_target(BlockCopyState& bcs, CoEvent& done) {
     pos = off + n;
   }
   if (!ranges.empty()) (void)co_await bcs.target().prepare_writes(ranges);
-  done.set();
 }
 
 Task<std::optional<Status>> BackupJob::on_drain_error() {
