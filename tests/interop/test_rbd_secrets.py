@@ -118,6 +118,22 @@ class RbdKeySecretTest(BothDaemons, InteropTestCase):
         self.assertSameResult(v, q)
         self.assertEqual(v.rc, 0, v)
 
+    def test_create_with_password_secret_as_qemu_img(self):
+        """qemu-img's legacy create option: the secret is the connection's key."""
+        names = []
+        for tool in (vblk, qemu):
+            RbdKeySecretTest.counter += 1
+            names.append("rbd:%s/pw-%d:conf=%s:id=%s" % (CLUSTER.pool, RbdKeySecretTest.counter,
+                                                         CLUSTER.client_conf, CLUSTER.user))
+            r = tool("create", "-f", "raw", *self.secret(), "-o", "password-secret=sec0", names[-1], "1M")
+            self.assertEqual(r.rc, 0, r)
+            self.assertEqual(r.stdout, "Formatting '%s', fmt=raw size=1048576 password-secret=sec0\n" % names[-1])
+        listed = CLUSTER.rbd("ls", CLUSTER.pool).stdout.decode().split()
+        self.assertIn(names[0].split("/")[1].split(":")[0], listed)
+        v, q = both("create", "-f", "raw", *self.secret(), "-o", "password-secret=nosuch", names[0] + "x", "1M")
+        self.assertSameResult(v, q)
+        self.assertEqual(v.rc, 1, v)
+
     def test_refusals_read_as_qemu(self):
         img = self.image("bad")
         other_key = CLUSTER.gen_key()
