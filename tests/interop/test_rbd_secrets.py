@@ -318,6 +318,26 @@ class RbdEncryptionTest(BothDaemons, InteropTestCase):
         self.assertEqual(r.rc, 0, r)
         self.assertNotIn("fail", r.stdout + r.stderr)
 
+    def test_blockdev_add_encrypted_as_qemu_storage_daemon(self):
+        img = self.luks_image("qa", "luks")
+
+        def scenario(qmp, d):
+            loc = {"driver": "rbd", "pool": CLUSTER.pool, "image": img, "conf": CLUSTER.conf}
+            out = [qmp.cmd("object-add", {"qom-type": "secret", "id": "pw", "data": PASS})]
+            for enc in ({"format": "luks"}, {"format": "luks", "key-secret": "nosuch"}, {"key-secret": "pw"},
+                        {"format": "luks2", "key-secret": "pw"}, {"format": "luks", "key-secret": "pw", "y": 1},
+                        {"format": "luks", "key-secret": "pw"}):
+                out.append(qmp.cmd("blockdev-add", dict(loc, **{"node-name": "e0", "encrypt": enc})))
+            nodes = qmp.cmd("query-named-block-nodes")["return"]
+            out.append([(n["node-name"], n["image"]["virtual-size"], n["image"].get("format-specific"))
+                        for n in nodes])
+            return out
+
+        seen = self.each_daemon(scenario)
+        self.assertIn("vblk serve", seen)
+        self.assertSame(seen)
+        self.assertEqual(seen["vblk serve"][-1], [("e0", 8 * MiB, {"type": "rbd", "data": {}})])
+
     def test_blockdev_create_encrypt_refusals_as_qemu_storage_daemon(self):
         def scenario(qmp, d):
             qmp.cmd("object-add", {"qom-type": "secret", "id": "pw", "data": PASS})
