@@ -221,6 +221,14 @@ OJson image_info(Daemon& d, Node& n, bool flat) {
     if (Node* b = backing_of(n)) img["full-backing-filename"] = b->filename();
     if (!n.backing_file_format().empty()) img["backing-filename-format"] = n.backing_file_format();
   }
+  // Internal snapshots (qcow2's; rbd's, also through a raw node over it, as
+  // QEMU's snapshot fallback lists them), when there are any.
+  auto snaps = n.snapshots();
+  if (!snaps.empty()) {
+    OJson list = OJson::array();
+    for (const auto& sn : snaps) list.push_back(snapshot_info_json(sn));
+    img["snapshots"] = std::move(list);
+  }
   if (!flat)
     if (Node* b = filter_or_cow_child(n)) img["backing-image"] = image_info(d, *b, flat);
   return img;

@@ -219,19 +219,23 @@ Task<Reply> delete_internal_snapshot(Daemon& d, const OJson& a) {
   if (!st)
     co_return Reply::fail("Failed to delete snapshot '" + found->id + "' on device '" + device + "': " +
                           std::strerror(st.error().code));
-  OJson r = OJson::object();
-  r["id"] = found->id;
-  r["name"] = found->name;
-  r["vm-state-size"] = found->vm_state_size;
-  r["date-sec"] = found->date_sec;
-  r["date-nsec"] = found->date_nsec;
-  r["vm-clock-sec"] = found->vm_clock_nsec / 1000000000u;
-  r["vm-clock-nsec"] = found->vm_clock_nsec % 1000000000u;
-  if (found->icount != UINT64_MAX) r["icount"] = found->icount;
-  co_return Reply::ok(std::move(r));
+  co_return Reply::ok(snapshot_info_json(*found));
 }
 
 }  // namespace
+
+OJson snapshot_info_json(const SnapshotInfo& sn) {
+  OJson r = OJson::object();
+  r["id"] = sn.id;
+  r["name"] = sn.name;
+  r["vm-state-size"] = sn.vm_state_size;
+  r["date-sec"] = sn.date_sec;
+  r["date-nsec"] = sn.date_nsec;
+  r["vm-clock-sec"] = sn.vm_clock_nsec / 1000000000u;
+  r["vm-clock-nsec"] = sn.vm_clock_nsec % 1000000000u;
+  if (sn.icount != UINT64_MAX) r["icount"] = sn.icount;
+  return r;
+}
 
 std::unique_ptr<TxAction> make_blockdev_snapshot(const OJson& args) {
   return std::make_unique<ExternalSnapshot>(args, false);
