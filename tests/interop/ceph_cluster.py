@@ -148,6 +148,11 @@ osd pool default pgp num = 8
 osd pool default pg autoscale mode = off
 osd crush chooseleaf type = 0
 mon allow pool delete = true
+# The monitor batches map changes for a second by default: every setup step
+# (osd new, pool create, the OSD's boot) and every RBD snapshot (a pool snap
+# id from the monitor) waited on it. 50 ms: the cluster is up in ~1 s, not 7.
+paxos propose interval = 0.05
+paxos min wait = 0.01
 mon allow pool size one = true
 mon warn on pool no redundancy = false
 mon osd min down reporters = 1
