@@ -18,11 +18,16 @@ constexpr uint64_t kMaxAllocRun = 8 << 20;  // bytes of new clusters per allocat
 // loop's thread pool (one job per cluster, at most kInflateJobs of this node
 // at once: a bounded queue, whatever the number of requests), so clusters of
 // concurrent reads inflate on every core while the loop goes on.
-Task<Status> Qcow2Node::read_compressed(uint64_t entry, uint64_t in_cluster, std::span<uint8_t> out) {
+void Qcow2Node::compressed_range(uint64_t entry, uint64_t& host, uint64_t& bytes) const {
   const uint32_t x = 62 - (h_.cluster_bits - 8);
-  uint64_t host = entry & ((1ull << x) - 1);
-  uint64_t sectors = ((entry >> x) & ((1ull << (h_.cluster_bits - 8)) - 1)) + 1;
-  uint64_t csize = sectors * 512 - (host & 511);
+  host = entry & ((1ull << x) - 1);
+  const uint64_t sectors = ((entry >> x) & ((1ull << (h_.cluster_bits - 8)) - 1)) + 1;
+  bytes = sectors * 512 - (host & 511);
+}
+
+Task<Status> Qcow2Node::read_compressed(uint64_t entry, uint64_t in_cluster, std::span<uint8_t> out) {
+  uint64_t host = 0, csize = 0;
+  compressed_range(entry, host, csize);
   AlignedBuffer in(csize);
   VBLK_CO_TRY(co_await file_->read(host, in.span()));
   // A whole cluster wanted (convert, backup, large reads): inflate straight
@@ -47,6 +52,27 @@ Task<Status> Qcow2Node::read_compressed(uint64_t entry, uint64_t in_cluster, std
   if (!st) co_return st;
   if (!whole) std::memcpy(out.data(), cluster.data() + in_cluster, out.size());
   co_return Status{};
+}
+
+Task<Status> Qcow2Node::read_compressed_run(CompressedRun run) {
+  if (run.clusters.size() == 1) co_return co_await read_compressed(run.clusters[0].first, 0, run.clusters[0].second);
+  AlignedBuffer in(run.host_hi - run.host_lo);
+  VBLK_CO_TRY(co_await file_->read(run.host_lo, in.span()));
+  const InflateKind kind = h_.compression_type == kCompressionZstd ? InflateKind::Zstd : InflateKind::Deflate;
+  Status st;
+  std::function<long()> job = [&] {
+    for (const auto& [entry, out] : run.clusters) {
+      uint64_t host = 0, csize = 0;
+      compressed_range(entry, host, csize);
+      st = inflate_cluster(kind, in.data() + (host - run.host_lo), csize, out.data(), cs_);
+      if (!st) break;
+    }
+    return 0L;
+  };
+  co_await inflate_slots_.acquire();
+  co_await loop().run_blocking(job);
+  inflate_slots_.release();
+  co_return st;
 }
 
 Task<Status> Qcow2Node::read_mapping(uint64_t offset, const Mapping& m, std::span<uint8_t> out) {
@@ -97,9 +123,18 @@ Task<void> fan_out(Fanout* f, Task<Status> t) {
 Task<Status> Qcow2Node::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t) {
   size_t done = 0;
   // Compressed clusters are read and inflated concurrently (each inflate a
-  // pool job); the rest in order, while those run.
+  // pool job); the rest in order, while those run. Whole clusters stored
+  // back to back go as one run (one read, one job).
   Fanout f(loop());
   Status st;
+  CompressedRun run;
+  auto start_run = [&]() -> Task<void> {
+    if (run.clusters.empty()) co_return;
+    co_await f.slots.acquire();
+    f.pending.add();
+    spawn_detached(fan_out(&f, read_compressed_run(std::move(run))));
+    run = CompressedRun{};
+  };
   while (done < buf.size() && st && f.error) {
     Mapping m;
     {
@@ -113,15 +148,33 @@ Task<Status> Qcow2Node::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_
       m = *r;
     }
     size_t n = static_cast<size_t>(std::min<uint64_t>(m.bytes, buf.size() - done));
-    if (m.type == ClusterType::Compressed) {
+    if (m.type == ClusterType::Compressed && ((offset + done) & (cs_ - 1)) == 0 && n == cs_ &&
+        cs_ >= kInflateOffloadMin) {
+      uint64_t host = 0, csize = 0;
+      compressed_range(m.host, host, csize);
+      // Joins the run if its bytes start where the run's end (within the
+      // run's last sector) and the run holds fewer than kCompressedRunClusters.
+      const bool joins = !run.clusters.empty() && host >= run.host_lo && host <= align_up(run.host_hi, 512) &&
+                         run.clusters.size() < kCompressedRunClusters;
+      if (!joins) {
+        co_await start_run();
+        run.host_lo = host;
+        run.host_hi = host;
+      }
+      run.host_hi = std::max(run.host_hi, host + csize);
+      run.clusters.emplace_back(m.host, buf.subspan(done, n));
+    } else if (m.type == ClusterType::Compressed) {
+      co_await start_run();
       co_await f.slots.acquire();
       f.pending.add();
       spawn_detached(fan_out(&f, read_mapping(offset + done, m, buf.subspan(done, n))));
     } else {
+      co_await start_run();
       st = co_await read_mapping(offset + done, m, buf.subspan(done, n));
     }
     done += n;
   }
+  if (st && f.error) co_await start_run();
   // The clusters in flight write into buf and f: wait for them, even after
   // an error.
   co_await f.pending.wait();
