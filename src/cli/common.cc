@@ -238,7 +238,31 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
   ctx.force_share = a.force_share;
   Result<std::shared_ptr<Node>> node = Error(EINVAL);
   bool probed_raw = false;
-  if (a.image_opts) {
+  // QEMU's json: pseudo-protocol, where the object names its driver (say
+  // json:{"driver": "rbd", ...}, the names `info` prints): opened as
+  // --image-opts would be, with QEMU's parse errors. Without a driver, or
+  // with -f, it stays a file name (vblk does not probe json: objects).
+  bool json_opened = false;
+  if (!a.image_opts && a.format.empty() && a.filename.rfind("json:", 0) == 0) {
+    auto m = qmp::parse_json_value(std::string_view(a.filename).substr(5));
+    std::string err;
+    if (!m.ok) {
+      err = "Could not parse the JSON options: " + m.error;
+    } else if (!m.value.is_object()) {
+      err = "Invalid JSON object given";
+    } else if (m.value.contains("driver")) {
+      Json o = Json::parse(m.value.dump());
+      if (a.cache.direct) o["cache"]["direct"] = "on";
+      node = open_node(ctx, o);
+      json_opened = true;
+    }
+    if (!err.empty()) {
+      error_report("Could not open '" + a.filename + "': " + err);
+      return nullptr;
+    }
+  }
+  if (json_opened) {
+  } else if (a.image_opts) {
     auto opts = parse_keyval(a.filename, "file");
     if (!opts) {
       error_report("Could not open '" + a.filename + "': " + opts.error().what());

@@ -106,6 +106,15 @@ class RbdTest(InteropTestCase):
         self.assertSameFile(src, out)
         q = qemu("compare", src, self.spec(img))
         self.assertEqual(q.rc, 0, q)
+        # The json: names info prints (raw over rbd, and rbd alone) open again.
+        raw_name = json.loads(qemu("info", "--output=json", self.spec(img)).stdout)["filename"]
+        rbd_name = "json:" + json.dumps({"driver": "rbd", "pool": CLUSTER.pool, "image": img, "conf": CLUSTER.conf})
+        for name in (raw_name, rbd_name):
+            v, q = both("info", name)
+            self.assertSameResult(v, q, name)
+            self.assertEqual(v.rc, 0, v)
+        v = vblk("compare", src, rbd_name)
+        self.assertEqual(v.rc, 0, v)
 
     def test_qemu_writes_vblk_reads(self):
         src = self.local("src.raw")

@@ -1,0 +1,48 @@
+"""QEMU's json: pseudo-protocol in the qemu-img style commands, beside
+qemu-img: an object naming its driver opens as --image-opts would (the names
+`info` prints for nodes known only by options, such as rbd's, can be given
+back); parse errors and non-objects fail with QEMU's texts."""
+
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import MiB, InteropTestCase, both  # noqa: E402
+
+
+class JsonFilenameTest(InteropTestCase):
+    def test_json_names_as_qemu_img(self):
+        raw = os.path.join(self.tmp, "a.raw")
+        qcow2 = os.path.join(self.tmp, "a.qcow2")
+        with open(raw, "wb") as f:
+            f.truncate(MiB)
+            f.seek(4096)
+            f.write(b"\x5a" * 65536)
+        self.assertEqual(both("convert", "-O", "qcow2", raw, qcow2)[0].rc, 0)
+        names = [
+            'json:{',
+            'json:[1]',
+            'json:{"driver": "file", "filename": "%s"}' % raw,
+            'json:{"driver": "raw", "file": {"driver": "file", "filename": "%s"}}' % raw,
+            'json:{"driver": "qcow2", "file": {"driver": "file", "filename": "%s"}}' % qcow2,
+            'json:{"driver": "qcow2", "file": {"driver": "file", "filename": "%s"}}' % raw,
+            'json:{"driver": "file", "filename": "/nonexistent/x"}',
+            'json:{"driver": "null-co", "size": 1048576, "read-zeroes": true}',
+        ]
+        for name in names:
+            for cmd in (["info"], ["info", "--output=json"], ["map", "--output=json"], ["check"]):
+                v, q = both(*cmd, name)
+                self.assertSameResult(v, q, (cmd, name))
+        v, q = both("compare", names[3], names[4])
+        self.assertSameResult(v, q)
+        self.assertEqual(v.rc, 0, v)
+        out = os.path.join(self.tmp, "v.raw")
+        v, q = both("convert", "-O", "raw", names[4], out)
+        self.assertEqual((v.rc, q.rc), (0, 0), (v, q))
+        with open(out, "rb") as a, open(raw, "rb") as b:
+            self.assertTrue(a.read() == b.read())
+
+
+if __name__ == "__main__":
+    unittest.main()
