@@ -118,7 +118,5 @@ int cmd_loadvm(int argc, char** argv);
 
 // qemu-img's snapshot table printing (bdrv_snapshot_dump): nothing when empty.
 void dump_snapshots(const std::vector<SnapshotInfo>& list);
-// QAPI SnapshotInfo, in schema order.
-nlohmann::ordered_json snapshot_json(const SnapshotInfo& sn);
 
 }  // namespace vblk::cli

@@ -3,6 +3,7 @@
 
 #include <cstdio>
 
+#include "block/snapshot_info_json.h"
 #include "cli/common.h"
 
 namespace vblk::cli {
@@ -27,7 +28,7 @@ nlohmann::ordered_json info_json(Node& top) {
   auto snaps = top.snapshots();
   if (!snaps.empty()) {
     nlohmann::ordered_json list = nlohmann::ordered_json::array();
-    for (const auto& sn : snaps) list.push_back(snapshot_json(sn));
+    for (const auto& sn : snaps) list.push_back(snapshot_info_json(sn));
     j["snapshots"] = list;
   }
   auto spec = top.format_specific();

@@ -37,18 +37,4 @@ void dump_snapshots(const std::vector<SnapshotInfo>& list) {
   }
 }
 
-nlohmann::ordered_json snapshot_json(const SnapshotInfo& sn) {
-  // QAPI SnapshotInfo field order; the caller applies qdict_order.
-  nlohmann::ordered_json j;
-  j["id"] = sn.id;
-  j["name"] = sn.name;
-  j["vm-state-size"] = sn.vm_state_size;
-  j["date-sec"] = sn.date_sec;
-  j["date-nsec"] = sn.date_nsec;
-  j["vm-clock-sec"] = sn.vm_clock_nsec / 1000000000ull;
-  j["vm-clock-nsec"] = sn.vm_clock_nsec % 1000000000ull;
-  if (sn.icount != UINT64_MAX) j["icount"] = sn.icount;
-  return j;
-}
-
 }  // namespace vblk::cli

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "block/open.h"
+#include "block/snapshot_info_json.h"
 #include "qmp/daemon.h"
 #include "vblk/backup.h"
 #include "vblk/copy_before_write.h"

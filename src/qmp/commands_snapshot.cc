@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "block/open.h"
+#include "block/snapshot_info_json.h"
 #include "qmp/transaction.h"
 #include "vblk/node_ref.h"
 
@@ -223,19 +224,6 @@ Task<Reply> delete_internal_snapshot(Daemon& d, const OJson& a) {
 }
 
 }  // namespace
-
-OJson snapshot_info_json(const SnapshotInfo& sn) {
-  OJson r = OJson::object();
-  r["id"] = sn.id;
-  r["name"] = sn.name;
-  r["vm-state-size"] = sn.vm_state_size;
-  r["date-sec"] = sn.date_sec;
-  r["date-nsec"] = sn.date_nsec;
-  r["vm-clock-sec"] = sn.vm_clock_nsec / 1000000000u;
-  r["vm-clock-nsec"] = sn.vm_clock_nsec % 1000000000u;
-  if (sn.icount != UINT64_MAX) r["icount"] = sn.icount;
-  return r;
-}
 
 std::unique_ptr<TxAction> make_blockdev_snapshot(const OJson& args) {
   return std::make_unique<ExternalSnapshot>(args, false);

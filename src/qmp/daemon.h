@@ -148,9 +148,6 @@ Status add_block_export(Daemon& d, const OJson& opts);
 // QEMU's id_wellformed (export and object ids): a letter, then letters,
 // digits, '-', '.', '_'.
 bool id_wellformed(const std::string& id);
-// QAPI SnapshotInfo (blockdev-snapshot-delete-internal-sync's reply, the
-// `snapshots` of query-named-block-nodes' ImageInfo).
-OJson snapshot_info_json(const SnapshotInfo& sn);
 // object-add for QMP and --object: {"qom-type", "id", properties...}.
 Status add_object(Daemon& d, const OJson& opts);
 // --object secret,... for the tools without a daemon (convert, info, map,
