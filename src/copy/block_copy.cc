@@ -13,7 +13,7 @@
 #include <cstdlib>
 
 #include "copy/rate_limit.h"
-#include "vblk/sync.h"
+#include "vblk/status_group.h"
 
 namespace vblk {
 
@@ -491,21 +491,6 @@ Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& e
   co_return Status{};
 }
 
-namespace {
-// The runs of one piece, written together.
-struct RunWrites {
-  explicit RunWrites(Loop& loop) : pending(loop) {}
-  WaitGroup pending;
-  Status error;
-};
-
-Task<void> write_run(RunWrites* w, Task<Status> t) {
-  Status st = co_await std::move(t);
-  if (!st && w->error) w->error = std::move(st);
-  w->pending.done();
-}
-}  // namespace
-
 // Writes buf at offset as runs of data and of zeroes: a unit (aligned to its
 // own size) that reads all zero joins a zero run, written as write_zeroes or
 // not at all when the target is known to be zero. The runs go out together:
@@ -515,9 +500,9 @@ Task<void> write_run(RunWrites* w, Task<Status> t) {
 // 5-6 s in series, 1.5 s together).
 Task<Status> BlockCopyState::write_detecting_zeroes(uint64_t offset, std::span<const uint8_t> buf) {
   const uint64_t unit = std::max<uint64_t>(opts_.detect_zeroes, target_.cluster_size());
-  RunWrites w(target_.loop());
+  StatusGroup runs(target_.loop());
   size_t pos = 0;
-  while (pos < buf.size()) {
+  while (pos < buf.size() && runs.ok()) {
     bool zero = false;
     size_t run = 0;
     while (pos + run < buf.size()) {
@@ -531,17 +516,15 @@ Task<Status> BlockCopyState::write_detecting_zeroes(uint64_t offset, std::span<c
       run += n;
     }
     if (!zero) {
-      w.pending.add();
-      spawn_detached(write_run(&w, target_.write(offset + pos, buf.subspan(pos, run), opts_.write_flags)));
+      co_await runs.spawn(target_.write(offset + pos, buf.subspan(pos, run), opts_.write_flags));
     } else if (!opts_.target_is_zero) {
-      w.pending.add();
-      spawn_detached(write_run(&w, target_.write_zeroes(offset + pos, run, zero_flags_)));
+      co_await runs.spawn(target_.write_zeroes(offset + pos, run, zero_flags_));
     }
     pos += run;
   }
-  // The writes use buf and w: wait for all of them, even after an error.
-  co_await w.pending.wait();
-  co_return std::move(w.error);
+  // The writes use buf: wait for all of them, even after an error.
+  co_await runs.wait();
+  co_return runs.take_status();
 }
 
 }  // namespace vblk

@@ -1,6 +1,8 @@
 // Base64 for secrets: see base64.h.
 #include "util/base64.h"
 
+#include <openssl/evp.h>
+
 #include <array>
 #include <cstdint>
 
@@ -10,6 +12,8 @@ namespace {
 
 constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
+// Decoding stays here rather than in OpenSSL: EVP_DecodeBlock rejects what
+// glib's decoder (QEMU's) takes: '\n' anywhere, an incomplete last group.
 // 0..63 for the alphabet, 0 for '=' (it fills a group), -1 otherwise.
 constexpr std::array<int8_t, 256> make_ranks() {
   std::array<int8_t, 256> r{};
@@ -23,23 +27,11 @@ constexpr auto kRanks = make_ranks();
 }  // namespace
 
 std::string base64_encode(std::string_view bytes) {
-  std::string out;
-  out.reserve((bytes.size() + 2) / 3 * 4);
-  size_t i = 0;
-  for (; i + 3 <= bytes.size(); i += 3) {
-    uint32_t v = static_cast<uint8_t>(bytes[i]) << 16 | static_cast<uint8_t>(bytes[i + 1]) << 8 |
-                 static_cast<uint8_t>(bytes[i + 2]);
-    for (int s = 18; s >= 0; s -= 6) out += kAlphabet[(v >> s) & 63];
-  }
-  size_t rest = bytes.size() - i;
-  if (rest) {
-    uint32_t v = static_cast<uint8_t>(bytes[i]) << 16;
-    if (rest == 2) v |= static_cast<uint8_t>(bytes[i + 1]) << 8;
-    out += kAlphabet[(v >> 18) & 63];
-    out += kAlphabet[(v >> 12) & 63];
-    out += rest == 2 ? kAlphabet[(v >> 6) & 63] : '=';
-    out += '=';
-  }
+  // OpenSSL's encoder: standard alphabet, '=' padded, no line breaks.
+  std::string out(4 * ((bytes.size() + 2) / 3) + 1, '\0');
+  const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                                reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<int>(bytes.size()));
+  out.resize(static_cast<size_t>(n));
   return out;
 }
 

@@ -7,6 +7,7 @@
 
 #include "block/drivers/qcow2/inflate.h"
 #include "block/drivers/qcow2/qcow2.h"
+#include "vblk/status_group.h"
 
 namespace vblk::qcow2 {
 
@@ -103,21 +104,9 @@ Task<Status> Qcow2Node::read_mapping(uint64_t offset, const Mapping& m, std::spa
 unsigned Qcow2Node::inflate_jobs() { return 4 * std::max(1u, std::thread::hardware_concurrency()); }
 
 namespace {
-// The compressed clusters of one read, in flight together.
-struct Fanout {
-  explicit Fanout(Loop& loop) : slots(loop, kClustersPerRead), pending(loop) {}
-  static constexpr uint64_t kClustersPerRead = 16;  // a 1 MiB chunk of 64 KiB clusters
-  CoSemaphore slots;  // bounds the buffers one read holds
-  WaitGroup pending;
-  Status error;
-};
-
-Task<void> fan_out(Fanout* f, Task<Status> t) {
-  Status st = co_await std::move(t);
-  if (!st && f->error) f->error = std::move(st);
-  f->slots.release();
-  f->pending.done();
-}
+// Compressed pieces of one read in flight at once (each holds its buffer):
+// a 1 MiB chunk of 64 KiB clusters.
+constexpr uint64_t kPiecesPerRead = 16;
 }  // namespace
 
 Task<Status> Qcow2Node::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t) {
@@ -125,17 +114,15 @@ Task<Status> Qcow2Node::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_
   // Compressed clusters are read and inflated concurrently (each inflate a
   // pool job); the rest in order, while those run. Whole clusters stored
   // back to back go as one run (one read, one job).
-  Fanout f(loop());
+  StatusGroup pieces(loop(), kPiecesPerRead);
   Status st;
   CompressedRun run;
   auto start_run = [&]() -> Task<void> {
     if (run.clusters.empty()) co_return;
-    co_await f.slots.acquire();
-    f.pending.add();
-    spawn_detached(fan_out(&f, read_compressed_run(std::move(run))));
+    co_await pieces.spawn(read_compressed_run(std::move(run)));
     run = CompressedRun{};
   };
-  while (done < buf.size() && st && f.error) {
+  while (done < buf.size() && st && pieces.ok()) {
     Mapping m;
     {
       co_await lock_.lock();
@@ -165,21 +152,19 @@ Task<Status> Qcow2Node::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_
       run.clusters.emplace_back(m.host, buf.subspan(done, n));
     } else if (m.type == ClusterType::Compressed) {
       co_await start_run();
-      co_await f.slots.acquire();
-      f.pending.add();
-      spawn_detached(fan_out(&f, read_mapping(offset + done, m, buf.subspan(done, n))));
+      co_await pieces.spawn(read_mapping(offset + done, m, buf.subspan(done, n)));
     } else {
       co_await start_run();
       st = co_await read_mapping(offset + done, m, buf.subspan(done, n));
     }
     done += n;
   }
-  if (st && f.error) co_await start_run();
+  if (st && pieces.ok()) co_await start_run();
   // The clusters in flight write into buf and f: wait for them, even after
   // an error.
-  co_await f.pending.wait();
+  co_await pieces.wait();
   if (!st) co_return st;
-  co_return std::move(f.error);
+  co_return pieces.take_status();
 }
 
 // Whether [offset, offset+bytes) reads as zeroes by its L2 entries alone: zero
