@@ -124,6 +124,15 @@ class CephCluster:
     def _write_conf(self) -> None:
         d = self.dir
         auth = "cephx" if self.cephx else "none"
+        # Client op timeouts, so a broken cluster fails instead of hanging; the
+        # cluster's conf and the keyring-less client conf share them.
+        client = f"""[client]
+rados mon op timeout = {self.op_timeout}
+rados osd op timeout = {self.op_timeout}
+client mount timeout = {self.op_timeout}
+log file = /dev/null
+admin socket =
+"""
         conf = f"""[global]
 fsid = {self.fsid}
 mon host = [v2:127.0.0.1:{self.port}]
@@ -165,13 +174,7 @@ osd op num shards = 2
 ms async op threads = 2
 ms bind port min = 6800
 ms bind port max = 7800
-[client]
-rados mon op timeout = {self.op_timeout}
-rados osd op timeout = {self.op_timeout}
-client mount timeout = {self.op_timeout}
-log file = /dev/null
-admin socket =
-"""
+""" + client
         if self.cephx:
             # Each OSD's own key, given to `ceph osd new` and its mkfs.
             conf += f"[osd]\nkeyring = {d}/$name/keyring\n"
@@ -186,13 +189,7 @@ mon host = [v2:127.0.0.1:{self.port}]
 ms bind msgr1 = false
 auth client required = {auth}
 keyring = {d}/no-such-keyring
-[client]
-rados mon op timeout = {self.op_timeout}
-rados osd op timeout = {self.op_timeout}
-client mount timeout = {self.op_timeout}
-log file = /dev/null
-admin socket =
-""")
+""" + client)
 
     def gen_key(self) -> str:
         return self.run("ceph-authtool", "--gen-print-key").stdout.decode().strip()
