@@ -25,6 +25,7 @@ or by hand: python3 tests/interop/ceph_cluster.py [--osds N] (prints the
 conf path and waits for Ctrl-C).
 """
 
+import itertools
 import os
 import shutil
 import signal
@@ -334,3 +335,19 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class NeedsCluster:
+    """TestCase mixin for tests on the module's cluster: skipped, saying why,
+    where the Ceph daemons are missing; name(tag) gives image names unique
+    within the test file."""
+    _names = itertools.count(1)
+
+    def setUp(self):
+        super().setUp()
+        reason = skip_reason()
+        if reason:
+            self.skipTest(reason)
+
+    def name(self, tag):
+        return "%s-%d" % (tag, next(NeedsCluster._names))

@@ -46,19 +46,7 @@ def write_pattern(path, size, pieces):
 PIECES = [(0, 64 * 1024, 1), (5 * MiB + 4096, 300 * 1024, 2), (13 * MiB, 1 * MiB, 3)]
 
 
-class RbdTest(InteropTestCase):
-    counter = 0
-
-    def setUp(self):
-        super().setUp()
-        reason = ceph_cluster.skip_reason()
-        if reason:
-            self.skipTest(reason)
-
-    def name(self, tag):
-        RbdTest.counter += 1
-        return "%s-%d" % (tag, RbdTest.counter)
-
+class RbdTest(ceph_cluster.NeedsCluster, InteropTestCase):
     def spec(self, image):
         return CLUSTER.spec(image)
 

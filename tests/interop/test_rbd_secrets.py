@@ -46,18 +46,10 @@ def tearDownModule():
         CLUSTER.stop()
 
 
-class RbdKeySecretTest(BothDaemons, InteropTestCase):
-    counter = 0
-
-    def setUp(self):
-        super().setUp()
-        reason = ceph_cluster.skip_reason()
-        if reason:
-            self.skipTest(reason)
+class RbdKeySecretTest(ceph_cluster.NeedsCluster, BothDaemons, InteropTestCase):
 
     def image(self, tag, size=4 * MiB):
-        RbdKeySecretTest.counter += 1
-        name = "%s-%d" % (tag, RbdKeySecretTest.counter)
+        name = self.name(tag)
         CLUSTER.rbd("create", "--size", "%dM" % (size // MiB), "%s/%s" % (CLUSTER.pool, name))
         return name
 
@@ -122,9 +114,8 @@ class RbdKeySecretTest(BothDaemons, InteropTestCase):
         """qemu-img's legacy create option: the secret is the connection's key."""
         names = []
         for tool in (vblk, qemu):
-            RbdKeySecretTest.counter += 1
-            names.append("rbd:%s/pw-%d:conf=%s:id=%s" % (CLUSTER.pool, RbdKeySecretTest.counter,
-                                                         CLUSTER.client_conf, CLUSTER.user))
+            names.append("rbd:%s/%s:conf=%s:id=%s" % (CLUSTER.pool, self.name("pw"),
+                                                      CLUSTER.client_conf, CLUSTER.user))
             r = tool("create", "-f", "raw", *self.secret(), "-o", "password-secret=sec0", names[-1], "1M")
             self.assertEqual(r.rc, 0, r)
             self.assertEqual(r.stdout, "Formatting '%s', fmt=raw size=1048576 password-secret=sec0\n" % names[-1])
@@ -185,18 +176,7 @@ PASS = "hunter2"
 PW = ["--object", "secret,id=pw,data=" + PASS]
 
 
-class RbdEncryptionTest(BothDaemons, InteropTestCase):
-    counter = 0
-
-    def setUp(self):
-        super().setUp()
-        reason = ceph_cluster.skip_reason()
-        if reason:
-            self.skipTest(reason)
-
-    def name(self, tag):
-        RbdEncryptionTest.counter += 1
-        return "%s-%d" % (tag, RbdEncryptionTest.counter)
+class RbdEncryptionTest(ceph_cluster.NeedsCluster, BothDaemons, InteropTestCase):
 
     def luks_image(self, tag, fmt):
         """An RBD image with a LUKS header made by cryptsetup (1000 PBKDF2
