@@ -48,6 +48,7 @@
 #include "vblk/dirty_bitmap.h"
 #include "vblk/node.h"
 #include "vblk/result.h"
+#include "vblk/slab_pool.h"
 #include "vblk/sync.h"
 #include "vblk/task.h"
 
@@ -259,9 +260,7 @@ class BlockCopyState {
   uint64_t foreground_ns_ = 0;  // last note_foreground(), 0: never
   std::vector<InFlight*> in_flight_;          // tasks of all calls
   std::vector<BlockCopyCall*> calls_;         // running calls (for kicks)
-  std::vector<AlignedBuffer> slabs_;          // huge-page memory for data buffers
-  std::vector<uint8_t*> free_pieces_;         // chunk-size pieces of slabs_ not in use
-  std::vector<AlignedBuffer> spare_;          // oversized buffers in use (rare)
+  SlabPool buffers_;                          // data buffers, sized to the chunk
 };
 
 }  // namespace vblk

@@ -425,43 +425,17 @@ Task<Status> BlockCopyState::copy_data(uint64_t offset, uint64_t bytes, bool& er
   co_return co_await read_write(offset, bytes, error_is_read);
 }
 
-// Data buffers are pieces of chunk size cut from slabs of 2 MiB transparent
-// huge pages (where the kernel gives them): a 1 MiB O_DIRECT request then
-// spans one or two physical segments instead of 256 pages, so the device
-// queue (virtio-blk allows 254 segments) need not split it, and the zero
-// scan and the kernel's pinning walk a few TLB entries. Pieces are recycled:
-// a fresh allocation per chunk would be an mmap/munmap pair each time. The
-// pieces in use are bounded by the memory budget (every user holds its bytes
-// of it), so the slabs are too.
-std::span<uint8_t> BlockCopyState::take_buffer(uint64_t bytes) {
-  const uint64_t piece = data_chunk_limit();
-  if (bytes > piece) {
-    // Not from the slabs (never happens with read_write's pieces).
-    spare_.push_back(AlignedBuffer(bytes, std::max<size_t>({kDefaultBufferAlign, source_.limits().buffer_alignment,
-                                                            target_.limits().buffer_alignment})));
-    return spare_.back().span();
-  }
-  if (free_pieces_.empty()) {
-    constexpr uint64_t kSlab = 2 << 20;
-    const uint64_t slab = align_up(std::max(piece, kSlab), kSlab);
-    slabs_.push_back(AlignedBuffer::huge(slab));
-    uint8_t* base = slabs_.back().data();
-    for (uint64_t off = 0; off + piece <= slab; off += piece) free_pieces_.push_back(base + off);
-  }
-  uint8_t* p = free_pieces_.back();
-  free_pieces_.pop_back();
-  return {p, static_cast<size_t>(bytes)};
-}
+// Data buffers come from a pool of huge-page slabs (SlabPool): a 1 MiB
+// O_DIRECT request then spans one or two physical segments instead of 256
+// pages, so the device queue (virtio-blk allows 254 segments) need not split
+// it, and the zero scan and the kernel's pinning walk a few TLB entries.
+// Pieces are recycled (a fresh allocation per chunk would be an mmap/munmap
+// pair and fresh zeroed pages each time) and sized to the chunk, so scattered
+// 64 KiB chunks touch 64 KiB each. The pieces in use are bounded by the
+// memory budget (every user holds its bytes of it), so the slabs are too.
+std::span<uint8_t> BlockCopyState::take_buffer(uint64_t bytes) { return buffers_.take(static_cast<size_t>(bytes)); }
 
-void BlockCopyState::give_buffer(std::span<uint8_t> b) {
-  for (auto it = spare_.begin(); it != spare_.end(); ++it) {
-    if (it->data() == b.data()) {
-      spare_.erase(it);
-      return;
-    }
-  }
-  free_pieces_.push_back(b.data());
-}
+void BlockCopyState::give_buffer(std::span<uint8_t> b) { buffers_.give(b); }
 
 Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& error_is_read) {
   // Pieces bounded by the read+write chunk (a copy_range chunk falling back
