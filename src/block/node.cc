@@ -109,6 +109,7 @@ Status Node::check_range(uint64_t offset, uint64_t bytes, bool write) const {
 // ---- in-flight tracking
 
 Node::Tracked* Node::find_conflict(const Tracked& t) const {
+  if (!t.serialising && serialising_in_flight_ == 0) return nullptr;
   for (Tracked* o = tracked_head_; o; o = o->next)
     if (o->begin < t.end && t.begin < o->end && (o->serialising || t.serialising)) return o;
   return nullptr;
@@ -131,6 +132,7 @@ void Node::link(Tracked& t) {
   if (tracked_head_) tracked_head_->prev = &t;
   tracked_head_ = &t;
   ++in_flight_;
+  if (t.serialising) ++serialising_in_flight_;
   idle_.reset();
 }
 
@@ -138,6 +140,7 @@ void Node::untrack(Tracked& t) {
   if (t.prev) t.prev->next = t.next;
   else tracked_head_ = t.next;
   if (t.next) t.next->prev = t.prev;
+  if (t.serialising) --serialising_in_flight_;
   for (auto h : t.waiters) loop_.post(h);
   if (--in_flight_ == 0) idle_.set();
 }
