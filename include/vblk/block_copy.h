@@ -235,8 +235,6 @@ class BlockCopyState {
   Task<Status> copy_data(uint64_t offset, uint64_t bytes, bool& error_is_read);
   Task<Status> read_write(uint64_t offset, uint64_t bytes, bool& error_is_read);
   Task<Status> write_detecting_zeroes(uint64_t offset, std::span<const uint8_t> buf);
-  std::span<uint8_t> take_buffer(uint64_t bytes);
-  void give_buffer(std::span<uint8_t> b);
   InFlight* find_in_flight(uint64_t offset, uint64_t end);
   // [offset, offset+bytes) widened to whole clusters, clamped to the length.
   std::pair<uint64_t, uint64_t> cluster_hull(uint64_t offset, uint64_t bytes) const;
@@ -260,7 +258,12 @@ class BlockCopyState {
   uint64_t foreground_ns_ = 0;  // last note_foreground(), 0: never
   std::vector<InFlight*> in_flight_;          // tasks of all calls
   std::vector<BlockCopyCall*> calls_;         // running calls (for kicks)
-  SlabPool buffers_;                          // data buffers, sized to the chunk
+  // Data buffers from huge-page slabs: a 1 MiB O_DIRECT request spans one
+  // or two physical segments instead of 256 pages (the virtio queue allows
+  // 254), and recycled pieces cost no mmap or freshly zeroed pages per
+  // chunk; sized to the chunk, so scattered 64 KiB chunks touch 64 KiB
+  // each. Bounded by the memory budget every user holds its bytes of.
+  SlabPool buffers_;
 };
 
 }  // namespace vblk

@@ -425,18 +425,6 @@ Task<Status> BlockCopyState::copy_data(uint64_t offset, uint64_t bytes, bool& er
   co_return co_await read_write(offset, bytes, error_is_read);
 }
 
-// Data buffers come from a pool of huge-page slabs (SlabPool): a 1 MiB
-// O_DIRECT request then spans one or two physical segments instead of 256
-// pages, so the device queue (virtio-blk allows 254 segments) need not split
-// it, and the zero scan and the kernel's pinning walk a few TLB entries.
-// Pieces are recycled (a fresh allocation per chunk would be an mmap/munmap
-// pair and fresh zeroed pages each time) and sized to the chunk, so scattered
-// 64 KiB chunks touch 64 KiB each. The pieces in use are bounded by the
-// memory budget (every user holds its bytes of it), so the slabs are too.
-std::span<uint8_t> BlockCopyState::take_buffer(uint64_t bytes) { return buffers_.take(static_cast<size_t>(bytes)); }
-
-void BlockCopyState::give_buffer(std::span<uint8_t> b) { buffers_.give(b); }
-
 Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& error_is_read) {
   // Pieces bounded by the read+write chunk (a copy_range chunk falling back
   // is larger), each holding its bytes of the memory budget.
@@ -445,7 +433,7 @@ Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& e
     const uint64_t n = std::min(piece_max, bytes - done);
     co_await memory_.acquire(n);
     memory_peak_ = std::max(memory_peak_, memory_in_use());
-    std::span<uint8_t> span = take_buffer(n);
+    std::span<uint8_t> span = buffers_.take(static_cast<size_t>(n));
     Status st = co_await source_.read(offset + done, span);
     if (!st.ok()) {
       error_is_read = true;
@@ -457,7 +445,7 @@ Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& e
       }
       if (!st.ok()) error_is_read = false;
     }
-    give_buffer(span);
+    buffers_.give(span);
     memory_.release(n);
     if (!st.ok()) co_return st;
     done += n;
