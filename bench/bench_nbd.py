@@ -33,6 +33,11 @@ Environments:
             dropped before each run)
   nbdkit    (--envs) nbdkit file FILE fadvise=random (raw only; nbdkit's
             file plugin has no O_DIRECT)
+--page-cache (for images on tmpfs, --dir /dev/shm/...): no device in the way,
+so what is left is each server's own path against the client's: device is
+fio without O_DIRECT, every server runs with --cache=writeback (vblk and
+vblk-wb, qn-uring and qn-thr; qn-native, which needs O_DIRECT, and
+qn-thr-wb, then the same as qn-thr, are left out).
 fio reaches the servers with --ioengine=nbd --uri=nbd+unix:///?socket=...
 Each server is started for its measurement and stopped after it; the
 environments run interleaved, the order rotating per run.
@@ -81,7 +86,12 @@ def wait_socket(path, proc, timeout=20):
     raise SystemExit(f"server socket {path} did not come up")
 
 
-def server_argv(env, vblk, fmt, image, sock, baseline=None):
+def server_argv(env, vblk, fmt, image, sock, baseline=None, page_cache=False):
+    argv = _server_argv(env, vblk, fmt, image, sock, baseline)
+    return [("--cache=writeback" if a == "--cache=none" else a) for a in argv] if page_cache else argv
+
+
+def _server_argv(env, vblk, fmt, image, sock, baseline=None):
     if env == "vblk-base":
         return [baseline, "nbd", "-f", fmt, "--cache=none", "--aio=io_uring", "-e", "8", "-t", "-k", sock, image]
     if env == "vblk":
@@ -107,7 +117,8 @@ def fio_argv(target, rw, jobs, args):
     if target.startswith("nbd"):
         argv += ["--ioengine=nbd", f"--uri={target}"]
     else:
-        argv += ["--ioengine=io_uring", "--direct=1", f"--filename={target}", f"--size={os.path.getsize(target)}"]
+        argv += ["--ioengine=io_uring", f"--direct={0 if args.page_cache else 1}", f"--filename={target}",
+                 f"--size={os.path.getsize(target)}"]
     return argv
 
 
@@ -134,6 +145,8 @@ def main():
     ap.add_argument("--jobs", default="1,4", help="comma-separated connection counts")
     ap.add_argument("--envs", default=None, metavar="REGEX", help="environments matching REGEX")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--page-cache", action="store_true",
+                    help="servers through the page cache (images on tmpfs): each server's own path, no device")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--baseline", default=None, metavar="VBLK",
                     help="an earlier vblk binary, run as environment vblk-base beside the others (regressions)")
@@ -154,6 +167,8 @@ def main():
         cases = [c for c in cases if re.search(args.only, f"{c[0][0]}/{c[1]}/{c[2]}")]
     envs = ["device", "client", "vblk", "vblk-wb"] + (["vblk-base"] if baseline else []) + list(QEMU_NBD) + ["nbdkit"]
     envs = [e for e in envs if re.search(args.envs, e)] if args.envs else [e for e in envs if e != "nbdkit"]
+    if args.page_cache:
+        envs = [e for e in envs if e not in ("qn-native", "qn-thr-wb")]
     meta = bi.run_meta(vblk, {"qemu_nbd_version": ["qemu-nbd", "--version"], "nbdkit_version": ["nbdkit", "--version"],
                               "fio_version": ["fio", "--version"]},
                        image_fs=bi.fs_of(workdir), runs=args.runs, runtime=args.runtime, ramp=args.ramp)
@@ -161,7 +176,8 @@ def main():
     print(f"# date:     {meta['date']}; kernel {meta['kernel']}; cpu {meta['cpu']}")
     print(f"# tools:    {meta['vblk_version']} ({meta['vblk']}); {meta['qemu_nbd_version']}; "
           f"{meta['nbdkit_version']}; {meta['fio_version']}")
-    print(f"# images:   {bi.human_size(args.size)} on {meta['image_fs']}")
+    print(f"# images:   {bi.human_size(args.size)} on {meta['image_fs']}"
+          + ("; every server with --cache=writeback (--page-cache)" if args.page_cache else ""))
     print(f"# load:     {meta['loadavg_start']} (1/5/15 min) at start")
     print(f"# runs:     {args.runs} per case and environment, interleaved, order rotating; fio 4k iodepth 32, "
           f"{args.runtime} s + {args.ramp} s ramp", flush=True)
@@ -178,7 +194,8 @@ def main():
         if "qcow2-full" in names:
             subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-o", "preallocation=falloc",
                             W("full.qcow2"), str(args.size)], check=True)
-            subprocess.run(["qemu-img", "convert", "-n", "-t", "none", "-f", "raw", "-O", "qcow2", W("img.raw"),
+            cache = "writeback" if args.page_cache else "none"
+            subprocess.run(["qemu-img", "convert", "-n", "-t", cache, "-f", "raw", "-O", "qcow2", W("img.raw"),
                             W("full.qcow2")], check=True)
         iops = {f"{c[0][0]}/{c[1]}/{c[2]}": {} for c in cases}
         for r in range(args.runs):
@@ -193,8 +210,8 @@ def main():
                         if os.path.exists(sock):
                             os.unlink(sock)
                         bi.drop_cache(image)
-                        proc = subprocess.Popen(server_argv(env, vblk, fmt, image, sock, baseline), stdout=subprocess.DEVNULL,
-                                                stderr=subprocess.PIPE)
+                        argv = server_argv(env, vblk, fmt, image, sock, baseline, args.page_cache)
+                        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                         try:
                             wait_socket(sock, proc)
                             v = run_fio(fio_argv(f"nbd+unix:///?socket={sock}", rw, jobs, args))
