@@ -10,12 +10,15 @@ Skipped, saying why, only when the Ceph daemons are not installed.
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import InteropTestCase, MiB, both, qemu, rand_bytes, storage_daemons, vblk  # noqa: E402
+from common import (VBLK, InteropTestCase, MiB, both, end_process, qemu, rand_bytes, storage_daemons,  # noqa: E402
+                    vblk, wait_for_socket)
 import ceph_cluster  # noqa: E402
 
 CLUSTER = None
@@ -269,6 +272,11 @@ class RbdTest(ceph_cluster.NeedsCluster, InteropTestCase):
         for v in seen.values():
             self.assertEqual(v, seen["vblk serve"])
 
+    def test_an_rbd_node_loads_librbd(self):
+        img = self.name("maps")
+        self.assertEqual(vblk("create", "-f", "raw", self.spec(img), "4M").rc, 0)
+        self.assertIn("librbd", maps_of_server(self, self.spec(img)))
+
     # ---- errors
     def test_errors_read_as_qemu_img(self):
         conf = CLUSTER.conf
@@ -283,6 +291,48 @@ class RbdTest(ceph_cluster.NeedsCluster, InteropTestCase):
         v = vblk("convert", "-O", "raw", "rbd:nopool/x:conf=%s" % conf, os.path.join(self.tmp, "o"))
         self.assertNotEqual(v.rc, 0)
         self.assertIn("error opening pool nopool", v.stderr)
+
+
+def maps_of_server(testcase, image, fmt="raw"):
+    """The shared objects mapped by a `vblk nbd` serving `image`."""
+    sock = os.path.join(testcase.tmp, "nbd-%d.sock" % len(os.listdir(testcase.tmp)))
+    argv = [VBLK, "nbd", "-f", fmt, "-k", sock, image]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_socket(sock, proc)
+        with open("/proc/%d/maps" % proc.pid) as f:
+            return f.read()
+    finally:
+        end_process(proc, argv, signal.SIGTERM)
+
+
+class LazyLibrbd(InteropTestCase):
+    """librbd is opened by the first rbd node, not by every vblk process
+    (src/block/drivers/rbd/rbd_lib.h); without it, rbd fails clearly and
+    nothing else changes. No cluster needed."""
+
+    def test_a_server_of_a_local_image_does_not_load_librbd(self):
+        img = os.path.join(self.tmp, "local.raw")
+        write_pattern(img, 4 * MiB, PIECES[:1])
+        maps = maps_of_server(self, img)
+        self.assertIn("vblk", maps)
+        self.assertNotIn("librbd", maps)
+        self.assertNotIn("librados", maps)
+
+    def test_without_librbd_rbd_fails_clearly_and_the_rest_works(self):
+        env = dict(os.environ, VBLK_LIBRBD="libvblk-test-no-such-librbd.so.1")
+        img = os.path.join(self.tmp, "local.raw")
+        write_pattern(img, 4 * MiB, PIECES[:1])
+        for argv in (["info", "rbd:rbd/img"], ["create", "-f", "raw", "rbd:rbd/img", "1M"],
+                     ["convert", "-O", "raw", img, "rbd:rbd/img"]):
+            p = subprocess.run([VBLK] + argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               timeout=60)
+            self.assertEqual(p.returncode, 1, (argv, p.stderr))
+            self.assertIn("could not load librbd: libvblk-test-no-such-librbd.so.1", p.stderr, argv)
+        p = subprocess.run([VBLK, "info", "--output=json", img], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(json.loads(p.stdout)["virtual-size"], 4 * MiB)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@
 #include "block/drivers/rbd/rbd_aio.h"
 #include "block/drivers/rbd/rbd_connection.h"
 #include "block/drivers/rbd/rbd_encryption.h"
+#include "block/drivers/rbd/rbd_lib.h"
 #include "vblk/buffer.h"
 #include "util/qdict_order.h"
 
@@ -33,6 +34,7 @@ namespace vblk {
 namespace {
 
 using rbd::RbdAio;
+using rbd::rbd_lib;
 
 // rbd_diff_iterate2's callback may stop the walk with its own negative code.
 constexpr int kStopDiff = -9000;
@@ -71,7 +73,7 @@ class RbdNode final : public Node {
     set_length(align_up(size, 512));
   }
   ~RbdNode() override {
-    if (image_) rbd_close(image_);
+    if (image_) rbd_lib().rbd_close(image_);
   }
 
   std::string filename() const override { return "json:" + qemu_json_compact(rbd::location_json(loc_)); }
@@ -93,7 +95,7 @@ class RbdNode final : public Node {
     long r = 0;
     if (n) {
       r = co_await RbdAio(loop(), [&](rbd_completion_t c) {
-        return rbd_aio_read(image_, offset, n, reinterpret_cast<char*>(buf.data()), c);
+        return rbd_lib().rbd_aio_read(image_, offset, n, reinterpret_cast<char*>(buf.data()), c);
       });
       if (r < 0) co_return Error(static_cast<int>(-r));
     }
@@ -104,7 +106,7 @@ class RbdNode final : public Node {
   Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t) override {
     VBLK_CO_TRY(co_await grow_for(offset + buf.size()));
     long r = co_await RbdAio(loop(), [&](rbd_completion_t c) {
-      return rbd_aio_write(image_, offset, buf.size(), reinterpret_cast<const char*>(buf.data()), c);
+      return rbd_lib().rbd_aio_write(image_, offset, buf.size(), reinterpret_cast<const char*>(buf.data()), c);
     });
     if (r < 0) co_return Error(static_cast<int>(-r));
     co_return Status{};
@@ -114,20 +116,20 @@ class RbdNode final : public Node {
     VBLK_CO_TRY(co_await grow_for(offset + bytes));
     int zflags = (flags & kReqMayUnmap) ? 0 : RBD_WRITE_ZEROES_FLAG_THICK_PROVISION;
     long r = co_await RbdAio(loop(), [&](rbd_completion_t c) {
-      return rbd_aio_write_zeroes(image_, offset, bytes, c, zflags, 0);
+      return rbd_lib().rbd_aio_write_zeroes(image_, offset, bytes, c, zflags, 0);
     });
     if (r < 0) co_return Error(static_cast<int>(-r));
     co_return Status{};
   }
 
   Task<Status> do_discard(uint64_t offset, uint64_t bytes) override {
-    long r = co_await RbdAio(loop(), [&](rbd_completion_t c) { return rbd_aio_discard(image_, offset, bytes, c); });
+    long r = co_await RbdAio(loop(), [&](rbd_completion_t c) { return rbd_lib().rbd_aio_discard(image_, offset, bytes, c); });
     if (r < 0) co_return Error(static_cast<int>(-r));
     co_return Status{};
   }
 
   Task<Status> do_flush() override {
-    long r = co_await RbdAio(loop(), [&](rbd_completion_t c) { return rbd_aio_flush(image_, c); });
+    long r = co_await RbdAio(loop(), [&](rbd_completion_t c) { return rbd_lib().rbd_aio_flush(image_, c); });
     if (r < 0) co_return Error(static_cast<int>(-r));
     co_return Status{};
   }
@@ -142,8 +144,8 @@ class RbdNode final : public Node {
     bytes = std::min<uint64_t>(bytes, size_ - offset);
     s.bytes = bytes;
     uint64_t features = 0, flags = 0;
-    if (rbd_get_features(image_, &features) < 0 || !(features & RBD_FEATURE_FAST_DIFF)) co_return s;
-    if (rbd_get_flags(image_, &flags) < 0 || (flags & RBD_FLAG_FAST_DIFF_INVALID)) co_return s;
+    if (rbd_lib().rbd_get_features(image_, &features) < 0 || !(features & RBD_FEATURE_FAST_DIFF)) co_return s;
+    if (rbd_lib().rbd_get_flags(image_, &flags) < 0 || (flags & RBD_FLAG_FAST_DIFF_INVALID)) co_return s;
     DiffReq req{.offs = offset};
     uint64_t head = 0;
 #if LIBRBD_VERSION_CODE < LIBRBD_VERSION(1, 17, 0)
@@ -155,10 +157,10 @@ class RbdNode final : public Node {
     {
       rbd_linked_image_spec_t parent;
       rbd_snap_spec_t snap;
-      int pr = rbd_get_parent(image_, &parent, &snap);
+      int pr = rbd_lib().rbd_get_parent(image_, &parent, &snap);
       if (pr == 0) {
-        rbd_linked_image_spec_cleanup(&parent);
-        rbd_snap_spec_cleanup(&snap);
+        rbd_lib().rbd_linked_image_spec_cleanup(&parent);
+        rbd_lib().rbd_snap_spec_cleanup(&snap);
       }
       if (pr != -ENOENT) co_return s;
     }
@@ -168,7 +170,7 @@ class RbdNode final : public Node {
 #endif
     const uint64_t from = req.offs, len = bytes;
     std::function<long()> walk = [this, &req, from, len]() -> long {
-      return rbd_diff_iterate2(image_, nullptr, from, len, true, true, diff_cb, &req);
+      return rbd_lib().rbd_diff_iterate2(image_, nullptr, from, len, true, true, diff_cb, &req);
     };
     long r = co_await loop().run_blocking(walk);
     if (r < 0 && r != kStopDiff) co_return s;
@@ -195,7 +197,7 @@ class RbdNode final : public Node {
     int n;
     do {
       snaps.resize(max);
-      n = rbd_snap_list(image_, snaps.data(), &max);
+      n = rbd_lib().rbd_snap_list(image_, snaps.data(), &max);
     } while (n == -ERANGE);
     if (n <= 0) return out;
     for (int i = 0; i < n; ++i) {
@@ -205,7 +207,7 @@ class RbdNode final : public Node {
       sn.icount = 0;
       out.push_back(std::move(sn));
     }
-    rbd_snap_list_end(snaps.data());
+    rbd_lib().rbd_snap_list_end(snaps.data());
     return out;
   }
 
@@ -214,7 +216,7 @@ class RbdNode final : public Node {
     if (!sn.id.empty() && sn.id != sn.name) co_return Error(EINVAL);
     if (sn.name.size() >= 128) co_return Error(ERANGE);  // QEMUSnapshotInfo's id_str
     const std::string name = sn.name;
-    std::function<long()> fn = [this, name]() -> long { return rbd_snap_create(image_, name.c_str()); };
+    std::function<long()> fn = [this, name]() -> long { return rbd_lib().rbd_snap_create(image_, name.c_str()); };
     long r = co_await loop().run_blocking(fn);
     // QEMU reports librbd's failure itself, then the caller's generic line.
     if (r < 0) co_return Error(static_cast<int>(-r), std::string("failed to create snap: ") + std::strerror(-r));
@@ -222,12 +224,12 @@ class RbdNode final : public Node {
   }
 
   Task<Status> snapshot_goto(const std::string& name) override {
-    std::function<long()> fn = [this, name]() -> long { return rbd_snap_rollback(image_, name.c_str()); };
+    std::function<long()> fn = [this, name]() -> long { return rbd_lib().rbd_snap_rollback(image_, name.c_str()); };
     long r = co_await loop().run_blocking(fn);
     if (r < 0) co_return Error(static_cast<int>(-r));
     // The snapshot may have had another size.
     uint64_t size = 0;
-    if (rbd_get_size(image_, &size) == 0) {
+    if (rbd_lib().rbd_get_size(image_, &size) == 0) {
       size_ = size;
       set_length(align_up(size, 512));
     }
@@ -239,7 +241,7 @@ class RbdNode final : public Node {
     if (!id.empty() && id != name) {
       co_return Error(EINVAL, "rbd do not support snapshot id, it should be NULL or equal to snapshot name");
     }
-    std::function<long()> fn = [this, name]() -> long { return rbd_snap_remove(image_, name.c_str()); };
+    std::function<long()> fn = [this, name]() -> long { return rbd_lib().rbd_snap_remove(image_, name.c_str()); };
     long r = co_await loop().run_blocking(fn);
     if (r < 0) co_return Error(static_cast<int>(-r), std::string("Failed to remove the snapshot: ") + std::strerror(-r));
     co_return Status{};
@@ -253,7 +255,7 @@ class RbdNode final : public Node {
   }
 
   Task<Status> resize(uint64_t length) {
-    std::function<long()> fn = [this, length]() -> long { return rbd_resize(image_, length); };
+    std::function<long()> fn = [this, length]() -> long { return rbd_lib().rbd_resize(image_, length); };
     long r = co_await loop().run_blocking(fn);
     if (r < 0) co_return Error(static_cast<int>(-r), std::string("Failed to resize file: ") + std::strerror(-r));
     size_ = length;
@@ -282,26 +284,26 @@ Result<std::shared_ptr<Node>> open_rbd(OpenContext& ctx, Json& opts) {
   VBLK_TRY(conn);
   rbd_image_t image = nullptr;
   // Always opened read-write, as QEMU does (the image lock follows writers).
-  int r = rbd_open((*conn)->ioctx(), loc->image.c_str(), &image, loc->snapshot ? loc->snapshot->c_str() : nullptr);
+  int r = rbd_lib().rbd_open((*conn)->ioctx(), loc->image.c_str(), &image, loc->snapshot ? loc->snapshot->c_str() : nullptr);
   if (r < 0) return Error(-r, "error reading header from " + loc->image + ": " + std::strerror(-r));
   if (loc->encrypt) {
     // The image reads decrypted from here on; its size is the payload's.
     auto st = rbd::load_encryption(image, *loc->encrypt);
     if (!st) {
-      rbd_close(image);
+      rbd_lib().rbd_close(image);
       return st.error();
     }
   }
   rbd_image_info_t info;
-  r = rbd_stat(image, &info, sizeof info);
+  r = rbd_lib().rbd_stat(image, &info, sizeof info);
   if (r < 0) {
-    rbd_close(image);
+    rbd_lib().rbd_close(image);
     return Error(-r, "error getting image info from " + loc->image + ": " + std::strerror(-r));
   }
   if (loc->snapshot) {
     // bdrv_apply_auto_read_only without auto-read-only.
     if (!read_only) {
-      rbd_close(image);
+      rbd_lib().rbd_close(image);
       return Error(EACCES, "rbd snapshots are read-only");
     }
   }
@@ -349,7 +351,7 @@ Status remove_rbd(const std::string& filename) {
   VBLK_TRY(loc);
   auto conn = rbd::RbdConnection::connect(*loc, false);
   VBLK_TRY(conn);
-  int r = rbd_remove((*conn)->ioctx(), loc->image.c_str());
+  int r = rbd_lib().rbd_remove((*conn)->ioctx(), loc->image.c_str());
   if (r < 0) return Error(-r, "error removing " + loc->image + ": " + std::strerror(-r));
   return {};
 }

@@ -1,7 +1,7 @@
 // One librbd asynchronous request awaited by a coroutine.
 //
 //   long r = co_await RbdAio(loop, [&](rbd_completion_t c) {
-//     return rbd_aio_read(image, off, len, buf, c);
+//     return rbd_lib().rbd_aio_read(image, off, len, buf, c);
 //   });
 //
 // await_suspend creates the completion and starts the request; librbd calls
@@ -21,6 +21,7 @@
 #include <coroutine>
 
 #include "vblk/loop.h"
+#include "block/drivers/rbd/rbd_lib.h"
 
 namespace vblk::rbd {
 
@@ -34,7 +35,7 @@ class [[nodiscard]] RbdAio {
   bool await_suspend(std::coroutine_handle<> h) noexcept {
     waiter_ = h;
     rbd_completion_t c = nullptr;
-    int r = rbd_aio_create_completion(this, &RbdAio::on_complete, &c);
+    int r = rbd_lib().rbd_aio_create_completion(this, &RbdAio::on_complete, &c);
     if (r < 0) {
       result_ = r;
       return false;
@@ -43,7 +44,7 @@ class [[nodiscard]] RbdAio {
     r = start_(c);
     if (r < 0) {
       // Refused before it started: no callback will come.
-      rbd_aio_release(c);
+      rbd_lib().rbd_aio_release(c);
       loop_.release();
       result_ = r;
       return false;
@@ -58,8 +59,8 @@ class [[nodiscard]] RbdAio {
   // On a librbd thread.
   static void on_complete(rbd_completion_t c, void* arg) {
     auto* self = static_cast<RbdAio*>(arg);
-    long r = static_cast<long>(rbd_aio_get_return_value(c));
-    rbd_aio_release(c);
+    long r = static_cast<long>(rbd_lib().rbd_aio_get_return_value(c));
+    rbd_lib().rbd_aio_release(c);
     self->loop_.post_threadsafe([self, r] {
       self->result_ = r;
       self->loop_.release();

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "block/drivers/rbd/rbd_encryption.h"
+#include "block/drivers/rbd/rbd_lib.h"
 #include "util/secret_store.h"
 
 namespace vblk::rbd {
@@ -19,22 +20,24 @@ Error err(int r, const std::string& msg) { return Error(-r, msg + ": " + std::st
 }  // namespace
 
 RbdConnection::~RbdConnection() {
-  if (ioctx_) rados_ioctx_destroy(ioctx_);
-  if (cluster_) rados_shutdown(cluster_);
+  if (ioctx_) rbd_lib().rados_ioctx_destroy(ioctx_);
+  if (cluster_) rbd_lib().rados_shutdown(cluster_);
 }
 
 Result<std::unique_ptr<RbdConnection>> RbdConnection::connect(const RbdLocation& loc, bool cache) {
+  std::string why;
+  if (!load_rbd_lib(why)) return Error(ENOTSUP, why);
   std::unique_ptr<RbdConnection> c(new RbdConnection());
-  int r = rados_create(&c->cluster_, loc.user ? loc.user->c_str() : nullptr);
+  int r = rbd_lib().rados_create(&c->cluster_, loc.user ? loc.user->c_str() : nullptr);
   if (r < 0) {
     c->cluster_ = nullptr;
     return err(r, "error initializing");
   }
   // No conf: try the default locations and ignore a failure.
-  r = rados_conf_read_file(c->cluster_, loc.conf ? loc.conf->c_str() : nullptr);
+  r = rbd_lib().rados_conf_read_file(c->cluster_, loc.conf ? loc.conf->c_str() : nullptr);
   if (loc.conf && r < 0) return err(r, "error reading conf file " + *loc.conf);
   for (const auto& [k, v] : loc.keypairs) {
-    r = rados_conf_set(c->cluster_, k.c_str(), v.c_str());
+    r = rbd_lib().rados_conf_set(c->cluster_, k.c_str(), v.c_str());
     if (r < 0) return Error(EINVAL, "invalid conf option " + k + ": " + std::strerror(-r));
   }
   if (!loc.servers.empty()) {
@@ -43,7 +46,7 @@ Result<std::unique_ptr<RbdConnection>> RbdConnection::connect(const RbdLocation&
       if (!mon.empty()) mon += ';';
       mon += s.host.find(':') != std::string::npos ? "[" + s.host + "]:" + s.port : s.host + ":" + s.port;
     }
-    r = rados_conf_set(c->cluster_, "mon_host", mon.c_str());
+    r = rbd_lib().rados_conf_set(c->cluster_, "mon_host", mon.c_str());
     if (r < 0) return err(r, "error setting mon_host");
   }
   // QEMU's qemu_rbd_set_auth: the key is the secret's bytes in base64 (a
@@ -52,32 +55,32 @@ Result<std::unique_ptr<RbdConnection>> RbdConnection::connect(const RbdLocation&
   if (loc.key_secret) {
     auto key = SecretStore::process().lookup_base64(*loc.key_secret);
     if (!key) return Error(EIO, key.error().what());
-    r = rados_conf_set(c->cluster_, "key", key->c_str());
+    r = rbd_lib().rados_conf_set(c->cluster_, "key", key->c_str());
     explicit_bzero(key->data(), key->size());
     if (r < 0) return err(r, "Could not set 'key'");
   }
   if (!loc.auth_client_required.empty()) {
     std::string acr;
     for (const auto& a : loc.auth_client_required) acr += (acr.empty() ? "" : ";") + a;
-    r = rados_conf_set(c->cluster_, "auth_client_required", acr.c_str());
+    r = rbd_lib().rados_conf_set(c->cluster_, "auth_client_required", acr.c_str());
     if (r < 0) return err(r, "Could not set 'auth_client_required'");
   }
   // Only an error if the option is unknown, and librbd's default is off.
-  rados_conf_set(c->cluster_, "rbd_cache", cache ? "true" : "false");
-  r = rados_connect(c->cluster_);
+  rbd_lib().rados_conf_set(c->cluster_, "rbd_cache", cache ? "true" : "false");
+  r = rbd_lib().rados_connect(c->cluster_);
   if (r < 0) return err(r, "error connecting");
-  r = rados_ioctx_create(c->cluster_, loc.pool.c_str(), &c->ioctx_);
+  r = rbd_lib().rados_ioctx_create(c->cluster_, loc.pool.c_str(), &c->ioctx_);
   if (r < 0) {
     c->ioctx_ = nullptr;
     return err(r, "error opening pool " + loc.pool);
   }
   if (loc.ns && !loc.ns->empty()) {
     bool exists = false;
-    r = rbd_namespace_exists(c->ioctx_, loc.ns->c_str(), &exists);
+    r = rbd_lib().rbd_namespace_exists(c->ioctx_, loc.ns->c_str(), &exists);
     if (r < 0) return err(r, "error checking namespace");
     if (!exists) return Error(ENOENT, "namespace '" + *loc.ns + "' does not exist");
   }
-  rados_ioctx_set_namespace(c->ioctx_, loc.ns ? loc.ns->c_str() : nullptr);
+  rbd_lib().rados_ioctx_set_namespace(c->ioctx_, loc.ns ? loc.ns->c_str() : nullptr);
   return c;
 }
 
@@ -92,15 +95,15 @@ Status create_image(const RbdLocation& loc, uint64_t size, uint64_t cluster_size
   }
   auto c = RbdConnection::connect(loc, false);
   VBLK_TRY(c);
-  int r = rbd_create((*c)->ioctx(), loc.image.c_str(), size, &order);
+  int r = rbd_lib().rbd_create((*c)->ioctx(), loc.image.c_str(), size, &order);
   if (r < 0) return err(r, "error rbd create");
   if (!encrypt) return {};
   rbd_image_t image = nullptr;
-  r = rbd_open((*c)->ioctx(), loc.image.c_str(), &image, nullptr);
+  r = rbd_lib().rbd_open((*c)->ioctx(), loc.image.c_str(), &image, nullptr);
   if (r < 0) return err(r, "error opening image '" + loc.image + "' for encryption format");
   Status st = format_encryption(image, *encrypt);
-  rbd_close(image);
-  if (!st) rbd_remove((*c)->ioctx(), loc.image.c_str());  // as QEMU: no half-made image
+  rbd_lib().rbd_close(image);
+  if (!st) rbd_lib().rbd_remove((*c)->ioctx(), loc.image.c_str());  // as QEMU: no half-made image
   return st;
 }
 

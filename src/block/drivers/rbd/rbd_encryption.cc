@@ -1,5 +1,6 @@
 // RBD image encryption: see rbd_encryption.h.
 #include "block/drivers/rbd/rbd_encryption.h"
+#include "block/drivers/rbd/rbd_lib.h"
 
 #include <string.h>
 
@@ -34,12 +35,12 @@ Status load_encryption(rbd_image_t image, const RbdEncryption& enc) {
     rbd_encryption_luks1_format_options_t o{};
     o.passphrase = pw.bytes.data();
     o.passphrase_size = pw.bytes.size();
-    r = rbd_encryption_load(image, RBD_ENCRYPTION_FORMAT_LUKS1, &o, sizeof o);
+    r = rbd_lib().rbd_encryption_load(image, RBD_ENCRYPTION_FORMAT_LUKS1, &o, sizeof o);
   } else {
     rbd_encryption_luks2_format_options_t o{};
     o.passphrase = pw.bytes.data();
     o.passphrase_size = pw.bytes.size();
-    r = rbd_encryption_load(image, RBD_ENCRYPTION_FORMAT_LUKS2, &o, sizeof o);
+    r = rbd_lib().rbd_encryption_load(image, RBD_ENCRYPTION_FORMAT_LUKS2, &o, sizeof o);
   }
   if (r < 0) return err(r, "encryption load fail");
   return {};
@@ -47,7 +48,7 @@ Status load_encryption(rbd_image_t image, const RbdEncryption& enc) {
 
 Status format_encryption(rbd_image_t image, const RbdEncryption& enc) {
   uint64_t raw_size = 0, effective_size = 0;
-  int r = rbd_get_size(image, &raw_size);
+  int r = rbd_lib().rbd_get_size(image, &raw_size);
   if (r < 0) return err(r, "cannot get raw image size");
   auto secret = SecretStore::process().lookup(enc.key_secret);
   if (!secret) return secret.error();
@@ -64,25 +65,25 @@ Status format_encryption(rbd_image_t image, const RbdEncryption& enc) {
     o.alg = alg;
     o.passphrase = pw.bytes.data();
     o.passphrase_size = pw.bytes.size();
-    r = rbd_encryption_format(image, RBD_ENCRYPTION_FORMAT_LUKS1, &o, sizeof o);
+    r = rbd_lib().rbd_encryption_format(image, RBD_ENCRYPTION_FORMAT_LUKS1, &o, sizeof o);
   } else {
     rbd_encryption_luks2_format_options_t o{};
     o.alg = alg;
     o.passphrase = pw.bytes.data();
     o.passphrase_size = pw.bytes.size();
-    r = rbd_encryption_format(image, RBD_ENCRYPTION_FORMAT_LUKS2, &o, sizeof o);
+    r = rbd_lib().rbd_encryption_format(image, RBD_ENCRYPTION_FORMAT_LUKS2, &o, sizeof o);
   }
   if (r < 0) return err(r, "encryption format fail");
-  r = rbd_get_size(image, &effective_size);
+  r = rbd_lib().rbd_get_size(image, &effective_size);
   if (r < 0) return err(r, "cannot get effective image size");
-  r = rbd_resize(image, raw_size + (raw_size - effective_size));
+  r = rbd_lib().rbd_resize(image, raw_size + (raw_size - effective_size));
   if (r < 0) return err(r, "cannot resize image after format");
   return {};
 }
 
 std::optional<std::string> probe_encryption_format(rbd_image_t image, uint64_t size) {
   char buf[8] = {};
-  if (size >= sizeof buf && rbd_read(image, 0, sizeof buf, buf) < 0) return std::nullopt;
+  if (size >= sizeof buf && rbd_lib().rbd_read(image, 0, sizeof buf, buf) < 0) return std::nullopt;
   if (!std::memcmp(buf, kLuks1Magic, sizeof buf)) return "luks";
   if (!std::memcmp(buf, kLuks2Magic, sizeof buf)) return "luks2";
   return std::nullopt;
