@@ -27,7 +27,8 @@ deleted. Environments run interleaved, the order rotating per run; the first
 run's targets are checked against the raw source with `qemu-img compare`.
 
 Reported: seconds mean ± stdev, the speed-up of vblk convert over each QEMU
-tool and over the fastest, and of vblk's faster tool over QEMU's fastest. Python 3 standard library only.
+tool and over the fastest, and of vblk's faster tool over QEMU's fastest.
+Python 3 standard library only.
 """
 import argparse
 import json

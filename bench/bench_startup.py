@@ -5,7 +5,7 @@ raw and of a small qcow2), in one run.
 
 Each command is run --runs times per tool, the tools interleaved; wall time
 per run (fork + exec + the command) and the peak RSS of one extra run
-(GNU time's %M). Reported: mean ± stdev in milliseconds, peak RSS
+(`/usr/bin/time -v`, bench_convert.time_v). Reported: mean ± stdev in milliseconds, peak RSS
 in MiB, and vblk's time over qemu-img's. Python 3 standard library only.
 """
 import argparse
@@ -17,6 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_convert  # noqa: E402  (time_v: peak RSS from /usr/bin/time -v)
 import bench_img as bi  # noqa: E402
 
 
@@ -27,11 +28,7 @@ def timed(argv):
 
 
 def peak_rss_mib(argv):
-    # GNU time forks and execs the command itself, so the peak is the
-    # command's own (a fork of this Python process would count its pages).
-    p = subprocess.run(["/usr/bin/time", "-f", "%M"] + argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       text=True, check=True)
-    return int(p.stderr.strip().splitlines()[-1]) / 1024
+    return bench_convert.time_v(argv)[1] / 1024
 
 
 def main():

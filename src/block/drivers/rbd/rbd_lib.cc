@@ -42,20 +42,22 @@ void load() {
 
 std::once_flag g_once;
 
+// The table once loaded, null if it could not be (g_why says why).
+const RbdLib* loaded() {
+  std::call_once(g_once, load);
+  return g_why.empty() ? &g_lib : nullptr;
+}
+
 }  // namespace
 
 const RbdLib* load_rbd_lib(std::string& why) {
-  std::call_once(g_once, load);
-  if (!g_why.empty()) {
-    why = g_why;
-    return nullptr;
-  }
-  return &g_lib;
+  const RbdLib* lib = loaded();
+  if (!lib) why = g_why;
+  return lib;
 }
 
 const RbdLib& rbd_lib() {
-  std::string why;
-  const RbdLib* lib = load_rbd_lib(why);
+  const RbdLib* lib = loaded();
   if (!lib) std::abort();  // a connection or image exists only after a successful load
   return *lib;
 }

@@ -3,10 +3,11 @@
 // Linking them into vblk made every process pay for them, rbd or not: an
 // empty program linked against the two takes 15.8 ms and 21 MiB to run,
 // and vblk --version took 14 ms against qemu-img's 4.6 ms, with 22 MiB
-// resident against 7.3 (bench/bench_startup.py; now 3.4 ms and 6.3 MiB). QEMU keeps its rbd driver in a module for
-// the same reason. The driver calls the libraries through this table,
-// filled by dlopen on the first rbd connection; a host without them gets a
-// clear error at that point, and everything else works.
+// resident against 7.3 (bench/bench_startup.py; now 3.4 ms and 6.3 MiB).
+// QEMU keeps its rbd driver in a module for the same reason. The driver
+// calls the libraries through this table, filled by dlopen on the first rbd
+// connection; a host without them gets a clear error at that point, and
+// everything else works.
 #pragma once
 
 #include <rados/librados.h>
