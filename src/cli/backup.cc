@@ -16,13 +16,20 @@
 //                died with it in use) is refused with an error and no
 //                target: never a silent full copy, never a chain that lies.
 //
-// On any failure the target this command created is removed, and the
-// bitmap is as it was (the job merges its successor back). Restore is
+// A file target is written as TARGET.vblk-partial and renamed to TARGET
+// only once the backup is complete and on disk, so a killed backup leaves
+// nothing that looks finished. On any failure the target this command
+// created is removed and the bitmap is as it was: a bitmap it created is
+// removed, one the job reset gets its bits back. Restore is
 // `vblk convert` of any point of the chain: as sparse as the source.
+#include <fcntl.h>
 #include <getopt.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <optional>
 #include <vector>
 
 #include "block/drivers/drivers.h"
@@ -39,6 +46,24 @@ namespace vblk::cli {
 
 namespace {
 
+// Where a file target is written until the backup has finished.
+constexpr const char* kPartialSuffix = ".vblk-partial";
+
+// Gives the finished backup its name: never over a file that appeared
+// meanwhile, and durable (the directory entry synced) before success.
+Status publish_file(const std::string& from, const std::string& to) {
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) != 0)
+    return Error(errno, "rename '" + from + "' to '" + to + "': " + std::strerror(errno));
+  std::string dir = std::filesystem::path(to).parent_path().string();
+  if (dir.empty()) dir = ".";
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Error(errno, "open directory '" + dir + "': " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return Error(err, "sync directory '" + dir + "': " + std::strerror(err));
+  return {};
+}
 
 void usage() {
   std::printf("usage: %s backup [-f fmt] [-O output_fmt] [--bitmap name [--incremental -B backing_file [-F "
@@ -107,6 +132,16 @@ int cmd_backup(int argc, char** argv) {
     error_report("Could not create '" + target + "': the file exists (a backup never overwrites one)");
     return 1;
   }
+  // A file target is written under a partial name and renamed when the
+  // backup has finished: a killed backup never leaves a file at TARGET that
+  // looks like a finished one (an rbd image is written in place).
+  const bool in_place = target.rfind("rbd:", 0) == 0;
+  const std::string written = in_place ? target : target + kPartialSuffix;
+  if (!in_place && ::access(written.c_str(), F_OK) == 0) {
+    error_report("Could not create '" + target + "': '" + written +
+                 "' exists, a backup into it was stopped or is still running; remove it first");
+    return 1;
+  }
 
   Loop loop;
   // The source's bitmap changes with the backup, so it is opened for
@@ -115,49 +150,41 @@ int cmd_backup(int argc, char** argv) {
   sa.unshare = kPermWrite | kPermResize;
   auto src = open_cli_image(loop, sa);
   if (!src) return 1;
-  bool created_bitmap = false;
-  if (!bitmap.empty()) {
-    NamedBitmap* b = src->bitmaps().find(bitmap);
-    if (incremental) {
-      if (!b) {
-        error_report("Refusing the incremental backup: bitmap '" + bitmap + "' of '" + sa.filename +
-                     "' does not exist; make a full backup with --bitmap " + bitmap + " to start a chain");
-        return 1;
-      }
-      if (b->inconsistent) {
-        error_report("Refusing the incremental backup: bitmap '" + bitmap + "' of '" + sa.filename +
-                     "' is inconsistent (its writer stopped without storing it), so it may miss writes; make a "
-                     "full backup with --bitmap " + bitmap + " after removing it (vblk bitmap --remove)");
-        return 1;
-      }
-    } else if (!b) {
-      // A new chain: the bitmap starts here (clean; the job keeps it so).
-      if (Status st = src->can_store_new_bitmap(bitmap, default_bitmap_granularity(src->cluster_size())); !st) {
-        error_report("Cannot keep bitmap '" + bitmap + "': " + st.error().what());
-        return 1;
-      }
-      auto nb = src->bitmaps().create(bitmap, src->length(), default_bitmap_granularity(src->cluster_size()));
-      if (!nb) {
-        error_report("Cannot keep bitmap '" + bitmap + "': " + nb.error().what());
-        return 1;
-      }
-      (*nb)->persistent = true;
-      created_bitmap = true;
+  NamedBitmap* existing = bitmap.empty() ? nullptr : src->bitmaps().find(bitmap);
+  const uint64_t granularity = default_bitmap_granularity(src->cluster_size());
+  if (incremental) {
+    if (!existing) {
+      error_report("Refusing the incremental backup: bitmap '" + bitmap + "' of '" + sa.filename +
+                   "' does not exist; make a full backup with --bitmap " + bitmap + " to start a chain");
+      return 1;
+    }
+    if (existing->inconsistent) {
+      error_report("Refusing the incremental backup: bitmap '" + bitmap + "' of '" + sa.filename +
+                   "' is inconsistent (its writer stopped without storing it), so it may miss writes; make a "
+                   "full backup with --bitmap " + bitmap + " after removing it (vblk bitmap --remove)");
+      return 1;
+    }
+  } else if (!bitmap.empty() && !existing) {
+    if (Status st = src->can_store_new_bitmap(bitmap, granularity); !st) {
+      error_report("Cannot keep bitmap '" + bitmap + "': " + st.error().what());
+      return 1;
     }
   }
 
-  if (create_target(target, out_fmt, "", backing, backing_fmt, src->length(),
+  if (create_target(written, out_fmt, "", backing, backing_fmt, src->length(),
                     "error while creating the backup target: ") != 0)
     return 1;
-  bool done = false;
-  // Unless the backup completed: the target this command made goes, and so
-  // does a bitmap it made (kept, it would call everything before it backed
-  // up). The source's close then stores the bitmaps as they were.
+  // Unless the backup completed: the target this command made goes, a bitmap
+  // it made goes (kept, it would call everything before it backed up), and
+  // a bitmap it reset gets its bits back (nobody else wrote the source: the
+  // command unshares write). The source's close then stores the bitmaps.
   struct UndoUnlessDone {
-    const std::string& path;
-    bool& done;
+    bool done = false;
+    std::string path;
     Node& src;
-    std::string bitmap;
+    std::string created_bitmap;
+    std::string reused_bitmap;
+    std::optional<DirtyBitmap> reused_bits;
     ~UndoUnlessDone() {
       if (done) return;
       if (path.rfind("rbd:", 0) == 0) {
@@ -165,12 +192,27 @@ int cmd_backup(int argc, char** argv) {
       } else {
         ::unlink(path.c_str());
       }
-      if (!bitmap.empty()) src.bitmaps().remove(bitmap);
+      if (!created_bitmap.empty()) src.bitmaps().remove(created_bitmap);
+      // Looked up again: the job replaces a bitmap's record on success.
+      if (NamedBitmap* b = src.bitmaps().find(reused_bitmap); b && reused_bits) b->bits = *reused_bits;
     }
-  } undo{target, done, *src, created_bitmap ? bitmap : std::string()};
+  } undo{.path = written, .src = *src};
+  if (existing) {
+    undo.reused_bitmap = bitmap;
+    undo.reused_bits = existing->bits;
+  } else if (!bitmap.empty()) {
+    // A new chain: the bitmap starts here (clean; the job keeps it so).
+    auto nb = src->bitmaps().create(bitmap, src->length(), granularity);
+    if (!nb) {
+      error_report("Cannot keep bitmap '" + bitmap + "': " + nb.error().what());
+      return 1;
+    }
+    (*nb)->persistent = true;
+    undo.created_bitmap = bitmap;
+  }
 
   ImageArgs ta;
-  ta.filename = target;
+  ta.filename = written;
   ta.format = out_fmt;
   ta.read_only = false;
   auto dst = open_cli_image(loop, ta);
@@ -235,7 +277,14 @@ int cmd_backup(int argc, char** argv) {
   }
   (void)graph.remove(dst->node_name());
   (void)graph.remove(src->node_name());
-  done = true;
+  dst.reset();  // closed: every byte and the metadata are on disk before the rename
+  if (!in_place) {
+    if (Status st = publish_file(written, target); !st) {
+      error_report("Could not finish the backup '" + target + "': " + st.error().what());
+      return 1;
+    }
+  }
+  undo.done = true;
   return 0;
 }
 

@@ -203,6 +203,88 @@ class BackupCliTest(InteropTestCase):
         finally:
             subprocess.run(["umount", small])
 
+    def test_target_that_cannot_be_created_starts_no_chain(self):
+        """A typo in the target's directory: the full backup fails before it
+        copies anything, and must not leave the bitmap it would have started
+        (an incremental on it would silently miss everything before it)."""
+        src = self.source()
+        r = self.backup("--bitmap", "b1", src, os.path.join(self.tmp, "nonexistent", "full.qcow2"))
+        self.assertEqual(r.rc, 1, r)
+        self.assertEqual(self.bitmaps(src), [], "a failed full backup left its bitmap")
+        self.io(src, ["write -P 0x66 5M 64k"])
+        prev = os.path.join(self.tmp, "prev.qcow2")
+        self.assertEqual(qemu("create", "-q", "-f", "qcow2", prev, str(SIZE)).rc, 0)
+        inc = os.path.join(self.tmp, "inc.qcow2")
+        r = self.backup("--incremental", "--bitmap", "b1", "-B", prev, "-F", "qcow2", src, inc)
+        self.assertEqual(r.rc, 1, r)
+        self.assertIn("does not exist", r.stderr)
+        self.assertFalse(os.path.exists(inc))
+        self.check(src)
+
+    def test_killed_backup_leaves_nothing_that_looks_finished(self):
+        """kill -9 at any instant: TARGET either does not exist or is the
+        finished backup; what was being written carries the partial name,
+        and the next backup to TARGET says so instead of overwriting it."""
+        src = self.source()
+        rng = random.Random(9)
+        partials = 0
+        for i in range(6):
+            with self.subTest(round=i):
+                target = os.path.join(self.tmp, "k%d.qcow2" % i)
+                partial = target + ".vblk-partial"
+                p = subprocess.Popen([VBLK, "backup", "-r", "24M", "--bitmap", "k%d" % i, src, target],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(rng.uniform(0.05, 0.4))
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+                wait_unlocked(src)
+                self.assertFalse(os.path.exists(target), "a killed backup left a target that looks finished")
+                if not os.path.exists(partial):
+                    continue  # killed before it created anything
+                partials += 1
+                r = self.backup("--bitmap", "k%d" % i, src, target)
+                self.assertEqual(r.rc, 1, r)
+                self.assertIn(".vblk-partial' exists", r.stderr)
+                self.assertFalse(os.path.exists(target))
+                os.unlink(partial)
+        self.assertGreater(partials, 0, "no round killed a backup mid-copy")
+        # Killed mid-run, the bitmaps were left in use: never trusted later.
+        for b in self.bitmaps(src):
+            self.assertIn("in-use", b["flags"])
+        r = qemu("check", "-r", "leaks", src)
+        self.assertIn(r.rc, (0, 3), r)
+        target = os.path.join(self.tmp, "done.qcow2")
+        self.assertEqual(self.backup(src, target).rc, 0)
+        self.assertFalse(os.path.exists(target + ".vblk-partial"))
+        self.assertEqual(self.compare(src, target), (0, "Images are identical."))
+
+    def test_backup_that_fails_at_the_end_keeps_the_bitmap(self):
+        """The incremental copies everything, then cannot take its name (a
+        file appeared at TARGET meanwhile): the bitmap the job reset must
+        get its bits back, or the next incremental misses those writes."""
+        src = self.source()
+        full = os.path.join(self.tmp, "full.qcow2")
+        self.assertEqual(self.backup("--bitmap", "b", src, full).rc, 0)
+        self.io(src, ["write -P 0x77 7M 1M", "write -P 0x78 30M 2M"])
+        inc = os.path.join(self.tmp, "inc.qcow2")
+        p = subprocess.Popen([VBLK, "backup", "-r", "2M", "--incremental", "--bitmap", "b", "-B", full, "-F",
+                              "qcow2", src, inc], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 30
+        while not os.path.exists(inc + ".vblk-partial") and time.time() < deadline:
+            time.sleep(0.01)
+        with open(inc, "w") as f:
+            f.write("squatter")
+        _, err = p.communicate(timeout=120)
+        self.assertEqual(p.returncode, 1, err)
+        self.assertIn("Could not finish the backup", err)
+        self.assertFalse(os.path.exists(inc + ".vblk-partial"))
+        with open(inc) as f:
+            self.assertEqual(f.read(), "squatter")
+        inc2 = os.path.join(self.tmp, "inc2.qcow2")
+        r = self.backup("--incremental", "--bitmap", "b", "-B", full, "-F", "qcow2", src, inc2)
+        self.assertEqual(r.rc, 0, r)
+        self.assertEqual(self.compare(src, inc2), (0, "Images are identical."))
+
     def test_full_backup_of_an_nbd_export(self):
         src = self.source()
         sock = os.path.join(self.tmp, "nbd.sock")
