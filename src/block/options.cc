@@ -1,5 +1,6 @@
 #include "block/options.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -40,6 +41,27 @@ Result<std::optional<uint64_t>> take_size(Json& opts, const std::string& key) {
     if (r) return std::optional<uint64_t>(*r);
   }
   return type_error(key, "a non-negative number below 2^64");
+}
+
+Result<std::optional<uint64_t>> take_number(Json& opts, const std::string& key) {
+  auto it = opts.find(key);
+  if (it == opts.end()) return std::optional<uint64_t>();
+  Json v = *it;
+  opts.erase(it);
+  if (v.is_number_unsigned()) return std::optional<uint64_t>(v.get<uint64_t>());
+  if (v.is_number_integer()) return std::optional<uint64_t>(static_cast<uint64_t>(v.get<int64_t>()));
+  if (v.is_string()) {
+    const std::string s = v.get<std::string>();
+    const char* p = s.c_str();
+    while (std::isspace(static_cast<unsigned char>(*p))) ++p;
+    if (*p != '\0') {
+      char* end = nullptr;
+      errno = 0;
+      const unsigned long long n = std::strtoull(p, &end, 0);  // "-5" wraps, as qemu_strtou64's does
+      if (errno == 0 && end && *end == '\0') return std::optional<uint64_t>(n);
+    }
+  }
+  return type_error(key, "a number");
 }
 
 Result<std::optional<std::string>> take_string(Json& opts, const std::string& key) {

@@ -21,6 +21,10 @@ using Json = nlohmann::json;
 Result<std::optional<bool>> take_bool(Json& opts, const std::string& key);
 // Parses a JSON integer or a size string with k/M/G/T/P/E suffixes.
 Result<std::optional<uint64_t>> take_size(Json& opts, const std::string& key);
+// QemuOpts' QEMU_OPT_NUMBER: a JSON integer or a string in any base
+// qemu_strtou64 takes; a negative number wraps around, as it does in QEMU
+// (so range checks see it as huge).
+Result<std::optional<uint64_t>> take_number(Json& opts, const std::string& key);
 Result<std::optional<std::string>> take_string(Json& opts, const std::string& key);
 // Takes the sub-dictionary `key` (nested object, or flattened "key.x" entries).
 std::optional<Json> take_dict(Json& opts, const std::string& key);

@@ -41,6 +41,8 @@ def populate(d):
                data=[(0, rand_bytes(64 * KiB, "bad-input"))])
     make_image(os.path.join(d, "sparse.img"), MiB + 1, data=[(8192, b"data")])
     os.mkdir(os.path.join(d, "adir"))
+    r = qemu("create", "-q", "-f", "qcow2", os.path.join(d, "q.qcow2"), "1M")
+    assert r.rc == 0, r
     os.symlink("nowhere.img", os.path.join(d, "dangling.img"))
     os.symlink("loop2", os.path.join(d, "loop1"))
     os.symlink("loop1", os.path.join(d, "loop2"))
@@ -54,6 +56,18 @@ RC_ORACLE = "rc_oracle"    # do not insist on non-zero exit (platform dependent)
 
 # (name, argv, flags, expected normalised stderr or None)
 CASES = [
+    # --- option values QEMU checks although it may not act on them -------
+    ("qcow2_cache_clean_negative",
+     ["info", "--image-opts", "driver=qcow2,file.filename=q.qcow2,cache-clean-interval=-5"], {ONE_LINE},
+     "qemu-img: Could not open 'driver=qcow2,file.filename=q.qcow2,cache-clean-interval=-5': "
+     "Cache clean interval too big\n"),
+    ("qcow2_cache_clean_huge",
+     ["info", "--image-opts", "driver=qcow2,file.filename=q.qcow2,cache-clean-interval=4294967296"], {ONE_LINE},
+     None),
+    ("qcow2_cache_clean_word",
+     ["info", "--image-opts", "driver=qcow2,file.filename=q.qcow2,cache-clean-interval=soon"], {ONE_LINE},
+     "qemu-img: Could not open 'driver=qcow2,file.filename=q.qcow2,cache-clean-interval=soon': "
+     "Parameter 'cache-clean-interval' expects a number\n"),
     # --- missing / unopenable files --------------------------------------
     ("info_missing", ["info", "nope.img"], {ONE_LINE},
      "qemu-img: Could not open 'nope.img': Could not open 'nope.img': "

@@ -218,7 +218,11 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   }
   auto overlap = take_overlap_options(opts);
   VBLK_TRY(overlap);
-  (void)take_size(opts, "cache-clean-interval");
+  // Not acted on (vblk's caches are bounded, not aged), but checked as
+  // QEMU checks it: a bad value is an error, not silently ignored.
+  auto clean = take_number(opts, "cache-clean-interval");
+  VBLK_TRY(clean);
+  if (clean->value_or(0) > UINT32_MAX) return Error(EINVAL, "Cache clean interval too big");
   bool no_backing = false;
   if (opts.contains("backing") && opts["backing"].is_null()) {
     opts.erase("backing");
