@@ -20,6 +20,7 @@ C. Command line: option errors, -q, -T, -U with -r, --image-opts.
 Sanity check for the suite itself: ``VBLK=$(which qemu-img)`` passes.
 """
 
+import json
 import os
 import shutil
 import struct
@@ -765,6 +766,36 @@ class DamagedImagesTest(CheckTestCase):
             self.assertEqual(rv.rc, rq.rc, (rv, rq))
             self.assertEqual(Qcow2File(os.path.join(d, "v.qcow2")).autoclear,
                              Qcow2File(os.path.join(d, "q.qcow2")).autoclear, "io %s" % ro)
+
+    def test_bitmap_table_past_end_of_file(self):
+        """A bitmap whose table offset points a TiB past the end of the file:
+        check reports it as qemu-img does; -r all leaves an image qemu-img
+        check passes (QEMU gets there by storing the lost bitmap as clean on
+        close; vblk removes it, so no incremental backup trusts it), data
+        unchanged; opened before the repair, the bitmap is inconsistent."""
+        d = self.tmp
+        make_qemu_image(d, "img.qcow2", "", "4M")
+        qemu_ok("bitmap", "--add", "img.qcow2", "b0", cwd=d)
+        qemu_io(d, "img.qcow2", ["write -P 0x5a 1M 64k"])
+        q = Qcow2File(os.path.join(d, "img.qcow2"))
+        off, _ = q.bitmap_directory()
+        q.write(off, struct.pack(">Q", 1 << 40))
+        self.same_check(d, "img.qcow2")
+        shutil.copyfile(os.path.join(d, "img.qcow2"), os.path.join(d, "v.qcow2"))
+        r = vblk("check", "-r", "all", "v.qcow2", cwd=d)
+        self.assertEqual(r.rc, 0, r)
+        self.assertIn("Repairing bitmap 'b0'", r.stderr)
+        after = qemu("check", "v.qcow2", cwd=d)
+        self.assertEqual(after.rc, 0, after)
+        self.assertIn("No errors were found", after.stdout)
+        info = json.loads(qemu("info", "--output=json", "v.qcow2", cwd=d).stdout)
+        self.assertNotIn("bitmaps", info["format-specific"]["data"])
+        self.assertEqual(qemu("compare", "v.qcow2", "img.qcow2", cwd=d).rc, 0)
+        # Unrepaired, a read-write open keeps the bitmap but calls it in use.
+        shutil.copyfile(os.path.join(d, "img.qcow2"), os.path.join(d, "w.qcow2"))
+        self.assertEqual(vblk("io", "-c", "read 0 512", "w.qcow2", cwd=d).rc, 0)
+        info = json.loads(qemu("info", "--output=json", "w.qcow2", cwd=d).stdout)
+        self.assertIn("in-use", info["format-specific"]["data"]["bitmaps"][0]["flags"])
 
     def test_snapshot_refcounts(self):
         """Snapshot-shared clusters: refcount 2 lowered to 1 (an error fixed

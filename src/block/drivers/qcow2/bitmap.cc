@@ -57,21 +57,7 @@ uint64_t table_entries(uint64_t len, uint64_t cs, unsigned gran_bits) {
 
 }  // namespace
 
-Task<Status> Qcow2Node::load_bitmaps(bool ro) {
-  stored_bitmaps_.clear();
-  if (!h_.has_bitmaps_extension) co_return Status{};
-  if (!(h_.autoclear_features & kAutoclearBitmaps)) {
-    std::fprintf(stderr,
-                 "warning: a program lacking bitmap support modified this file, so all bitmaps are now considered "
-                 "inconsistent\nSome clusters may be leaked, run 'qemu-img check -r' on the image file to fix.");
-    if (!ro) {
-      auto g = co_await lock_.scoped();
-      h_.has_bitmaps_extension = false;
-      h_.bitmaps_extension.clear();
-      VBLK_CO_TRY(co_await write_header());
-    }
-    co_return Status{};
-  }
+Task<Result<std::vector<BitmapDirEntry>>> Qcow2Node::read_bitmap_directory() {
   const auto& x = h_.bitmaps_extension;
   if (x.size() != 24) co_return Error(EINVAL, "bitmaps_ext: Invalid extension length");
   const uint32_t nb = be32(x.data());
@@ -121,7 +107,36 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
   }
   if (entries.size() != nb) co_return Error(EINVAL, "Less bitmaps found than specified in header extension");
   if (pos != dir_size) co_return Error(EINVAL, "Broken bitmap directory");
+  co_return entries;
 
+}
+
+bool Qcow2Node::table_past_eof(const BitmapDirEntry& e) const {
+  // As check counts references: a last cluster partly beyond the end is
+  // fine, a whole one is not.
+  const uint64_t end = e.table_offset + uint64_t{e.table_size} * 8;
+  return end >= file_->length() + cs_ || end < e.table_offset;
+}
+
+Task<Status> Qcow2Node::load_bitmaps(bool ro) {
+  stored_bitmaps_.clear();
+  if (!h_.has_bitmaps_extension) co_return Status{};
+  if (!(h_.autoclear_features & kAutoclearBitmaps)) {
+    std::fprintf(stderr,
+                 "warning: a program lacking bitmap support modified this file, so all bitmaps are now considered "
+                 "inconsistent\nSome clusters may be leaked, run 'qemu-img check -r' on the image file to fix.");
+    if (!ro) {
+      auto g = co_await lock_.scoped();
+      h_.has_bitmaps_extension = false;
+      h_.bitmaps_extension.clear();
+      VBLK_CO_TRY(co_await write_header());
+    }
+    co_return Status{};
+  }
+  auto dir = co_await read_bitmap_directory();
+  if (!dir) co_return dir.take_error();
+  std::vector<BitmapDirEntry> entries = std::move(*dir);
+  const uint64_t dir_offset = be64(h_.bitmaps_extension.data() + 16);
   bool needs_update = false;
   AlignedBuffer table_buf(cs_), data(cs_);
   for (auto& e : entries) {
@@ -129,7 +144,18 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
     b->persistent = true;
     b->enabled = e.flags & kBmeAuto;
     b->readonly = ro;
-    if (e.flags & kBmeInUse) {
+    if (!(e.flags & kBmeInUse) && table_past_eof(e)) {
+      // QEMU reads the missing table as zeroes: a clean bitmap, so the next
+      // incremental backup would miss every write it recorded. Its data is
+      // gone: it is inconsistent (in_use on disk too), and `check -r all`
+      // removes it.
+      b->inconsistent = true;
+      b->enabled = false;
+      if (!ro) {
+        e.flags |= kBmeInUse;
+        needs_update = true;
+      }
+    } else if (e.flags & kBmeInUse) {
       // Data is unusable: it was not stored after the last change. QEMU's
       // bdrv_dirty_bitmap_set_inconsistent also stops it recording.
       b->inconsistent = true;
@@ -376,6 +402,45 @@ Task<Status> Qcow2Node::remove_persistent_bitmap(const std::string& name) {
   VBLK_CO_TRY(co_await write_bitmap_directory(std::move(dir)));
   VBLK_CO_TRY(co_await free_bitmap_clusters(offset, size));
   co_return co_await flush_all();
+}
+
+Task<Result<std::vector<std::string>>> Qcow2Node::drop_bitmaps_past_eof() {
+  std::vector<std::string> gone;
+  std::vector<BitmapDirEntry> keep;
+  // Check mode has not loaded the bitmaps: the directory is read here. One
+  // that does not parse is the check's to report, not this repair's.
+  if (!h_.has_bitmaps_extension || !(h_.autoclear_features & kAutoclearBitmaps)) co_return gone;
+  auto dir = co_await read_bitmap_directory();
+  if (!dir) co_return gone;
+  for (const auto& e : *dir) {
+    if (table_past_eof(e)) gone.push_back(e.name);
+    else keep.push_back(e);
+  }
+  if (gone.empty()) co_return gone;
+  const uint64_t dir_offset = be64(h_.bitmaps_extension.data() + 16);
+  // No allocation while check counts references: the shorter directory is
+  // written where the old one was, with the autoclear bit down meanwhile
+  // (QEMU's update_ext_header_and_dir_in_place). Clusters it no longer
+  // needs are leaks for the same check to repair.
+  h_.autoclear_features &= ~kAutoclearBitmaps;
+  if (keep.empty()) {
+    h_.has_bitmaps_extension = false;
+    h_.bitmaps_extension.clear();
+    VBLK_CO_TRY(co_await write_header());
+  } else {
+    VBLK_CO_TRY(co_await write_header());
+    auto buf = serialize_bitmap_directory(keep);
+    VBLK_CO_TRY(co_await checked_write(kOlBitmapDirectory, dir_offset, {buf.data(), buf.size()}));
+    VBLK_CO_TRY(co_await flush_all());
+    put32(h_.bitmaps_extension.data(), static_cast<uint32_t>(keep.size()));
+    put64(h_.bitmaps_extension.data() + 8, buf.size());
+    h_.autoclear_features |= kAutoclearBitmaps;
+    VBLK_CO_TRY(co_await write_header());
+  }
+  VBLK_CO_TRY(co_await flush_all());
+  if (!stored_bitmaps_.empty()) stored_bitmaps_ = std::move(keep);
+  for (const auto& name : gone) bitmaps().remove(name);
+  co_return gone;
 }
 
 nlohmann::ordered_json Qcow2Node::bitmaps_info() const {

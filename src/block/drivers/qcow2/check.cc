@@ -470,7 +470,21 @@ struct Qcow2Checker {
 
   // QEMU's qcow2_check_bitmaps_refcounts: the bitmap directory, the bitmap
   // tables and the bitmap data clusters.
-  Task<Status> check_bitmaps(CheckResult& res, Imrt& t) {
+  Task<Status> check_bitmaps(CheckResult& res, Imrt& t, uint32_t fix) {
+    if (fix & kCheckFixErrors) {
+      // Not in QEMU's check: there the rewrite of the bitmaps on close
+      // "repairs" such an image by storing the lost bitmap as clean (a
+      // missing table reads as zeroes). A bitmap whose data is gone cannot
+      // say what changed: it is removed, and an incremental backup on it is
+      // refused instead of silently missing writes.
+      auto gone = co_await q.drop_bitmaps_past_eof();
+      if (!gone) co_return gone.take_error();
+      for (const auto& name : *gone) {
+        say("Repairing bitmap '%s': its bitmap table lies beyond the end of the file; the bitmap is removed\n",
+            name.c_str());
+        res.corruptions_fixed++;
+      }
+    }
     const Header& h = q.h_;
     if (!h.has_bitmaps_extension || !(h.autoclear_features & kAutoclearBitmaps) || h.bitmaps_extension.size() != 24)
       co_return Status{};
@@ -640,7 +654,7 @@ struct Qcow2Checker {
     }
     VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(snapshots_offset), static_cast<int64_t>(snapshots_size)));
     VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(q.h_.refcount_table_offset), static_cast<int64_t>(q.rt_.size() * 8)));
-    VBLK_CO_TRY(co_await check_bitmaps(res, t));
+    VBLK_CO_TRY(co_await check_bitmaps(res, t, fix));
     co_return co_await check_refblocks(res, fix, rebuild, t);
   }
 

@@ -421,12 +421,21 @@ class Qcow2Node final : public Node {
   Task<Status> load_bitmaps(bool read_only);
   // Stores every persistent bitmap (close, lock held).
   Task<Status> store_bitmaps();
+  // check -r all: removes the stored bitmaps whose table lies beyond the end
+  // of the file (their data is gone) from the directory, rewritten in place,
+  // and from bitmaps(); returns their names. Lock held (by check).
+  Task<Result<std::vector<std::string>>> drop_bitmaps_past_eof();
   const std::vector<BitmapDirEntry>& stored_bitmaps() const { return stored_bitmaps_; }
 
  private:
   // format-specific "bitmaps": the directory as on disk (QEMU reads it there).
   nlohmann::ordered_json bitmaps_info() const;
   std::vector<uint8_t> serialize_bitmap_directory(const std::vector<BitmapDirEntry>& dir) const;
+  // The directory the `bitmaps` extension points at, each entry checked
+  // (QEMU's bitmap_list_load and check_dir_entry, with their messages).
+  Task<Result<std::vector<BitmapDirEntry>>> read_bitmap_directory();
+  // The entry's table reaches a whole cluster beyond the end of the file.
+  bool table_past_eof(const BitmapDirEntry& e) const;
   // Writes `dir` to new clusters, points the header at it (autoclear bit set,
   // or the extension dropped when empty), frees the old directory (lock held).
   Task<Status> write_bitmap_directory(std::vector<BitmapDirEntry> dir);
