@@ -162,7 +162,7 @@ void do_nbd_server(qmp::Daemon& d, const std::string& arg) {
   std::string type = addr.value("type", "");
   if (type.empty()) opt_fail("nbd-server", arg, "Parameter 'addr.type' is missing");
   if (auto e = qmp::check_args(type == "inet" ? kInet : kUnix, true, addr, "addr")) opt_fail("nbd-server", arg, *e);
-  unsigned maxc = 0;
+  unsigned maxc = nbd::Server::kDefaultMaxConnections;
   if (o.contains("max-connections")) {
     auto v = parse_ulong(o["max-connections"].get<std::string>(), UINT32_MAX);
     if (!v) opt_fail("nbd-server", arg, "Parameter 'max-connections' expects uint32_t");

@@ -2,13 +2,19 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "nbd/session.h"
 
 namespace vblk::nbd {
 
-Server::Server(Loop& loop, Options opts) : loop_(loop), opts_(opts), running_(loop), slot_free_(loop) {}
+Server::Server(Loop& loop, Options opts)
+    : loop_(loop),
+      opts_(opts),
+      running_(loop),
+      slot_free_(loop),
+      inflight_budget_(loop, std::max<uint64_t>(opts.max_inflight_bytes, 2 * uint64_t{kMaxBufferSize})) {}
 
 Server::~Server() = default;
 

@@ -47,7 +47,18 @@ class Server {
   struct Options {
     unsigned max_connections = 0;  // 0: no limit; more wait in the listen backlog
     unsigned max_requests = 64;    // requests in flight per connection
+    // Request data all connections together may hold in flight or as
+    // queued replies (each connection also has its own bound; see
+    // transmission.cc). At least two requests of NBD's maximum size.
+    uint64_t max_inflight_bytes = kDefaultInflightBytes;
   };
+  static constexpr uint64_t kDefaultInflightBytes = 256u << 20;
+  // nbd-server-start's max-connections when not given: QEMU's since the
+  // fix of CVE-2024-7409 (7.2 had no limit); 0 given explicitly still means
+  // no limit.
+  static constexpr unsigned kDefaultMaxConnections = 100;
+  // Idle data buffers all connections together keep for reuse.
+  static constexpr size_t kMaxPooledBytes = 64u << 20;
   Server(Loop& loop, Options opts);
   ~Server();
   Server(const Server&) = delete;
@@ -74,6 +85,10 @@ class Server {
   std::function<void()> on_connect;
 
   size_t connections() const { return conns_.size(); }
+  // The server-wide budget of request data (Options::max_inflight_bytes).
+  CoSemaphore& inflight_budget() { return inflight_budget_; }
+  // Bytes of idle buffers the connections' pools hold, against kMaxPooledBytes.
+  size_t& pooled_bytes() { return pooled_bytes_; }
   Loop& loop() const { return loop_; }
   const Options& options() const { return opts_; }
 
@@ -90,6 +105,8 @@ class Server {
   std::vector<int> listeners_;
   WaitGroup running_;
   CoEvent slot_free_;  // a connection ended (or stop): the accept loop may go on
+  CoSemaphore inflight_budget_;
+  size_t pooled_bytes_ = 0;
   bool stopping_ = false;
 };
 

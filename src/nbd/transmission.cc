@@ -29,6 +29,12 @@
 // back on it. The receive buffer starts small and grows only for a client
 // that fills it, so an idle connection costs a few KiB.
 //
+// All clients together are bounded too: request data is also charged to the
+// server's budget (Options::max_inflight_bytes), and the pools keep at most
+// Server::kMaxPooledBytes of idle buffers between them. So that clients
+// that pin the whole budget slow the others down but never stop them, each
+// connection may have one request of up to kFloorBytes outside it.
+//
 // A request the server cannot parse (bad magic, a write longer than it will
 // buffer) ends the connection; a request it can parse but not honour (out of
 // range, bad flags, read-only export) gets an error reply and the
@@ -56,12 +62,19 @@ class BufferPool {
   static constexpr size_t kMinShift = 12, kMaxShift = 20;
   static constexpr size_t kMaxCachedBytes = 16u << 20;
 
+  // `server_total`: the idle bytes of every pool of the server.
+  explicit BufferPool(size_t& server_total) : server_total_(server_total) {}
+  ~BufferPool() { server_total_ -= cached_; }
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+
   AlignedBuffer take(size_t n) {
     size_t c = size_class(n);
     if (c <= kMaxShift && !free_[c - kMinShift].empty()) {
       AlignedBuffer b = std::move(free_[c - kMinShift].back());
       free_[c - kMinShift].pop_back();
       cached_ -= b.size();
+      server_total_ -= b.size();
       return b;
     }
     return AlignedBuffer(c <= kMaxShift ? size_t{1} << c : std::max<size_t>(n, 1), 4096);
@@ -69,8 +82,11 @@ class BufferPool {
   void give(AlignedBuffer b) {
     if (!b.data()) return;
     size_t c = size_class(b.size());
-    if (c > kMaxShift || (size_t{1} << c) != b.size() || cached_ + b.size() > kMaxCachedBytes) return;
+    if (c > kMaxShift || (size_t{1} << c) != b.size() || cached_ + b.size() > kMaxCachedBytes ||
+        server_total_ + b.size() > Server::kMaxPooledBytes)
+      return;
     cached_ += b.size();
+    server_total_ += b.size();
     free_[c - kMinShift].push_back(std::move(b));
   }
 
@@ -82,6 +98,14 @@ class BufferPool {
   }
   std::array<std::vector<AlignedBuffer>, kMaxShift - kMinShift + 1> free_;
   size_t cached_ = 0;
+  size_t& server_total_;
+};
+
+// A request's bytes as charged to the budgets, released with its reply.
+struct Charge {
+  uint32_t bytes = 0;   // of the connection's budget
+  uint32_t shared = 0;  // of the server's budget
+  bool floor = false;   // the connection's one request outside the server's budget
 };
 
 struct Request {
@@ -91,6 +115,7 @@ struct Request {
   uint64_t offset = 0;
   uint32_t length = 0;
   AlignedBuffer payload;  // writes
+  Charge charge;          // what it holds of the budgets
 };
 
 // One reply: a header (simple, or structured with its fixed chunk fields),
@@ -102,7 +127,7 @@ struct Reply {
   AlignedBuffer data;
   uint32_t data_len = 0;
   std::vector<uint8_t> extra;
-  uint32_t charge = 0;  // the request's bytes of the connection's budget
+  Charge charge;
 };
 
 class Connection {
@@ -112,6 +137,7 @@ class Connection {
         slots_(s.loop, s.server.options().max_requests),
         bytes_(s.loop, kMaxInflightBytes),
         inflight_(s.loop),
+        pool_(s.server.pooled_bytes()),
         rbuf_(kMinRecvBuffer) {}
 
   Task<void> run() {
@@ -133,7 +159,15 @@ class Connection {
       if (r.type == kCmdWrite && r.length > kMaxBufferSize) break;
       // Before the payload is taken: a client whose replies pile up waits
       // here, its further requests left in the socket.
-      co_await bytes_.acquire(charge(r));
+      r.charge.bytes = bytes_of(r);
+      co_await bytes_.acquire(r.charge.bytes);
+      if (r.charge.bytes && r.charge.bytes <= kFloorBytes && !floor_busy_) {
+        floor_busy_ = true;
+        r.charge.floor = true;
+      } else if (r.charge.bytes) {
+        r.charge.shared = r.charge.bytes;
+        co_await s_.server.inflight_budget().acquire(r.charge.shared);
+      }
       if (r.type == kCmdWrite) {
         // The payload follows whatever we decide; one we will not buffer
         // cannot be skipped safely, so the connection ended above.
@@ -142,8 +176,10 @@ class Connection {
         if (have) std::memcpy(r.payload.data(), rbuf_.data() + rpos_, have);
         rpos_ += have;
         if (have < r.length &&
-            !co_await recv_exact(s_.loop, s_.fd, r.payload.span().subspan(have, r.length - have)))
+            !co_await recv_exact(s_.loop, s_.fd, r.payload.span().subspan(have, r.length - have))) {
+          release(r.charge);
           break;
+        }
       }
       co_await slots_.acquire();
       inflight_.add();
@@ -156,12 +192,15 @@ class Connection {
  private:
   static constexpr size_t kMinRecvBuffer = 4 << 10;
   static constexpr size_t kMaxRecvBuffer = 256 << 10;
+  // The size of the one request a connection may have outside the server's
+  // budget: a guest's largest usual request.
+  static constexpr uint32_t kFloorBytes = 1u << 20;
   // Request data one connection may have in flight or queued as replies:
   // room for a full queue of 1 MiB requests (the bench's and nbdcopy's
   // largest), and at least two requests of NBD's maximum size (32 MiB).
   static constexpr uint64_t kMaxInflightBytes = 64u << 20;
 
-  static uint32_t charge(const Request& r) {
+  static uint32_t bytes_of(const Request& r) {
     if (r.type == kCmdWrite) return r.length;
     // A larger read is refused without a buffer.
     if (r.type == kCmdRead && r.length <= kMaxBufferSize) return r.length;
@@ -399,8 +438,14 @@ class Connection {
 
   // Queues the reply to r; the request's slot and bytes stay taken until
   // it is sent.
+  void release(const Charge& c) {
+    bytes_.release(c.bytes);
+    if (c.shared) s_.server.inflight_budget().release(c.shared);
+    if (c.floor) floor_busy_ = false;
+  }
+
   void queue(const Request& r, Reply rep) {
-    rep.charge = charge(r);
+    rep.charge = r.charge;
     replies_.push_back(std::move(rep));
     if (!sending_) {
       sending_ = true;
@@ -437,12 +482,10 @@ class Connection {
           ::shutdown(s_.fd, SHUT_RDWR);
         }
       }
-      uint64_t charged = 0;
       for (Reply& rep : batch) {
         pool_.give(std::move(rep.data));
-        charged += rep.charge;
+        release(rep.charge);
       }
-      bytes_.release(charged);
       slots_.release(batch.size());
     }
     sending_ = false;
@@ -495,6 +538,7 @@ class Connection {
   std::deque<Reply> replies_;
   bool sending_ = false;
   bool broken_ = false;
+  bool floor_busy_ = false;  // a request holds the connection's floor
 };
 
 }  // namespace

@@ -42,7 +42,7 @@ Task<Reply> nbd_server_start(Daemon& d, const OJson& args) {
   if (args.contains("tls-creds")) co_return Reply::fail("No TLS credentials with id '" + args.at("tls-creds").get<std::string>() + "'");
   OJson flat = data;
   flat["type"] = type;
-  unsigned maxc = 0;
+  unsigned maxc = nbd::Server::kDefaultMaxConnections;
   if (args.contains("max-connections")) maxc = args.at("max-connections").get<unsigned>();
   auto st = start_nbd_server(d, flat, maxc);
   if (!st) co_return Reply::fail(st.error().what());

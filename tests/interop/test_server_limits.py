@@ -237,7 +237,7 @@ class ServerLimitsTest(InteropTestCase):
                     f.close()
         super().tearDown()
 
-    def serve(self, extra=(), monitors=1):
+    def serve(self, extra=(), monitors=1, nbd_opts=""):
         args = [VBLK, "serve"]
         for i in range(monitors):
             path = os.path.join(self.tmp, "qmp%d.sock" % i)
@@ -245,7 +245,7 @@ class ServerLimitsTest(InteropTestCase):
                      "--monitor", "chardev=mon%d" % i]
         self.nbd_sock = os.path.join(self.tmp, "nbd.sock")
         args += ["--blockdev", "driver=file,filename=%s,node-name=disk" % self.image,
-                 "--nbd-server", "addr.type=unix,addr.path=%s" % self.nbd_sock,
+                 "--nbd-server", "addr.type=unix,addr.path=%s%s" % (self.nbd_sock, nbd_opts),
                  "--export", "type=nbd,id=e0,node-name=disk,name="] + list(extra)
         p = Proc(args, wait_for=self.nbd_sock)
         self.procs.append(p)
@@ -301,7 +301,8 @@ class ServerLimitsTest(InteropTestCase):
                                 % ([int(x / MiB) for x in alone], [int(x / MiB) for x in loaded], CONNS))
 
     def test_idle_connections_serve(self):
-        p = self.serve()
+        # Above the default cap of 100 (test_default_connection_cap).
+        p = self.serve(nbd_opts=",max-connections=%d" % (CONNS + 100))
         q = self.qmp()
         self.idle_attack(self.nbd_sock, p.proc.pid, q)
         self.assert_quick_answer(q)
@@ -317,6 +318,55 @@ class ServerLimitsTest(InteropTestCase):
             self.idle_attack(("127.0.0.1", port), p.proc.pid)
             rc, err = p.stop()
             self.assertEqual((rc, err), (0, ""))
+
+    def test_default_connection_cap(self):
+        """Without max-connections the NBD server takes 100 clients (QEMU's
+        default since CVE-2024-7409): the next one waits unanswered in the
+        listen backlog until one of them leaves, then is served."""
+        p = self.serve()
+        held = open_idle(self.nbd_sock, 100, handshake_share=0)
+        extra = connect(self.nbd_sock)
+        extra.settimeout(1.0)
+        with self.assertRaises(socket.timeout):
+            extra.recv(1)
+        held.pop().close()
+        extra.settimeout(10)
+        nbd_go(extra)
+        send_read(extra, 1, 0, 4096)
+        self.assertEqual(read_reply(extra, 4096), b"\0" * 4096)
+        for s in held + [extra]:
+            s.close()
+        rc, err = p.stop()
+        self.assertEqual((rc, err), (0, ""))
+
+    def test_many_non_reading_clients(self):
+        """20 clients that each ask for 32 MiB reads and never read a reply:
+        together they hold at most the server's budget (256 MiB), not 20
+        times a connection's (the daemon held 1.3 GB), and a well-behaved
+        client is still served beside them."""
+        p = self.serve()
+        hogs = []
+        for k in range(20):
+            s = connect(self.nbd_sock)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            nbd_go(s)
+            s.settimeout(0.2)
+            try:
+                for i in range(8):
+                    send_read(s, i, ((k * 8 + i) * 32 * MiB) % (1024 * MiB - 32 * MiB), 32 * MiB)
+            except socket.timeout:
+                pass
+            hogs.append(s)
+        peak = 0
+        for _ in range(15):
+            peak = max(peak, vm_rss(p.proc.pid))
+            time.sleep(0.1)
+        self.assertLess(peak, 512 * MiB, "daemon RSS %d MiB with 20 clients' unread 32 MiB reads" % (peak // MiB))
+        self.assertGreater(read_throughput(self.nbd_sock, 0.5, clients=1), 0)
+        for s in hogs:
+            s.close()
+        rc, err = p.stop()
+        self.assertEqual((rc, err), (0, ""))
 
     def test_half_open_handshake_ends(self):
         """A client that connects and never finishes negotiating is let go
