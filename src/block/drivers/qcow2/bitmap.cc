@@ -124,7 +124,7 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
   if (!(h_.autoclear_features & kAutoclearBitmaps)) {
     std::fprintf(stderr,
                  "warning: a program lacking bitmap support modified this file, so all bitmaps are now considered "
-                 "inconsistent\nSome clusters may be leaked, run 'qemu-img check -r' on the image file to fix.");
+                 "inconsistent\nSome clusters may be leaked, run 'qemu-img check -r' on the image file to fix.\n");
     if (!ro) {
       auto g = co_await lock_.scoped();
       h_.has_bitmaps_extension = false;

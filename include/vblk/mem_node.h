@@ -1,0 +1,114 @@
+// MemNode: a protocol node whose medium is memory, with the hooks that
+// tests need to break what sits above it: injected faults, latency, a record
+// of every request, and power loss.
+//
+// Power loss is modelled as a disk with a volatile write cache: a write is
+// in the cache when it completes and on the medium only once a later flush
+// has completed (or at once with FUA). power_cut() returns what the medium
+// would hold if power failed now: the state of the last completed flush,
+// plus FUA writes, plus — in Reorder mode — any subset of the 512-byte
+// sectors of the unflushed writes (each sector whole: a sector write is
+// atomic, a multi-sector one may tear). cut_before(n) takes that image just
+// before the n-th write-type request (write, write-zeroes, discard, flush,
+// truncate) reaches the medium, and from then on every request fails with
+// EIO, as for a process whose disk has gone.
+//
+// Ownership: plain node; one loop, not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include "vblk/node.h"
+
+namespace vblk {
+
+class MemNode final : public Node {
+ public:
+  static constexpr uint32_t kSector = 512;
+
+  struct Options {
+    uint64_t size = 0;
+    // Writes past the end grow the node like a regular file, up to this;
+    // beyond it they fail with ENOSPC (a corrupt table can point anywhere).
+    uint64_t max_size = 1ull << 30;
+    BlockLimits limits;
+    bool yield = true;        // each request suspends once (requests interleave)
+    uint64_t latency_ns = 0;  // instead: each request sleeps this long
+    bool record = false;      // keep every request in ops()
+  };
+  struct Op {
+    char op;  // 'r' read, 'w' write, 'z' write-zeroes, 'd' discard, 'f' flush, 't' truncate
+    uint64_t offset, bytes;
+    uint32_t flags;
+  };
+  struct Fault {
+    char op;  // as Op::op
+    uint64_t offset, bytes;
+    int err;
+    bool once;
+  };
+  enum class CutMode {
+    Drop,     // every write not covered by a completed flush (nor FUA) is lost
+    Reorder,  // each sector of an unflushed write independently lands or not
+  };
+
+  MemNode(Loop& loop, Options o);
+  MemNode(Loop& loop, std::vector<uint8_t> contents, Options o);
+  MemNode(Loop& loop, std::vector<uint8_t> contents);
+
+  // What reads return now (the cache view).
+  const std::vector<uint8_t>& data() const { return volatile_; }
+  std::vector<uint8_t>& mutable_data() { return volatile_; }
+  const std::vector<Op>& ops() const { return ops_; }
+  std::vector<Fault> faults;
+
+  // Write-type requests submitted so far (the instants cut_before counts).
+  uint64_t writes_submitted() const { return submitted_; }
+  // The medium after a power failure now.
+  std::vector<uint8_t> power_cut(CutMode mode, uint64_t seed) const;
+  // Takes power_cut(mode, seed) just before write-type request n (1-based)
+  // and fails every request from then on.
+  void cut_before(uint64_t n, CutMode mode, uint64_t seed);
+  // The image cut_before took, once it has.
+  const std::optional<std::vector<uint8_t>>& cut_image() const { return cut_; }
+
+ protected:
+  Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override;
+  Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) override;
+  Task<Status> do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) override;
+  Task<Status> do_discard(uint64_t offset, uint64_t bytes) override;
+  Task<Status> do_flush() override;
+  Task<Status> do_truncate(uint64_t length, bool exact) override;
+
+ private:
+  // A change not yet on the medium: data (empty for zeroes) or a new length.
+  struct Pending {
+    char op;  // 'w', 'z' or 't'
+    uint64_t offset, bytes;
+    std::vector<uint8_t> data;
+    bool fua;
+  };
+
+  // Records, waits, counts the instant, applies faults; EIO once cut.
+  Task<Status> enter(char op, uint64_t offset, uint64_t bytes, uint32_t flags);
+  bool grow(uint64_t end);
+  // Applies p to img, or (sector_mask) only the sectors the generator picks.
+  static void apply(std::vector<uint8_t>& img, const Pending& p, std::mt19937_64* pick);
+  void remember(Pending p);
+
+  Options opts_;
+  std::vector<uint8_t> volatile_;
+  std::vector<uint8_t> durable_;
+  std::vector<Pending> pending_;
+  std::vector<Op> ops_;
+  uint64_t submitted_ = 0;
+  uint64_t cut_at_ = 0;
+  CutMode cut_mode_ = CutMode::Drop;
+  uint64_t cut_seed_ = 0;
+  std::optional<std::vector<uint8_t>> cut_;
+};
+
+}  // namespace vblk
