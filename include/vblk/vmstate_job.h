@@ -11,10 +11,11 @@
 // stream's, a write's, a snapshot's) the snapshots made so far are deleted
 // and the state's clusters given back, so no device keeps an entry.
 //
-// Load: every device goes back to the snapshot `tag` (as QEMU's loadvm
-// reverts the disks first), then the job connects to the socket a QEMU
-// started with `-incoming unix:PATH` listens on and sends the stream
-// through a VmstateReader.
+// Load: the command connects to the socket a QEMU started with
+// `-incoming unix:PATH` listens on; the job reverts every device to the
+// snapshot `tag` (as QEMU's loadvm reverts the disks first) and sends the
+// stream through a VmstateReader. All or nothing: a stream that fails
+// after the revert takes the revert back (snapshot_revert.h).
 //
 // Both are plain jobs (not block jobs): JOB_STATUS_CHANGE events, manual
 // dismiss, the error in query-jobs, as QEMU's snapshot jobs. Cancel
@@ -68,8 +69,10 @@ class SnapshotSaveJob : public Job {
 
 class SnapshotLoadJob : public Job {
  public:
-  SnapshotLoadJob(JobManager& mgr, const std::string& id, std::string tag, VmstateJobNodes nodes,
-                  std::string socket_path, VmstateOptions opts);
+  // `conn` is connected to the peer already: a wrong address fails the
+  // command before any disk is touched.
+  SnapshotLoadJob(JobManager& mgr, const std::string& id, std::string tag, VmstateJobNodes nodes, Fd conn,
+                  VmstateOptions opts);
   ~SnapshotLoadJob() override;
   const char* type() const override { return "snapshot-load"; }
 
@@ -80,7 +83,6 @@ class SnapshotLoadJob : public Job {
 
   std::string tag_;
   VmstateJobNodes nodes_;
-  std::string path_;
   Fd conn_;
   VmstateOptions opts_;
 };

@@ -8,8 +8,10 @@
 //     at the stream's end every device gets snapshot `tag`, the state on
 //     `vmstate`'s.
 //   x-vblk-loadvm {job-id, tag, vmstate, devices, addr, workers?, buffer-size?}
-//     reverts the devices to `tag` and connects to addr, where a QEMU
-//     started with `-incoming unix:PATH` (or tcp) waits for the stream.
+//     connects to addr (unix), where a QEMU started with `-incoming
+//     unix:PATH` waits for the stream, before it answers; the job then
+//     reverts the devices to `tag` and sends the stream (the revert taken
+//     back if the stream fails).
 //
 // The checks and texts are QEMU's save_snapshot / load_snapshot ones
 // (migration/savevm.c, block/snapshot.c) where QEMU has them; they run
@@ -100,7 +102,12 @@ Task<Reply> loadvm(Daemon& d, const OJson& a) {
   const OJson& addr = a["addr"];
   if (addr.value("type", "") != "unix")
     co_return Reply::fail("Address type '" + addr.value("type", std::string()) + "' is not supported by vblk");
-  auto job = d.jobs.create<SnapshotLoadJob>(r->job_id, r->tag, r->nodes, addr.value("path", std::string()), r->opts);
+  // The peer before any disk changes: a mistyped address fails here, with
+  // no job and the disks as they were.
+  const std::string path = addr.value("path", std::string());
+  auto c = co_await connect_unix(d.loop, path);
+  if (!c) co_return Reply::fail(c.error().what());
+  auto job = d.jobs.create<SnapshotLoadJob>(r->job_id, r->tag, r->nodes, std::move(*c), r->opts);
   if (!job) co_return Reply::fail(job.error().what());
   (*job)->start();
   co_return Reply::ok();

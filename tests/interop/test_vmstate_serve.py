@@ -186,6 +186,63 @@ class ServeVmstate(InteropTestCase):
         io("read -P 0xa1 0 64k")  # the disk is the one of the save again
         dm.quit()
 
+    def test_failed_load_leaves_the_disk(self):
+        """x-vblk-loadvm to an address nobody listens on fails the command
+        before any disk changes; a peer that goes away mid-stream fails the
+        job, and the revert is taken back: the disk holds the writes made
+        after the save, the snapshot list is the same, check is clean."""
+        dm = self.serve(nbd=True)
+        q = dm.qmp
+        uri = "nbd+unix:///disk?socket=%s" % self.nbd_sock
+
+        def io(cmd):
+            r = run([QEMU_IO, "-f", "raw", "-c", cmd, uri])
+            self.assertEqual(r.rc, 0, r)
+            self.assertNotIn("fail", r.stdout, r)
+
+        io("write -P 0xa1 0 1M")
+        sock = os.path.join(self.dir, "save.sock")
+        q.ok("x-vblk-savevm", self.save_args(sock))
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(sock)
+        s.sendall(self.stream())
+        s.close()
+        self.assertEqual(self.job_statuses(q, "sv")[-1], "concluded")
+        q.ok("job-dismiss", id="sv")
+        self.assertEqual(self.job_statuses(q, "sv", until="null"), ["null"])
+        io("write -P 0xb2 512k 1M")
+        # A mistyped address: no job, the disk untouched.
+        r = q.cmd("x-vblk-loadvm", self.save_args(os.path.join(self.dir, "typo.sock"), **{"job-id": "ld"}))
+        self.assertEqual(r.get("error", {}).get("desc"),
+                         "Failed to connect to '%s': No such file or directory" % os.path.join(self.dir, "typo.sock"))
+        self.assertEqual(q.ok("query-jobs"), [])
+        io("read -P 0xa1 0 512k")
+        io("read -P 0xb2 512k 1M")
+        # A peer that reads a little and closes.
+        lsock = os.path.join(self.dir, "load.sock")
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(lsock)
+        srv.listen(1)
+        q.ok("x-vblk-loadvm", self.save_args(lsock, **{"job-id": "ld", "buffer-size": 65536, "workers": 1}))
+        c, _ = srv.accept()
+        c.recv(1000)
+        c.close()
+        srv.close()
+        self.assertEqual(self.job_statuses(q, "ld")[-2:], ["aborting", "concluded"])
+        self.assertRegex(q.ok("query-jobs")[0]["error"],
+                         r"^Error while sending VM state: (Broken pipe|Connection reset by peer)$")
+        io("read -P 0xa1 0 512k")
+        io("read -P 0xb2 512k 1M")
+        io("read -P 0 1536k 1M")
+        dm.quit()
+        self.assertEqual([t for t, _ in snapshot_rows(self.img)], ["s1"])
+        r = qemu("check", self.img)
+        self.assertEqual(r.rc, 0, r)
+
+    def stream(self):
+        """A VM state to save: 8 MiB of random bytes."""
+        return random.Random(11).randbytes(8 * MiB)
+
     # --- B ---------------------------------------------------------------
     def test_refusals_make_no_job(self):
         dm = self.serve()
