@@ -283,6 +283,47 @@ class ServeVmstate(InteropTestCase):
         dm.quit()
         self.assertEqual(snapshot_rows(self.img), [("s1", "0 B")])
 
+    def test_device_listed_twice_is_refused(self):
+        """QEMU's snapshot-save takes `devices` as they come (two snapshots
+        of one name on a node listed twice); vblk refuses the request."""
+        dm = self.serve()
+        q = dm.qmp
+        sock = os.path.join(self.dir, "s.sock")
+        for devices in (["disk", "disk"],):
+            r = q.cmd("x-vblk-savevm", self.save_args(sock, devices=devices))
+            self.assertEqual(r.get("error"), {"class": "GenericError",
+                                              "desc": "Device 'disk' is listed twice in 'devices'"}, devices)
+        self.assertEqual(q.ok("query-jobs"), [])
+        self.assertFalse(os.path.exists(sock))
+        dm.quit()
+        self.assertEqual(snapshot_rows(self.img), [])
+
+    def test_listens_on_local_addresses_only(self):
+        """The first peer's stream becomes the snapshot: a socket other hosts
+        can reach is refused unless allow-remote says so."""
+        dm = self.serve()
+        q = dm.qmp
+        for host in ("0.0.0.0", "::"):
+            args = self.save_args(None, addr={"type": "inet", "host": host, "port": "0"})
+            r = q.cmd("x-vblk-savevm", args)
+            self.assertEqual(r.get("error", {}).get("desc"),
+                             "Address '%s:0' can be reached from other hosts; listen on a unix socket or a "
+                             "loopback address, or set 'allow-remote'" % host, host)
+        self.assertEqual(q.ok("query-jobs"), [])
+        # Loopback, and a remote address the client asked for, are taken.
+        for i, (host, extra) in enumerate((("127.0.0.1", {}), ("::1", {}), ("localhost", {}),
+                                           ("0.0.0.0", {"allow-remote": True}))):
+            jid = "j%d" % i
+            args = self.save_args(None, addr={"type": "inet", "host": host, "port": "0"}, **{"job-id": jid})
+            args.update(extra)
+            self.assertEqual(q.ok("x-vblk-savevm", args), {}, host)
+            q.ok("job-cancel", id=jid)
+            self.assertEqual(self.job_statuses(q, jid)[-1], "concluded")
+            q.ok("job-dismiss", id=jid)
+            self.assertEqual(self.job_statuses(q, jid, until="null"), ["null"])
+        dm.quit()
+        self.assertEqual(snapshot_rows(self.img), [])
+
     # --- C ---------------------------------------------------------------
     def test_write_error_and_cancel_leave_no_snapshot(self):
         opts = ("driver=qcow2,node-name=disk,file.driver=blkdebug,file.image.driver=file,"
