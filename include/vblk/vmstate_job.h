@@ -7,9 +7,12 @@
 // of the `vmstate` node through a VmstateWriter, and at the stream's end
 // (QEMU has stopped the VM, flushed its disks and sent its last section)
 // takes an internal snapshot named `tag` of every device, the state
-// attached to the vmstate node's. All or nothing: on any error (the
-// stream's, a write's, a snapshot's) the snapshots made so far are deleted
-// and the state's clusters given back, so no device keeps an entry.
+// attached to the vmstate node's. The stream must be a whole QEMU
+// migration stream (MigrationStreamCheck, migration_stream.h): EOF is not
+// the end of a state, a sender killed mid-stream is refused. All or
+// nothing: on any error (the stream's, its format's, a write's, a
+// snapshot's) the snapshots made so far are deleted and the state's
+// clusters given back, so no device keeps an entry.
 //
 // Load: the command connects to the socket a QEMU started with
 // `-incoming unix:PATH` listens on; the job reverts every device to the

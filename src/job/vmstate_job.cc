@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "vblk/migration_stream.h"
 #include "vblk/snapshot_revert.h"
 
 namespace vblk {
@@ -55,6 +56,10 @@ Task<Status> SnapshotSaveJob::receive(VmstateWriter& w) {
   conn_ = std::move(*c);
   AlignedBuffer in(kChunk);
   uint64_t pos = 0;
+  // The peer is QEMU's migration: only a whole stream of its format is a
+  // VM state (a peer killed mid-stream, or anything else that connected,
+  // would make a snapshot that fails only when loaded).
+  MigrationStreamCheck check;
   for (;;) {
     const long n = co_await loop().recv(conn_.get(), in.data(), in.size());
     if (n < 0) {
@@ -62,7 +67,15 @@ Task<Status> SnapshotSaveJob::receive(VmstateWriter& w) {
       co_return Error(static_cast<int>(-n),
                       std::string("Error while reading VM state: ") + std::strerror(static_cast<int>(-n)));
     }
-    if (n == 0 || is_cancelled()) break;
+    if (is_cancelled()) break;
+    if (n == 0) {
+      if (auto st = check.finish(); !st) co_return st;
+      break;
+    }
+    if (auto st = check.feed(in.span().subspan(0, static_cast<size_t>(n))); !st) {
+      conn_.reset();  // the sender learns at once
+      co_return st;
+    }
     auto st = co_await w.write(pos, in.span().subspan(0, static_cast<size_t>(n)));
     pos += static_cast<uint64_t>(n);
     set_progress(pos, pos);

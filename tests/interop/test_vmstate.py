@@ -387,6 +387,39 @@ class VmstateRoundTrip(InteropTestCase):
         self.assertEqual(snapshot_list(img), before[1])
         self.check_clean(img)
 
+    @unittest.skipUnless(QEMU_SYSTEM, "qemu-system-x86_64 not installed")
+    def test_cut_qemu_stream_is_refused(self):
+        """A stream starting with QEMU's magic must be a whole migration
+        stream: cut at 2 MiB, one byte short, or at 3 bytes, savevm
+        refuses it (no snapshot, nothing leaked); whole, it is stored; a
+        stream without the magic is stored as it is."""
+        from migration_stream import qemu_migration_stream
+        data = qemu_migration_stream()
+        d = make_tempdir(self, base=shm_dir())
+        img = os.path.join(d, "c.qcow2")
+        self.assertEqual(qemu("create", "-f", "qcow2", img, "8M").rc, 0)
+        for what, part in (("2 MiB", data[:2 * MiB]), ("one byte short", data[:-1]), ("3 bytes", data[:3]),
+                           ("a byte more", data + b"\0")):
+            rc, _, err = feed([VBLK, "savevm", "--vmstate", "-", img, "s1"], part, RNG)
+            self.assertEqual(rc, 1, what)
+            self.assertRegex(err, r"^[^:\n]+: Invalid VM state stream.*\n$", what)
+            self.assertEqual(snapshot_list(img), [], what)
+            self.check_clean(img)
+        path = os.path.join(d, "cut")
+        with open(path, "wb") as f:
+            f.write(data[:len(data) // 2])
+        r = vblk("savevm", "--vmstate", path, img, "s1")
+        self.assertEqual(r.rc, 1, r)
+        self.assertIn("it ends early", r.stderr)
+        self.assertEqual(snapshot_list(img), [])
+        self.check_clean(img)
+        rc, _, err = feed([VBLK, "savevm", "--vmstate", "-", img, "s1"], data, RNG)
+        self.assertEqual((rc, err), (0, ""))
+        rc, _, err = feed([VBLK, "savevm", "--vmstate", "-", img, "s2"], b"QEVX" + data[4:2 * MiB], RNG)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual([(t, s) for _, t, s in snapshot_list(img)], [("s1", "6.44 MiB"), ("s2", "2 MiB")])
+        self.check_clean(img)
+
 
 def disk_digest(img, d):
     """sha256 of the guest-visible disk (qemu-img convert -O raw)."""
