@@ -420,6 +420,37 @@ class VmstateRoundTrip(InteropTestCase):
         self.assertEqual([(t, s) for _, t, s in snapshot_list(img)], [("s1", "6.44 MiB"), ("s2", "2 MiB")])
         self.check_clean(img)
 
+    def test_snapshot_with_inactive_l1_on_the_active_one(self):
+        """A snapshot whose L1 table lies where the active one does (crafted:
+        its offset patched). qemu-img snapshot -c only rewrites COPIED
+        flags there (unchecked, qcow2_update_snapshot_refcount) and
+        succeeds; vblk snapshot -c marked the image corrupt and failed. Now
+        both succeed, the image is not marked corrupt and checks the same."""
+        d = make_tempdir(self, base=shm_dir())
+        img = os.path.join(d, "ol.qcow2")
+        self.assertEqual(qemu("create", "-f", "qcow2", img, "64M").rc, 0)
+        self.assertEqual(run([QEMU_IO, "-f", "qcow2", "-c", "write -P 1 0 4M", img]).rc, 0)
+        self.assertEqual(qemu("snapshot", "-c", "q1", img).rc, 0)
+        self.assertEqual(run([QEMU_IO, "-f", "qcow2", "-c", "write -P 2 1M 1M", img]).rc, 0)
+        import struct
+        with open(img, "r+b") as f:
+            h = f.read(72)
+            l1_off = struct.unpack(">Q", h[40:48])[0]
+            snap_off = struct.unpack(">Q", h[64:72])[0]
+            f.seek(snap_off)
+            f.write(struct.pack(">Q", l1_off))
+        out = {}
+        for who, tool in (("qemu", qemu), ("vblk", vblk)):
+            copy = os.path.join(d, who + ".qcow2")
+            shutil.copy(img, copy)
+            r = tool("snapshot", "-c", "s2", copy)
+            info = qemu("info", "--output=json", copy)
+            chk = qemu("check", copy)
+            out[who] = (r.rc, r.stderr, '"corrupt": true' in info.stdout, chk.rc, chk.stdout,
+                        [t for _, t, _ in snapshot_list(copy)])
+        self.assertEqual(out["vblk"], out["qemu"])
+        self.assertEqual(out["qemu"][:3], (0, "", False))
+
 
 def disk_digest(img, d):
     """sha256 of the guest-visible disk (qemu-img convert -O raw)."""
