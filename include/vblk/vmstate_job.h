@@ -7,14 +7,18 @@
 // of the `vmstate` node through a VmstateWriter, and at the stream's end
 // (QEMU has stopped the VM, flushed its disks and sent its last section)
 // takes an internal snapshot named `tag` of every device, the state
-// attached to the vmstate node's. All or nothing: on any error (the
-// stream's, a write's, a snapshot's) the snapshots made so far are deleted
-// and the state's clusters given back, so no device keeps an entry.
+// attached to the vmstate node's. The stream must be a whole QEMU
+// migration stream (MigrationStreamCheck, migration_stream.h): EOF is not
+// the end of a state, a sender killed mid-stream is refused. All or
+// nothing: on any error (the stream's, its format's, a write's, a
+// snapshot's) the snapshots made so far are deleted and the state's
+// clusters given back, so no device keeps an entry.
 //
-// Load: every device goes back to the snapshot `tag` (as QEMU's loadvm
-// reverts the disks first), then the job connects to the socket a QEMU
-// started with `-incoming unix:PATH` listens on and sends the stream
-// through a VmstateReader.
+// Load: the command connects to the socket a QEMU started with
+// `-incoming unix:PATH` listens on; the job reverts every device to the
+// snapshot `tag` (as QEMU's loadvm reverts the disks first) and sends the
+// stream through a VmstateReader. All or nothing: a stream that fails
+// after the revert takes the revert back (snapshot_revert.h).
 //
 // Both are plain jobs (not block jobs): JOB_STATUS_CHANGE events, manual
 // dismiss, the error in query-jobs, as QEMU's snapshot jobs. Cancel
@@ -68,8 +72,10 @@ class SnapshotSaveJob : public Job {
 
 class SnapshotLoadJob : public Job {
  public:
-  SnapshotLoadJob(JobManager& mgr, const std::string& id, std::string tag, VmstateJobNodes nodes,
-                  std::string socket_path, VmstateOptions opts);
+  // `conn` is connected to the peer already: a wrong address fails the
+  // command before any disk is touched.
+  SnapshotLoadJob(JobManager& mgr, const std::string& id, std::string tag, VmstateJobNodes nodes, Fd conn,
+                  VmstateOptions opts);
   ~SnapshotLoadJob() override;
   const char* type() const override { return "snapshot-load"; }
 
@@ -80,7 +86,6 @@ class SnapshotLoadJob : public Job {
 
   std::string tag_;
   VmstateJobNodes nodes_;
-  std::string path_;
   Fd conn_;
   VmstateOptions opts_;
 };

@@ -4,6 +4,10 @@
 //   qemu-system-x86_64 ... -incoming "exec:vblk loadvm disk.qcow2 s1 --vmstate-out -"
 // restores what `savevm` (QEMU's or vblk's) saved. --state-only leaves
 // the disk alone and opens it read-only (-U allowed).
+//
+// All or nothing: what can fail is tried before the revert (the snapshot,
+// the output), and the revert itself is taken back when the stream fails
+// after it (snapshot_revert.h).
 #include <fcntl.h>
 #include <getopt.h>
 #include <unistd.h>
@@ -14,6 +18,7 @@
 #include <functional>
 
 #include "cli/common.h"
+#include "vblk/snapshot_revert.h"
 #include "vblk/vmstate.h"
 
 namespace vblk::cli {
@@ -139,18 +144,25 @@ int cmd_loadvm(int argc, char** argv) {
     error_report("Snapshot '" + tag + "' does not exist in device '" + a.filename + "'");
     return 1;
   }
-  if (!state_only) {
-    auto st = loop.run(node->snapshot_goto(sn->id));
-    if (!st) {
-      error_report("Could not load snapshot '" + tag + "' on '" + a.filename + "': " + st.error().what());
-      return 1;
-    }
-  }
+  // Everything that can fail before the disk changes: the output first.
   int fd = 1;
   if (output != "-") {
     fd = ::open(output.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
       error_report("Could not open '" + output + "': " + std::strerror(errno));
+      return 1;
+    }
+  }
+  // All or nothing: the stream can still fail after the revert (a full
+  // disk, a consumer that goes away), and the revert cannot wait for the
+  // stream's end (QEMU starts the guest once it has the stream). So the
+  // revert is an undoable one (snapshot_revert.h), taken back on failure.
+  SnapshotRevert revert({node.get()}, {a.filename});
+  if (!state_only) {
+    auto st = loop.run(revert.revert(sn->id));
+    if (!st) {
+      error_report(st.error().what());
+      if (fd != 1) ::close(fd);
       return 1;
     }
   }
@@ -169,6 +181,11 @@ int cmd_loadvm(int argc, char** argv) {
     ret = 1;
   }
   if (!a.read_only) {
+    auto rst = loop.run(ret ? revert.rollback() : revert.commit());
+    if (!rst) {
+      error_report(rst.error().what());
+      ret = 1;
+    }
     auto fst = loop.run(node->flush());
     if (!fst && !ret) {
       error_report(fst.error().what());

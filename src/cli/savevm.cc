@@ -5,6 +5,10 @@
 //
 // The VM's own image lock: see wait_for_image.
 //
+// A stream that starts with QEMU's magic ('QEVM') must be a whole QEMU
+// migration stream (MigrationStreamCheck): a QEMU killed mid-migration
+// leaves no snapshot. Other streams are stored as they are.
+//
 // All or nothing: the stream goes to the active VM state area first
 // (VmstateWriter), and only once all of it is on disk does the snapshot
 // table commit. On any error before that there is no snapshot, and the
@@ -22,9 +26,11 @@
 #include <cstring>
 #include <ctime>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "cli/common.h"
+#include "vblk/migration_stream.h"
 #include "vblk/vmstate.h"
 
 namespace vblk::cli {
@@ -43,6 +49,41 @@ struct SaveResult {
   uint64_t bytes = 0;
 };
 
+// A stream that starts with QEMU's magic is QEMU's migration stream and
+// must be a whole one (MigrationStreamCheck): a QEMU killed mid-migration
+// must not leave a snapshot that only fails when loaded. Other streams
+// are stored as they are (savevm is a general VM-state API too). A
+// stream shorter than the magic but a prefix of it is a cut one.
+class StreamFormat {
+ public:
+  Status feed(std::span<const uint8_t> d) {
+    if (!decided_) {
+      const size_t k = std::min(4 - head_.size(), d.size());
+      head_.insert(head_.end(), d.begin(), d.begin() + static_cast<std::ptrdiff_t>(k));
+      d = d.subspan(k);
+      if (head_.size() < 4) return Status{};
+      decided_ = true;
+      if (MigrationStreamCheck::has_magic(head_)) {
+        check_.emplace();
+        VBLK_TRY(check_->feed(head_));
+      }
+    }
+    if (check_) return check_->feed(d);
+    return Status{};
+  }
+  Status finish() {
+    if (check_) return check_->finish();
+    if (!decided_ && !head_.empty() && std::equal(head_.begin(), head_.end(), "QEVM"))
+      return Error(EINVAL, "Invalid VM state stream: it ends early, in its header (truncated?)");
+    return Status{};
+  }
+
+ private:
+  bool decided_ = false;
+  std::vector<uint8_t> head_;
+  std::optional<MigrationStreamCheck> check_;
+};
+
 // Reads each of `fds` to its end, in order, into the node's VM state area.
 Task<SaveResult> save_stream(Loop& loop, Node& node, std::vector<int> fds, VmstateOptions opts) {
   SaveResult r;
@@ -56,6 +97,7 @@ Task<SaveResult> save_stream(Loop& loop, Node& node, std::vector<int> fds, Vmsta
       if (errno != EINTR) return -errno;
     }
   };
+  StreamFormat fmt;
   for (size_t i = 0; i < fds.size() && r.st; ++i) {
     fd = fds[i];
     for (;;) {
@@ -67,11 +109,15 @@ Task<SaveResult> save_stream(Loop& loop, Node& node, std::vector<int> fds, Vmsta
         break;
       }
       if (got == 0) break;
-      auto st = co_await w.write(r.bytes, in.span().subspan(0, static_cast<size_t>(got)));
+      auto data = in.span().subspan(0, static_cast<size_t>(got));
+      r.st = fmt.feed(data);
+      if (!r.st) break;  // not QEMU's stream after all: no use reading on
+      auto st = co_await w.write(r.bytes, data);
       r.bytes += static_cast<uint64_t>(got);
       if (!st) break;  // flush() below reports it
     }
   }
+  if (r.st) r.st = fmt.finish();
   auto st = co_await w.flush();
   if (r.st && !st) {
     r.st = st;
@@ -312,7 +358,7 @@ int cmd_savevm(int argc, char** argv) {
   }
   if (!r.st) {
     ret = 1;
-    error_report(r.context + ": " + std::strerror(r.st.error().code));
+    error_report(r.context.empty() ? r.st.error().what() : r.context + ": " + std::strerror(r.st.error().code));
     // Nothing refers to the stream's clusters: give them back (a failure
     // here only leaks, which check -r leaks reclaims).
     (void)loop.run(node->discard_vmstate(std::max<uint64_t>(r.bytes, 1)));

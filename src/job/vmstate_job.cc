@@ -8,6 +8,9 @@
 
 #include <cstring>
 
+#include "vblk/migration_stream.h"
+#include "vblk/snapshot_revert.h"
+
 namespace vblk {
 
 namespace {
@@ -53,6 +56,10 @@ Task<Status> SnapshotSaveJob::receive(VmstateWriter& w) {
   conn_ = std::move(*c);
   AlignedBuffer in(kChunk);
   uint64_t pos = 0;
+  // The peer is QEMU's migration: only a whole stream of its format is a
+  // VM state (a peer killed mid-stream, or anything else that connected,
+  // would make a snapshot that fails only when loaded).
+  MigrationStreamCheck check;
   for (;;) {
     const long n = co_await loop().recv(conn_.get(), in.data(), in.size());
     if (n < 0) {
@@ -60,7 +67,15 @@ Task<Status> SnapshotSaveJob::receive(VmstateWriter& w) {
       co_return Error(static_cast<int>(-n),
                       std::string("Error while reading VM state: ") + std::strerror(static_cast<int>(-n)));
     }
-    if (n == 0 || is_cancelled()) break;
+    if (is_cancelled()) break;
+    if (n == 0) {
+      if (auto st = check.finish(); !st) co_return st;
+      break;
+    }
+    if (auto st = check.feed(in.span().subspan(0, static_cast<size_t>(n))); !st) {
+      conn_.reset();  // the sender learns at once
+      co_return st;
+    }
     auto st = co_await w.write(pos, in.span().subspan(0, static_cast<size_t>(n)));
     pos += static_cast<uint64_t>(n);
     set_progress(pos, pos);
@@ -122,11 +137,11 @@ Task<Status> SnapshotSaveJob::run() {
 // ---------------------------------------------------------------- load
 
 SnapshotLoadJob::SnapshotLoadJob(JobManager& mgr, const std::string& id, std::string tag, VmstateJobNodes nodes,
-                                 std::string socket_path, VmstateOptions opts)
+                                 Fd conn, VmstateOptions opts)
     : Job(mgr, id, /*auto_finalize=*/true, /*auto_dismiss=*/false),
       tag_(std::move(tag)),
       nodes_(std::move(nodes)),
-      path_(std::move(socket_path)),
+      conn_(std::move(conn)),
       opts_(opts) {}
 
 SnapshotLoadJob::~SnapshotLoadJob() = default;
@@ -174,30 +189,37 @@ Task<Status> SnapshotLoadJob::run() {
     co_return Error(ENOENT);
   }
   // Disks first, as QEMU's load_snapshot: the VM resumes on the disks of
-  // the moment its state was taken.
-  for (size_t i = 0; i < nodes_.devices.size(); ++i) {
-    Node& n = *nodes_.devices[i];
-    co_await n.drain();
-    auto st = co_await n.snapshot_goto(tag_);
-    if (!st) {
-      set_error_text("Could not load snapshot '" + tag_ + "' on '" + nodes_.names[i] +
-                     "': " + std::strerror(st.error().code));
-      co_return st;
-    }
+  // the moment its state was taken. The peer is connected already (the
+  // command connected it), so what is left to fail is the stream itself;
+  // the revert is undone if it does (snapshot_revert.h).
+  std::vector<Node*> nodes;
+  for (auto& n : nodes_.devices) nodes.push_back(n.get());
+  SnapshotRevert revert(std::move(nodes), nodes_.names);
+  Status st = co_await revert.revert(tag_);
+  if (!st) {
+    set_error_text(st.error().what());
+    co_return st;
   }
   set_progress(0, length);
-  auto c = co_await connect_unix(loop(), path_);
-  if (!c) {
-    set_error_text(c.error().what());
-    co_return c.take_error();
+  if (!is_cancelled()) {
+    VmstateReader r(*nodes_.vmstate, id, length, opts_);
+    st = co_await send(r);
   }
-  conn_ = std::move(*c);
-  VmstateReader r(*nodes_.vmstate, id, length, opts_);
-  Status st = co_await send(r);
   ::shutdown(conn_.get(), SHUT_WR);
   conn_.reset();
-  if (!st && !is_cancelled()) set_error_text(st.error().what());
   if (st && is_cancelled()) st = Error(ECANCELED);
+  Status rst;
+  if (st)
+    rst = co_await revert.commit();
+  else
+    rst = co_await revert.rollback();
+  if (!st && st.error().code != ECANCELED) {
+    set_error_text(st.error().what() + (rst ? std::string() : "; " + rst.error().what()));
+  } else if (!rst) {
+    st = rst;
+    set_error_text(rst.error().what());
+  }
+  for (auto& n : nodes_.devices) (void)co_await n->flush();
   co_return st;
 }
 

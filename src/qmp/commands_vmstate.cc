@@ -6,14 +6,21 @@
 //     listens on addr (SocketAddress, as nbd-server-start's) before it
 //     answers; QEMU then `migrate`s to it (stopped first, as libvirt saves);
 //     at the stream's end every device gets snapshot `tag`, the state on
-//     `vmstate`'s.
+//     `vmstate`'s. addr must be a unix socket or a loopback address (the
+//     first peer's stream becomes the snapshot) unless `allow-remote`
+//     (bool, default false) is true. A device listed twice is refused.
 //   x-vblk-loadvm {job-id, tag, vmstate, devices, addr, workers?, buffer-size?}
-//     reverts the devices to `tag` and connects to addr, where a QEMU
-//     started with `-incoming unix:PATH` (or tcp) waits for the stream.
+//     connects to addr (unix), where a QEMU started with `-incoming
+//     unix:PATH` waits for the stream, before it answers; the job then
+//     reverts the devices to `tag` and sends the stream (the revert taken
+//     back if the stream fails).
 //
 // The checks and texts are QEMU's save_snapshot / load_snapshot ones
 // (migration/savevm.c, block/snapshot.c) where QEMU has them; they run
 // before the job is created, so a bad request makes no job.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "qmp/daemon.h"
@@ -48,6 +55,15 @@ Result<Request> parse(Daemon& d, const OJson& a, bool save) {
     if (!n->supports_snapshots() || n->read_only())
       return Error(ENOTSUP, "Device '" + name + "' is writable but does not support snapshots");
     if (auto st = d.jobs.check_not_busy(n.get(), name); !st) return st.take_error();
+    // QEMU's bdrv_all_get_snapshot_devices takes the list as it comes, so
+    // its snapshot-save makes two snapshots of one name on a node listed
+    // twice. Refused here rather than de-duplicated: a device named twice
+    // is a mistake in the request (a device meant is likely missing), and
+    // the snapshot-save is all or nothing, so it is best refused whole.
+    for (size_t i = 0; i < r.nodes.devices.size(); ++i)
+      if (r.nodes.devices[i] == n)
+        return Error(EINVAL, "Device '" + name + "' is listed twice in 'devices'" +
+                                 (r.nodes.names[i] == name ? std::string() : " (as '" + r.nodes.names[i] + "')"));
     r.nodes.devices.push_back(n);
     r.nodes.names.push_back(name);
   }
@@ -78,12 +94,39 @@ Result<Request> parse(Daemon& d, const OJson& a, bool save) {
   return r;
 }
 
+// Whether a listening socket can be reached from this host only: a unix
+// socket, or an inet one bound to a loopback address.
+bool local_only(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return false;
+  if (ss.ss_family == AF_UNIX) return true;
+  if (ss.ss_family == AF_INET)
+    return (ntohl(reinterpret_cast<sockaddr_in*>(&ss)->sin_addr.s_addr) >> 24) == 127;
+  if (ss.ss_family == AF_INET6) {
+    const in6_addr& a6 = reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr;
+    if (IN6_IS_ADDR_LOOPBACK(&a6)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127;
+  }
+  return false;
+}
+
 Task<Reply> savevm(Daemon& d, const OJson& a) {
   auto r = parse(d, a, true);
   if (!r) co_return Reply::fail(r.error().what());
   std::string path;
   auto fd = listen_socket_address(d.loop, a["addr"], &path);
   if (!fd) co_return Reply::fail(fd.error().what());
+  // Whoever connects first sends the stream that becomes the snapshot: a
+  // socket others can reach needs the client to say so (allow-remote).
+  // Checked on the bound socket, so a host name resolving to a non-loopback
+  // address is caught as 0.0.0.0 is.
+  if (!a.value("allow-remote", false) && !local_only(fd->get())) {
+    const OJson& addr = a["addr"];
+    co_return Reply::fail("Address '" + addr.value("host", std::string()) + ":" + addr.value("port", std::string()) +
+                          "' can be reached from other hosts; listen on a unix socket or a loopback address, or "
+                          "set 'allow-remote'");
+  }
   auto job = d.jobs.create<SnapshotSaveJob>(r->job_id, r->tag, r->nodes, std::move(*fd), r->opts);
   if (!job) {
     if (!path.empty()) ::unlink(path.c_str());
@@ -100,7 +143,12 @@ Task<Reply> loadvm(Daemon& d, const OJson& a) {
   const OJson& addr = a["addr"];
   if (addr.value("type", "") != "unix")
     co_return Reply::fail("Address type '" + addr.value("type", std::string()) + "' is not supported by vblk");
-  auto job = d.jobs.create<SnapshotLoadJob>(r->job_id, r->tag, r->nodes, addr.value("path", std::string()), r->opts);
+  // The peer before any disk changes: a mistyped address fails here, with
+  // no job and the disks as they were.
+  const std::string path = addr.value("path", std::string());
+  auto c = co_await connect_unix(d.loop, path);
+  if (!c) co_return Reply::fail(c.error().what());
+  auto job = d.jobs.create<SnapshotLoadJob>(r->job_id, r->tag, r->nodes, std::move(*c), r->opts);
   if (!job) co_return Reply::fail(job.error().what());
   (*job)->start();
   co_return Reply::ok();
@@ -113,7 +161,8 @@ std::vector<Arg> schema() {
           {"devices", ArgType::List, true},
           {"addr", ArgType::Struct, true, {}, {{"type", ArgType::Enum, true, kAddrTypes}}, true},
           {"workers", ArgType::Int},
-          {"buffer-size", ArgType::Int}};
+          {"buffer-size", ArgType::Int},
+          {"allow-remote", ArgType::Bool}};
 }
 
 }  // namespace

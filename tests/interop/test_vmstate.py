@@ -340,6 +340,128 @@ class VmstateRoundTrip(InteropTestCase):
             holder.communicate(b"quit\n", timeout=30)
         self.assertEqual([t for _, t, _ in snapshot_list(img)], ["tag"])
 
+    def test_failed_loadvm_leaves_the_disk(self):
+        """A loadvm whose output fails (a full device, a directory that does
+        not exist, a consumer that goes away early) must not leave the disk
+        reverted: afterwards it holds what it held before, the snapshot
+        list is the same (no undo snapshot left behind) and check is clean."""
+        d = make_tempdir(self, base=shm_dir())
+        img = os.path.join(d, "l.qcow2")
+        self.assertEqual(qemu("create", "-f", "qcow2", img, "8M").rc, 0)
+        self.assertEqual(run([QEMU_IO, "-f", "qcow2", "-c", "write -P 0x11 0 2M", img]).rc, 0)
+        rc, _, err = feed([VBLK, "savevm", "--vmstate", "-", img, "s1"], stream_bytes(6 * MiB, 9), RNG)
+        self.assertEqual((rc, err), (0, ""))
+        # The writes a failed loadvm must not lose.
+        r = run([QEMU_IO, "-f", "qcow2", "-c", "write -P 0x22 1M 3M", "-c", "write -P 0x33 7M 64k", img])
+        self.assertEqual(r.rc, 0, r)
+        before = (disk_digest(img, d), snapshot_list(img))
+
+        def after(what):
+            self.assertEqual((disk_digest(img, d), snapshot_list(img)), before, what)
+            self.check_clean(img)
+
+        r = vblk("loadvm", "--vmstate-out", "/dev/full", img, "s1")
+        self.assertEqual(r.rc, 1, r)
+        self.assertEqual(r.stderr, "%s: Error while writing VM state: No space left on device\n" % os.path.basename(VBLK))
+        after("/dev/full")
+        r = vblk("loadvm", "--vmstate-out", "/nonexistent/dir/x", img, "s1")
+        self.assertEqual(r.rc, 1, r)
+        self.assertIn("Could not open '/nonexistent/dir/x': No such file or directory", r.stderr)
+        after("a directory that does not exist")
+        # A consumer that reads a little and goes away (QEMU refusing the stream).
+        p = subprocess.Popen([VBLK, "loadvm", "--vmstate-out", "-", img, "s1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=_BASE_ENV)
+        p.stdout.read(100 * KiB)
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        self.assertEqual(p.wait(timeout=120), 1, err)
+        self.assertIn("Error while writing VM state: Broken pipe", err)
+        after("a consumer that closed early")
+        # And a load that goes through still reverts.
+        out = os.path.join(d, "o")
+        r = vblk("loadvm", "--vmstate-out", out, img, "s1")
+        self.assertEqual((r.rc, r.stderr), (0, ""), r)
+        self.assertEqual(os.path.getsize(out), 6 * MiB)
+        r = run([QEMU_IO, "-f", "qcow2", "-c", "read -P 0x11 0 2M", "-c", "read -P 0 2M 6M", img])
+        self.assertNotIn("fail", r.stdout + r.stderr, r)
+        self.assertEqual(snapshot_list(img), before[1])
+        self.check_clean(img)
+
+    @unittest.skipUnless(QEMU_SYSTEM, "qemu-system-x86_64 not installed")
+    def test_cut_qemu_stream_is_refused(self):
+        """A stream starting with QEMU's magic must be a whole migration
+        stream: cut at 2 MiB, one byte short, or at 3 bytes, savevm
+        refuses it (no snapshot, nothing leaked); whole, it is stored; a
+        stream without the magic is stored as it is."""
+        from migration_stream import qemu_migration_stream
+        data = qemu_migration_stream()
+        d = make_tempdir(self, base=shm_dir())
+        img = os.path.join(d, "c.qcow2")
+        self.assertEqual(qemu("create", "-f", "qcow2", img, "8M").rc, 0)
+        for what, part in (("2 MiB", data[:2 * MiB]), ("one byte short", data[:-1]), ("3 bytes", data[:3]),
+                           ("a byte more", data + b"\0")):
+            rc, _, err = feed([VBLK, "savevm", "--vmstate", "-", img, "s1"], part, RNG)
+            self.assertEqual(rc, 1, what)
+            self.assertRegex(err, r"^[^:\n]+: Invalid VM state stream.*\n$", what)
+            self.assertEqual(snapshot_list(img), [], what)
+            self.check_clean(img)
+        path = os.path.join(d, "cut")
+        with open(path, "wb") as f:
+            f.write(data[:len(data) // 2])
+        r = vblk("savevm", "--vmstate", path, img, "s1")
+        self.assertEqual(r.rc, 1, r)
+        self.assertIn("it ends early", r.stderr)
+        self.assertEqual(snapshot_list(img), [])
+        self.check_clean(img)
+        rc, _, err = feed([VBLK, "savevm", "--vmstate", "-", img, "s1"], data, RNG)
+        self.assertEqual((rc, err), (0, ""))
+        rc, _, err = feed([VBLK, "savevm", "--vmstate", "-", img, "s2"], b"QEVX" + data[4:2 * MiB], RNG)
+        self.assertEqual((rc, err), (0, ""))
+        self.assertEqual([(t, s) for _, t, s in snapshot_list(img)], [("s1", "6.44 MiB"), ("s2", "2 MiB")])
+        self.check_clean(img)
+
+    def test_snapshot_with_inactive_l1_on_the_active_one(self):
+        """A snapshot whose L1 table lies where the active one does (crafted:
+        its offset patched). qemu-img snapshot -c only rewrites COPIED
+        flags there (unchecked, qcow2_update_snapshot_refcount) and
+        succeeds; vblk snapshot -c marked the image corrupt and failed. Now
+        both succeed, the image is not marked corrupt and checks the same."""
+        d = make_tempdir(self, base=shm_dir())
+        img = os.path.join(d, "ol.qcow2")
+        self.assertEqual(qemu("create", "-f", "qcow2", img, "64M").rc, 0)
+        self.assertEqual(run([QEMU_IO, "-f", "qcow2", "-c", "write -P 1 0 4M", img]).rc, 0)
+        self.assertEqual(qemu("snapshot", "-c", "q1", img).rc, 0)
+        self.assertEqual(run([QEMU_IO, "-f", "qcow2", "-c", "write -P 2 1M 1M", img]).rc, 0)
+        import struct
+        with open(img, "r+b") as f:
+            h = f.read(72)
+            l1_off = struct.unpack(">Q", h[40:48])[0]
+            snap_off = struct.unpack(">Q", h[64:72])[0]
+            f.seek(snap_off)
+            f.write(struct.pack(">Q", l1_off))
+        out = {}
+        for who, tool in (("qemu", qemu), ("vblk", vblk)):
+            copy = os.path.join(d, who + ".qcow2")
+            shutil.copy(img, copy)
+            r = tool("snapshot", "-c", "s2", copy)
+            info = qemu("info", "--output=json", copy)
+            chk = qemu("check", copy)
+            out[who] = (r.rc, r.stderr, '"corrupt": true' in info.stdout, chk.rc, chk.stdout,
+                        [t for _, t, _ in snapshot_list(copy)])
+        self.assertEqual(out["vblk"], out["qemu"])
+        self.assertEqual(out["qemu"][:3], (0, "", False))
+
+
+def disk_digest(img, d):
+    """sha256 of the guest-visible disk (qemu-img convert -O raw)."""
+    raw = os.path.join(d, "digest.raw")
+    r = qemu("convert", "-O", "raw", img, raw)
+    assert r.rc == 0, r
+    with open(raw, "rb") as f:
+        h = hashlib.sha256(f.read()).hexdigest()
+    os.unlink(raw)
+    return h
+
 
 def patch_vm_state_size(img, index, size):
     """Sets vm_state_size (both fields) of snapshot entry `index`."""

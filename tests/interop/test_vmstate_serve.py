@@ -41,6 +41,7 @@ import unittest  # noqa: E402
 from common import MiB, VBLK, InteropTestCase, make_tempdir, qemu, run, shm_dir  # noqa: E402
 import qmp_driver  # noqa: E402  (bench/, put on the path by common)
 import guest_vm  # noqa: E402
+from migration_stream import QEMU_SYSTEM, qemu_migration_stream  # noqa: E402
 
 QEMU_IO = "qemu-io"
 
@@ -51,6 +52,7 @@ def snapshot_rows(img):
     return [(f[1], " ".join(f[2:4])) for f in (line.split() for line in r.stdout.splitlines()[2:])]
 
 
+@unittest.skipUnless(QEMU_SYSTEM, "qemu-system-x86_64 not installed (the streams are QEMU's)")
 class ServeVmstate(InteropTestCase):
 
     def setUp(self):
@@ -97,7 +99,7 @@ class ServeVmstate(InteropTestCase):
     def test_stream_round_trip_over_sockets(self):
         dm = self.serve()
         q = dm.qmp
-        data = random.Random(5).randbytes(9 * MiB + 12345)
+        data = self.stream()
         # The disk before the save, and a write after it that loadvm undoes.
         sock = os.path.join(self.dir, "save.sock")
         self.assertEqual(q.ok("x-vblk-savevm", self.save_args(sock)), {})
@@ -144,7 +146,7 @@ class ServeVmstate(InteropTestCase):
         self.assertTrue(bytes(got) == data, "the stream came back different")
         self.assertEqual(q.ok("query-jobs")[0]["type"], "snapshot-load")
         dm.quit()
-        self.assertEqual(snapshot_rows(self.img), [("s1", "9.01 MiB")])
+        self.assertEqual(snapshot_rows(self.img), [("s1", "6.44 MiB")])
         r = qemu("check", self.img)
         self.assertEqual(r.rc, 0, r)
 
@@ -163,7 +165,7 @@ class ServeVmstate(InteropTestCase):
         q.ok("x-vblk-savevm", self.save_args(sock))
         s = socket.socket(socket.AF_UNIX)
         s.connect(sock)
-        s.sendall(b"state" * 1000)
+        s.sendall(self.stream())
         s.close()
         self.assertEqual(self.job_statuses(q, "sv")[-1], "concluded")
         io("write -P 0xb2 0 64k")
@@ -181,10 +183,120 @@ class ServeVmstate(InteropTestCase):
             buf += b
         c.close()
         srv.close()
-        self.assertEqual(buf, b"state" * 1000)
+        self.assertTrue(buf == self.stream())
         self.assertEqual(self.job_statuses(q, "ld")[-1], "concluded")
         io("read -P 0xa1 0 64k")  # the disk is the one of the save again
         dm.quit()
+
+    def test_failed_load_leaves_the_disk(self):
+        """x-vblk-loadvm to an address nobody listens on fails the command
+        before any disk changes; a peer that goes away mid-stream fails the
+        job, and the revert is taken back: the disk holds the writes made
+        after the save, the snapshot list is the same, check is clean."""
+        dm = self.serve(nbd=True)
+        q = dm.qmp
+        uri = "nbd+unix:///disk?socket=%s" % self.nbd_sock
+
+        def io(cmd):
+            r = run([QEMU_IO, "-f", "raw", "-c", cmd, uri])
+            self.assertEqual(r.rc, 0, r)
+            self.assertNotIn("fail", r.stdout, r)
+
+        io("write -P 0xa1 0 1M")
+        sock = os.path.join(self.dir, "save.sock")
+        q.ok("x-vblk-savevm", self.save_args(sock))
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(sock)
+        s.sendall(self.stream())
+        s.close()
+        self.assertEqual(self.job_statuses(q, "sv")[-1], "concluded")
+        q.ok("job-dismiss", id="sv")
+        self.assertEqual(self.job_statuses(q, "sv", until="null"), ["null"])
+        io("write -P 0xb2 512k 1M")
+        # A mistyped address: no job, the disk untouched.
+        r = q.cmd("x-vblk-loadvm", self.save_args(os.path.join(self.dir, "typo.sock"), **{"job-id": "ld"}))
+        self.assertEqual(r.get("error", {}).get("desc"),
+                         "Failed to connect to '%s': No such file or directory" % os.path.join(self.dir, "typo.sock"))
+        self.assertEqual(q.ok("query-jobs"), [])
+        io("read -P 0xa1 0 512k")
+        io("read -P 0xb2 512k 1M")
+        # A peer that reads a little and closes.
+        lsock = os.path.join(self.dir, "load.sock")
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(lsock)
+        srv.listen(1)
+        q.ok("x-vblk-loadvm", self.save_args(lsock, **{"job-id": "ld", "buffer-size": 65536, "workers": 1}))
+        c, _ = srv.accept()
+        c.recv(1000)
+        c.close()
+        srv.close()
+        self.assertEqual(self.job_statuses(q, "ld")[-2:], ["aborting", "concluded"])
+        self.assertRegex(q.ok("query-jobs")[0]["error"],
+                         r"^Error while sending VM state: (Broken pipe|Connection reset by peer)$")
+        io("read -P 0xa1 0 512k")
+        io("read -P 0xb2 512k 1M")
+        io("read -P 0 1536k 1M")
+        dm.quit()
+        self.assertEqual([t for t, _ in snapshot_rows(self.img)], ["s1"])
+        r = qemu("check", self.img)
+        self.assertEqual(r.rc, 0, r)
+
+    def stream(self):
+        """A VM state to save: QEMU's, 6.4 MiB (6 MiB of it random RAM)."""
+        return qemu_migration_stream()
+
+    def test_incomplete_streams_are_refused(self):
+        """Only a whole QEMU migration stream becomes a snapshot: a sender
+        killed mid-stream, one that closes after 2 MiB, one that stops one
+        byte short, and 100 KB of random bytes each end the job with the
+        error, no snapshot, and no leaked cluster."""
+        dm = self.serve()
+        q = dm.qmp
+        data = self.stream()
+        sock = os.path.join(self.dir, "s.sock")
+
+        def killed(s):
+            # A process that sends 3 MiB, then is killed (SIGKILL) while
+            # the rest is still to come.
+            s.close()
+            p = subprocess.Popen([sys.executable, "-c",
+                                  "import socket,sys,time\n"
+                                  "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+                                  "s.sendall(sys.stdin.buffer.read(3 << 20)); print('sent', flush=True)\n"
+                                  "time.sleep(60)\n", sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            p.stdin.write(data[:3 * MiB])
+            p.stdin.close()
+            self.assertEqual(p.stdout.readline(), b"sent\n")
+            p.kill()
+            p.wait()
+            p.stdout.close()
+
+        cases = [("killed", killed, "ends early"),
+                 ("2 MiB", lambda s: s.sendall(data[:2 * MiB]), "ends early"),
+                 ("one byte short", lambda s: s.sendall(data[:-1]), "ends early, at offset %d in its "
+                  "vmdescription" % (len(data) - 1)),
+                 ("random", lambda s: s.sendall(random.Random(3).randbytes(100 * 1000)),
+                  "Invalid VM state stream at offset 0: not a QEMU migration stream (no QEVM magic)")]
+        for i, (what, send, text) in enumerate(cases):
+            jid = "j%d" % i
+            q.ok("x-vblk-savevm", self.save_args(sock, **{"job-id": jid}))
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock)
+            try:
+                send(s)
+            except OSError:
+                pass  # the job may stop reading once it refused the stream
+            s.close()
+            self.assertEqual(self.job_statuses(q, jid)[-2:], ["aborting", "concluded"], what)
+            err = q.ok("query-jobs")[0]["error"]
+            self.assertTrue(err.startswith("Invalid VM state stream"), (what, err))
+            self.assertIn(text, err, what)
+            q.ok("job-dismiss", id=jid)
+            self.assertEqual(self.job_statuses(q, jid, until="null"), ["null"])
+        dm.quit()
+        self.assertEqual(snapshot_rows(self.img), [])
+        r = qemu("check", self.img)
+        self.assertEqual((r.rc, r.stdout.splitlines()[0]), (0, "No errors were found on the image."), r)
 
     # --- B ---------------------------------------------------------------
     def test_refusals_make_no_job(self):
@@ -218,19 +330,61 @@ class ServeVmstate(InteropTestCase):
         self.assertEqual(r["error"]["desc"], "Job ID 'sv' already in use")
         s = socket.socket(socket.AF_UNIX)
         s.connect(sock)
-        s.close()  # an empty stream is a stream
+        s.sendall(self.stream())
+        s.close()
         self.job_statuses(q, "sv")
         q.ok("job-dismiss", id="sv")
         r = q.cmd("x-vblk-savevm", self.save_args(sock))
         self.assertEqual(r["error"]["desc"], "Snapshot 's1' already exists in one or more devices")
         dm.quit()
-        self.assertEqual(snapshot_rows(self.img), [("s1", "0 B")])
+        self.assertEqual(snapshot_rows(self.img), [("s1", "6.44 MiB")])
+
+    def test_device_listed_twice_is_refused(self):
+        """QEMU's snapshot-save takes `devices` as they come (two snapshots
+        of one name on a node listed twice); vblk refuses the request."""
+        dm = self.serve()
+        q = dm.qmp
+        sock = os.path.join(self.dir, "s.sock")
+        for devices in (["disk", "disk"],):
+            r = q.cmd("x-vblk-savevm", self.save_args(sock, devices=devices))
+            self.assertEqual(r.get("error"), {"class": "GenericError",
+                                              "desc": "Device 'disk' is listed twice in 'devices'"}, devices)
+        self.assertEqual(q.ok("query-jobs"), [])
+        self.assertFalse(os.path.exists(sock))
+        dm.quit()
+        self.assertEqual(snapshot_rows(self.img), [])
+
+    def test_listens_on_local_addresses_only(self):
+        """The first peer's stream becomes the snapshot: a socket other hosts
+        can reach is refused unless allow-remote says so."""
+        dm = self.serve()
+        q = dm.qmp
+        for host in ("0.0.0.0", "::"):
+            args = self.save_args(None, addr={"type": "inet", "host": host, "port": "0"})
+            r = q.cmd("x-vblk-savevm", args)
+            self.assertEqual(r.get("error", {}).get("desc"),
+                             "Address '%s:0' can be reached from other hosts; listen on a unix socket or a "
+                             "loopback address, or set 'allow-remote'" % host, host)
+        self.assertEqual(q.ok("query-jobs"), [])
+        # Loopback, and a remote address the client asked for, are taken.
+        for i, (host, extra) in enumerate((("127.0.0.1", {}), ("::1", {}), ("localhost", {}),
+                                           ("0.0.0.0", {"allow-remote": True}))):
+            jid = "j%d" % i
+            args = self.save_args(None, addr={"type": "inet", "host": host, "port": "0"}, **{"job-id": jid})
+            args.update(extra)
+            self.assertEqual(q.ok("x-vblk-savevm", args), {}, host)
+            q.ok("job-cancel", id=jid)
+            self.assertEqual(self.job_statuses(q, jid)[-1], "concluded")
+            q.ok("job-dismiss", id=jid)
+            self.assertEqual(self.job_statuses(q, jid, until="null"), ["null"])
+        dm.quit()
+        self.assertEqual(snapshot_rows(self.img), [])
 
     # --- C ---------------------------------------------------------------
     def test_write_error_and_cancel_leave_no_snapshot(self):
         opts = ("driver=qcow2,node-name=disk,file.driver=blkdebug,file.image.driver=file,"
                 "file.image.filename=%s,file.inject-error.0.event=write_aio,"
-                "file.inject-error.0.sector=%d,file.inject-error.0.once=on" % (self.img, 16 * MiB // 512))
+                "file.inject-error.0.sector=%d,file.inject-error.0.once=on" % (self.img, 4 * MiB // 512))
         dm = self.serve(blockdev=opts)
         q = dm.qmp
         sock = os.path.join(self.dir, "s.sock")
@@ -238,7 +392,7 @@ class ServeVmstate(InteropTestCase):
         s = socket.socket(socket.AF_UNIX)
         s.connect(sock)
         try:
-            s.sendall(random.Random(1).randbytes(40 * MiB))
+            s.sendall(self.stream())
         except OSError:
             pass  # the job may stop reading once it failed
         s.close()

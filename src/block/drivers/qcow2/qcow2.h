@@ -386,7 +386,8 @@ class Qcow2Node final : public Node {
   // fix_copied on the active table, written back if it changed.
   Task<Status> fix_active_copied(bool clear_all);
   Task<Result<std::vector<uint64_t>>> read_l1(uint64_t offset, uint32_t size);
-  Task<Status> write_l1_table();
+  // The whole active L1 table, checked against the metadata but `ign`.
+  Task<Status> write_l1_table(uint32_t ign = 0);
   Task<Status> flush_all();
   Task<void> wait_allocs();
   // Drops one reference to each cluster of the range; a range with a free

@@ -216,11 +216,11 @@ Task<Result<std::vector<uint64_t>>> Qcow2Node::read_l1(uint64_t offset, uint32_t
   co_return l1;
 }
 
-Task<Status> Qcow2Node::write_l1_table() {
+Task<Status> Qcow2Node::write_l1_table(uint32_t ign) {
   AlignedBuffer b(align_up(std::max<uint64_t>(l1_.size() * 8, 1), 512));
   b.zero();
   for (size_t i = 0; i < l1_.size(); ++i) put64(b.data() + i * 8, l1_[i]);
-  co_return co_await checked_write(kOlActiveL1, h_.l1_table_offset, b.span(), kReqFua);
+  co_return co_await checked_write(kOlActiveL1 | ign, h_.l1_table_offset, b.span(), kReqFua);
 }
 
 Task<Status> Qcow2Node::flush_all() {
@@ -334,7 +334,12 @@ Task<Status> Qcow2Node::fix_active_copied(bool clear_all) {
   VBLK_CO_TRY(co_await fix_copied(l1, clear_all));
   if (l1 == l1_.vec()) co_return Status{};
   l1_.assign(std::move(l1));
-  co_return co_await write_l1_table();
+  // Only COPIED flags changed: QEMU's qcow2_update_snapshot_refcount
+  // writes the active table back unchecked, so an image whose snapshot
+  // shares the active L1 table's place (which `qemu-img snapshot -c`
+  // handles) is not marked corrupt for it. The offsets are unchanged, so
+  // a snapshot sharing the table sees the same clusters.
+  co_return co_await write_l1_table(kOlInactiveL1);
 }
 
 // ---- operations
