@@ -156,7 +156,8 @@ int create_luks(const std::string& filename, uint64_t size, std::map<std::string
   }
   std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
   auto pm = parse_prealloc(prealloc);
-  if (!pm || *pm == Prealloc::Metadata) return fail("Parameter 'preallocation' does not accept value '" + prealloc + "'");
+  // block/crypto.c parses it with qapi_enum_parse: its own words.
+  if (!pm) return fail("invalid parameter value: " + prealloc);
   o.preallocation = *pm;
   auto st = drivers::create_file(filename, 0, "off");
   if (!st) return fail(with_hint(st.error()));
