@@ -169,6 +169,14 @@ class LuksTest(InteropTestCase):
                            "-O", "raw", self.p("o.raw")).stderr)
         self.assertEqual(digest(img), before)
 
+    def test_info_and_map_with_key(self):
+        img = self.p("q.luks")
+        qemu_create(img, MiB)
+        for args in (["info"], ["info", "--output=json"], ["map", "--output=json"]):
+            v, q = both(*args, "--object", SECRET, "--image-opts", opts(img))
+            self.assertEqual(v.rc, 0, v)
+            self.assertSameResult(v, q, args)
+
     # -- hostile headers ----------------------------------------------------
     def test_hostile_headers(self):
         good = self.p("good.luks")
@@ -303,6 +311,10 @@ class LuksTest(InteropTestCase):
         self.assertSameResult(v, q)
 
 
+class QsdTimingFlake(Exception):
+    pass
+
+
 class LuksQmpTest(GraphTestCase):
     """blockdev-create driver luks in vblk serve beside qemu-storage-daemon."""
 
@@ -311,7 +323,11 @@ class LuksQmpTest(GraphTestCase):
         if "error" in r:
             return r
         c.wait_job(job)
-        c("query-jobs")
+        jobs = c("query-jobs")
+        # qemu-storage-daemon's PBKDF timing fails now and then on a busy
+        # machine: that run is done again.
+        if "Unable to get accurate CPU usage" in json.dumps(jobs):
+            raise QsdTimingFlake()
         c("job-dismiss", id=job)
         c.ev()
         return r
@@ -341,14 +357,12 @@ class LuksQmpTest(GraphTestCase):
             c("blockdev-add", driver="luks", file={"driver": "file", "filename": P("l.luks")},
               **{"node-name": "nokey"})
 
-        # qemu-storage-daemon's PBKDF timing fails now and then on a busy
-        # machine ("Unable to get accurate CPU usage"): tried again.
-        for attempt in range(3):
+        for attempt in range(5):
             try:
                 self.both(run_)
                 break
-            except AssertionError as e:
-                if "Unable to get accurate CPU usage" not in str(e) or attempt == 2:
+            except QsdTimingFlake:
+                if attempt == 4:
                     raise
         for i in range(len(DAEMONS)):
             img = self.kept(i, "l.luks")

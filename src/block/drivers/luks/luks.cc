@@ -36,12 +36,25 @@ class LuksNode final : public Node {
   Task<Status> load(const std::string* password);
 
   bool encrypted() const override { return true; }
+  // key-secret is an option beyond driver and file: QEMU's
+  // bdrv_refresh_filename names the node by its options then (members in
+  // QEMU's dict order: driver, file, key-secret).
+  std::string filename() const override {
+    std::string f = file_->filename();
+    if (key_secret_.empty()) return f;
+    std::string file_json = f.rfind("json:", 0) == 0 ? f.substr(5)
+                                                     : "{\"driver\": " + nlohmann::json(file_->driver()).dump() +
+                                                           ", \"filename\": " + nlohmann::json(f).dump() + "}";
+    return "json:{\"driver\": \"luks\", \"file\": " + file_json +
+           ", \"key-secret\": " + nlohmann::json(key_secret_).dump() + "}";
+  }
   PermPair child_perm(const Child&, PermPair self) const override {
     return perm_rules::storage(self, true, true, !read_only(), no_io_);
   }
   nlohmann::ordered_json format_specific() const override { return luks::info_json(h_, algs_); }
 
   bool no_io_ = false;
+  std::string key_secret_;
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override {
@@ -155,6 +168,7 @@ Result<std::shared_ptr<Node>> open_luks(OpenContext& ctx, Json& opts) {
   auto node = std::make_shared<LuksNode>(ctx.loop, *file);
   node->set_read_only(cctx.read_only || (*file)->read_only());
   node->no_io_ = ctx.no_io;
+  if (*key_secret) node->key_secret_ = **key_secret;
   auto st = ctx.loop.run(node->load(password ? &*password : nullptr));
   if (password) explicit_bzero(password->data(), password->size());
   VBLK_TRY(st);
