@@ -306,6 +306,26 @@ class LuksTest(InteropTestCase):
                 self.assertSameResult(v, q, o)
                 self.assertEqual(exists_v, exists_q, o)
 
+    def test_convert_to_luks(self):
+        """convert -O luks: the new target opens with -o key-secret (as
+        qemu-img's img_add_key_secrets does) and its zero areas are written,
+        since a new LUKS payload reads as noise, not zeroes."""
+        src = self.p("src.raw")
+        with open(src, "wb") as f:
+            f.write(rand_bytes(MiB, 1) + bytes(MiB) + rand_bytes(MiB - 512, 2))
+        dst = self.p("dst.luks")
+        r = vblk("convert", "-O", "luks", "--object", SECRET, "-o", "key-secret=s0,iter-time=50", src, dst)
+        self.assertEqual(r.rc, 0, r)
+        q = qemu("compare", "--object", SECRET, "--image-opts", opts(dst), "driver=raw,file.filename=" + src)
+        self.assertEqual(q.rc, 0, q)
+        self.assertEqual(q.stdout, "Images are identical.\n")
+        # Without the key: qemu-img's words, and no file left behind.
+        os.unlink(dst)
+        v, q = both("convert", "-O", "luks", src, dst)
+        self.assertSameResult(v, q)
+        self.assertEqual(v.rc, 1)
+        self.assertFalse(os.path.exists(dst))
+
     def test_create_help(self):
         v, q = both("create", "-f", "luks", "-o", "help", self.p("x"))
         self.assertSameResult(v, q)
