@@ -376,6 +376,18 @@ class LuksQmpTest(GraphTestCase):
               **{"key-secret": "s0", "node-name": "l"})
             c("blockdev-add", driver="luks", file={"driver": "file", "filename": P("l.luks")},
               **{"node-name": "nokey"})
+            # The node as query-named-block-nodes shows it (encrypted: true);
+            # the random and timed fields left out.
+            nodes = [n for n in q.cmd("query-named-block-nodes", {"flat": True})["return"] if n["drv"] == "luks"]
+            for n in nodes:
+                n["image"].pop("actual-size", None)
+                data = n["image"]["format-specific"]["data"]
+                data.pop("uuid"), data.pop("master-key-iters")
+                for sl in data["slots"]:
+                    sl.pop("iters", None)
+            self.assertEqual(len(nodes), 1)
+            self.assertTrue(nodes[0]["encrypted"])
+            out.append(("nodes", nodes))
 
         for attempt in range(5):
             try:
