@@ -102,6 +102,20 @@ class LuksTest(InteropTestCase):
             self.assertIn("file format: raw", r.stdout)
             self.assertEqual(digest(img), before, img)
 
+    @unittest.skipUnless(CRYPTSETUP, "cryptsetup not installed")
+    def test_luks2_is_not_luks1(self):
+        """QEMU 7.2 reads LUKS1 only: a LUKS2 image probes as raw there,
+        and so in vblk."""
+        img = self.p("l2.img")
+        with open(img, "wb") as f:
+            f.truncate(20 * MiB)
+        r = subprocess.run([CRYPTSETUP, "luksFormat", "-q", "--type", "luks2", "--pbkdf", "pbkdf2",
+                            "--pbkdf-force-iterations", "1000", img, "-"], input=b"pw", capture_output=True)
+        self.assertEqual(r.returncode, 0, r)
+        v, q = both("info", img)
+        self.assertSameResult(v, q)
+        self.assertIn("file format: raw", v.stdout)
+
     # -- 2. reads and writes bit-exact with QEMU ----------------------------
     def check_roundtrip(self, img):
         """qemu-io's writes read the same in vblk; vblk's in qemu-io."""
