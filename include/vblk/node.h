@@ -282,6 +282,8 @@ class Node {
   virtual Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt);
   // {"type": driver, "data": {...}} in QAPI ImageInfoSpecific form, or null.
   virtual nlohmann::ordered_json format_specific() const { return nullptr; }
+  // The image's data is encrypted (luks): info says "encrypted: yes".
+  virtual bool encrypted() const { return false; }
   // The image was not closed cleanly (qcow2's dirty bit: lazy refcounts).
   virtual bool dirty_flag() const { return false; }
   // Whether `info` shows dirty-flag at all (QEMU shows it when the driver

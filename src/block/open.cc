@@ -20,6 +20,7 @@ const DriverInfo kDrivers[] = {
     {"file", true, drivers::open_file, nullptr},
     {"host_device", true, drivers::open_host_device, nullptr},
     {"nbd", true, drivers::open_nbd, nullptr},
+    {"luks", false, drivers::open_luks, drivers::probe_luks},
     {"null-co", true, drivers::open_null, nullptr},
     {"qcow2", false, drivers::open_qcow2, drivers::probe_qcow2},
     {"raw", false, drivers::open_raw, drivers::probe_raw},

@@ -171,7 +171,7 @@ int cmd_convert(int argc, char** argv) {
     error_report("Invalid cache option: " + cache);
     return 1;
   }
-  if (out_fmt != "raw" && out_fmt != "qcow2" && out_fmt != "file") {
+  if (out_fmt != "raw" && out_fmt != "qcow2" && out_fmt != "file" && out_fmt != "luks") {
     error_report("Unknown file format '" + out_fmt + "'");
     return 1;
   }
@@ -226,6 +226,21 @@ int cmd_convert(int argc, char** argv) {
   // write for later; on io_uring they are also handed to kernel workers.
   // -t writeback or -t unsafe given explicitly keep the page cache.
   if (!cache_given && supports_direct(out_name)) ta.cache.direct = true;
+  // A luks target is opened with the key-secret it was created with
+  // (qemu-img's img_add_key_secrets copies -o key-secret to the open).
+  if (out_fmt == "luks" && !skip_create) {
+    Json o = {{"driver", "luks"}, {"file", {{"driver", "file"}, {"filename", out_name}}}};
+    for (size_t pos = 0; pos <= options.size();) {
+      size_t end = options.find(',', pos);
+      if (end == std::string::npos) end = options.size();
+      std::string item = options.substr(pos, end - pos);
+      if (item.rfind("key-secret=", 0) == 0) o["key-secret"] = item.substr(11);
+      pos = end + 1;
+    }
+    ta.filename = "json:" + o.dump();
+    ta.format.clear();
+    ta.open_error_prefix = "Could not open '" + out_name + "': ";
+  }
   auto dst = open_cli_image(loop, ta);
   if (!dst) return 1;
   if (dst->length() < size) {
@@ -245,7 +260,9 @@ int cmd_convert(int argc, char** argv) {
   // With a backing file the target shows it wherever the source's top layer
   // does not allocate: copy only what the top layer has.
   o.skip_unallocated = has_backing;
-  o.target_is_zero = !has_backing && (!skip_create || target_is_zero);
+  // A new luks image does not read as zeroes (its payload decrypts to
+  // noise): zero areas are written, as QEMU does (no bdrv_has_zero_init).
+  o.target_is_zero = !has_backing && ((!skip_create && out_fmt != "luks") || target_is_zero);
   if (min_sparse == 0) {
     o.allocate_zeroes = true;
   } else if (!copy_range) {

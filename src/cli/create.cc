@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "block/drivers/drivers.h"
+#include "block/drivers/luks/create.h"
 #include "block/drivers/qcow2/qcow2.h"
 #include "block/options.h"
 #include "cli/common.h"
@@ -65,6 +66,21 @@ const OptSpec kQcow2Options[] = {
     {"extent_size_hint", OptKind::Size, nullptr},
 };
 
+// luks's own options, then the file protocol's (qemu-img's print order).
+const OptSpec kLuksOptions[] = {
+    {"size", OptKind::Size, nullptr},
+    {"key-secret", OptKind::String, nullptr},
+    {"cipher-alg", OptKind::String, nullptr},
+    {"cipher-mode", OptKind::String, nullptr},
+    {"ivgen-alg", OptKind::String, nullptr},
+    {"ivgen-hash-alg", OptKind::String, nullptr},
+    {"hash-alg", OptKind::String, nullptr},
+    {"iter-time", OptKind::Number, nullptr},
+    {"nocow", OptKind::Bool, nullptr},
+    {"preallocation", OptKind::String, nullptr},
+    {"extent_size_hint", OptKind::Size, nullptr},
+};
+
 bool valid_option_list(const std::string& s) {
   if (s.empty() || s[0] == ',') return false;
   size_t n = 0;
@@ -88,6 +104,77 @@ void print_raw_help(bool with_file) {
         "The protocol level may support further options.\n"
         "Specify the target filename to include those options.\n");
   }
+}
+
+void print_luks_help() {
+  std::printf(
+      "Supported options:\n"
+      "  cipher-alg=<str>       - Name of encryption cipher algorithm\n"
+      "  cipher-mode=<str>      - Name of encryption cipher mode\n"
+      "  extent_size_hint=<size> - Extent size hint for the image file, 0 to disable\n"
+      "  hash-alg=<str>         - Name of encryption hash algorithm\n"
+      "  iter-time=<num>        - Time to spend in PBKDF in milliseconds\n"
+      "  ivgen-alg=<str>        - Name of IV generator algorithm\n"
+      "  ivgen-hash-alg=<str>   - Name of IV generator hash algorithm\n"
+      "  key-secret=<str>       - ID of the secret that provides the keyslot passphrase\n"
+      "  nocow=<bool (on/off)>  - Turn off copy-on-write (valid only on btrfs)\n"
+      "  preallocation=<str>    - Preallocation mode (allowed values: off, falloc, full)\n"
+      "  size=<size>            - Virtual disk size\n");
+}
+
+// Validates luks creation options (QEMU's enum checks, in its member
+// order), then makes the file and formats it; a failed format removes the
+// file again, as qemu-img create does.
+template <class Fail>
+int create_luks(const std::string& filename, uint64_t size, std::map<std::string, std::string>& opts, Fail fail) {
+  luks::CreateOptions o;
+  o.size = size;
+  auto pick = [&](const char* key, const char* const* allowed, size_t n, std::string& out) -> bool {
+    if (!opts.count(key)) return true;
+    for (size_t i = 0; i < n; ++i)
+      if (opts[key] == allowed[i]) {
+        out = opts[key];
+        return true;
+      }
+    fail(std::string("Parameter '") + key + "' does not accept value '" + opts[key] + "'");
+    return false;
+  };
+  if (opts.count("key-secret")) o.key_secret = opts["key-secret"];
+  if (!pick("cipher-alg", luks::kCipherAlgs, luks::kNumCipherAlgs, o.cipher_alg)) return 1;
+  if (!pick("cipher-mode", luks::kCipherModes, luks::kNumCipherModes, o.cipher_mode)) return 1;
+  if (!pick("ivgen-alg", luks::kIvgenAlgs, luks::kNumIvgenAlgs, o.ivgen_alg)) return 1;
+  std::string ivhash;
+  if (!pick("ivgen-hash-alg", luks::kHashAlgs, luks::kNumHashAlgs, ivhash)) return 1;
+  if (!ivhash.empty()) o.ivgen_hash_alg = ivhash;
+  if (!pick("hash-alg", luks::kHashAlgs, luks::kNumHashAlgs, o.hash_alg)) return 1;
+  if (opts.count("iter-time")) {
+    errno = 0;
+    char* end = nullptr;
+    long long t = std::strtoll(opts["iter-time"].c_str(), &end, 0);
+    if (errno || opts["iter-time"].empty() || *end) return fail("Parameter 'iter-time' expects a number");
+    o.iter_time = t;
+  }
+  std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
+  auto pm = parse_prealloc(prealloc);
+  // block/crypto.c parses it with qapi_enum_parse: its own words.
+  if (!pm) return fail("invalid parameter value: " + prealloc);
+  o.preallocation = *pm;
+  auto st = drivers::create_file(filename, 0, "off");
+  if (!st) return fail(with_hint(st.error()));
+  auto remove_and_fail = [&](const std::string& msg) {
+    ::unlink(filename.c_str());
+    return fail(msg);
+  };
+  Loop loop;
+  OpenContext ctx{loop};
+  ctx.read_only = false;
+  auto file = open_node(ctx, Json{{"driver", "file"}, {"filename", filename}});
+  if (!file) return remove_and_fail(with_hint(file.error()));
+  (*file)->set_claim(PermPair{kPermWrite | kPermResize, kPermAll});
+  if (Status lk = (*file)->refresh_perms(); !lk) return fail(with_hint(lk.error()));
+  auto cr = loop.run(luks::create(**file, o));
+  if (!cr) return remove_and_fail(cr.error().what());
+  return 0;
 }
 
 // Validates qcow2 creation options (QEMU's wording) and creates the image.
@@ -188,6 +275,10 @@ int cmd_create(int argc, char** argv) {
   }
   std::string filename = argv[optind++];
   if (options.find("help") != std::string::npos || options.find('?') != std::string::npos) {
+    if (fmt == "luks") {
+      print_luks_help();
+      return 0;
+    }
     print_raw_help(true);
     return 0;
   }
@@ -212,6 +303,8 @@ int cmd_create(int argc, char** argv) {
     specs = kRawOptions;
   } else if (fmt == "qcow2") {
     specs = kQcow2Options;
+  } else if (fmt == "luks") {
+    specs = kLuksOptions;
   } else {
     return fail("Unknown file format '" + fmt + "'");
   }
@@ -348,6 +441,7 @@ int cmd_create(int argc, char** argv) {
     if (!st) return fail(with_hint(st.error()));
     return 0;
   }
+  if (fmt == "luks") return create_luks(filename, static_cast<uint64_t>(*size), opts, fail);
   return create_qcow2(filename, static_cast<uint64_t>(*size), opts, sizes, fail);
 }
 

@@ -19,6 +19,7 @@ nlohmann::ordered_json info_json(Node& top) {
   if (auto sz = top.allocated_size()) j["actual-size"] = *sz;
   j["virtual-size"] = top.length();
   if (top.cluster_size()) j["cluster-size"] = top.cluster_size();
+  if (top.encrypted()) j["encrypted"] = true;
   std::string bf = top.backing_file_name();
   if (!bf.empty()) {
     j["backing-filename"] = bf;
@@ -74,6 +75,7 @@ void info_human(Node& top) {
   auto sz = top.allocated_size();
   std::printf("disk size: %s\n", sz ? size_to_str(*sz).c_str() : "unavailable");
   if (top.cluster_size()) std::printf("cluster_size: %llu\n", static_cast<unsigned long long>(top.cluster_size()));
+  if (top.encrypted()) std::printf("encrypted: yes\n");
   if (top.dirty_flag()) std::printf("cleanly shut down: no\n");
   std::string bf = top.backing_file_name();
   if (!bf.empty()) {

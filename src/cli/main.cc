@@ -66,7 +66,7 @@ void help() {
   for (const auto& c : kCommands) std::printf("  %s\n", c.synopsis);
   std::printf(
       "\n"
-      "Supported formats: blkdebug file host_device null-co qcow2 raw\n");
+      "Supported formats: blkdebug file host_device luks null-co qcow2 raw\n");
 }
 
 }  // namespace

@@ -213,6 +213,7 @@ OJson image_info(Daemon& d, Node& n, bool flat) {
   img["virtual-size"] = n.length();  // whole sectors, as bdrv_getlength
   if (auto a = n.allocated_size()) img["actual-size"] = *a;
   if (n.cluster_size()) img["cluster-size"] = n.cluster_size();
+  if (n.encrypted()) img["encrypted"] = true;
   if (n.reports_dirty_flag()) img["dirty-flag"] = n.dirty_flag();
   auto spec = n.format_specific();
   if (!spec.is_null()) img["format-specific"] = OJson::parse(spec.dump());
@@ -249,7 +250,7 @@ OJson node_info(Daemon& d, Node& n, bool flat) {
     for (Node* b = filter_or_cow_child(n); b; b = filter_or_cow_child(*b)) ++depth;
   if (Node* b = backing_of(n)) o["backing_file"] = b->filename();
   o["backing_file_depth"] = depth;
-  o["encrypted"] = false;
+  o["encrypted"] = n.encrypted();
   o["detect_zeroes"] = st.detect_zeroes;
   for (const char* k : {"bps", "bps_rd", "bps_wr", "iops", "iops_rd", "iops_wr"}) o[k] = 0;
   o["image"] = image_info(d, n, flat);

@@ -7,6 +7,7 @@
 // found while the job runs (an unknown node, a bad cluster size) end the job
 // with QEMU's message, not the command.
 #include "block/drivers/drivers.h"
+#include "block/drivers/luks/create.h"
 #include "block/drivers/qcow2/qcow2.h"
 #include "block/open.h"
 #include "qmp/daemon.h"
@@ -28,7 +29,7 @@ const std::vector<std::string> kBlockdevDrivers = {
     "raw",          "rbd",      "replication", "ssh",     "throttle", "vdi",       "vhdx",         "vmdk",
     "vpc",          "vvfat"};
 // Union branches with create options that vblk has no driver for.
-const char* const kForeignCreate[] = {"gluster", "luks", "nfs", "parallels", "qcow", "qed",
+const char* const kForeignCreate[] = {"gluster", "nfs", "parallels", "qcow", "qed",
                                       "ssh",     "vdi",  "vhdx", "vmdk",     "vpc"};
 const std::vector<std::string> kPrealloc = {"off", "metadata", "falloc", "full"};
 
@@ -58,6 +59,22 @@ const std::vector<Arg> kRbdCreate = {{"location", ArgType::Object, true},
                                      {"size", ArgType::UInt64, true},
                                      {"cluster-size", ArgType::UInt64},
                                      {"encrypt", ArgType::Object}};
+
+std::vector<std::string> values(const char* const* v, size_t n) { return {v, v + n}; }
+
+// BlockdevCreateOptionsLUKS: QCryptoBlockCreateOptionsLUKS + file, size,
+// preallocation.
+const std::vector<Arg> kLuksCreate = {
+    {"key-secret", ArgType::Str},
+    {"cipher-alg", ArgType::Enum, false, values(luks::kCipherAlgs, luks::kNumCipherAlgs)},
+    {"cipher-mode", ArgType::Enum, false, values(luks::kCipherModes, luks::kNumCipherModes)},
+    {"ivgen-alg", ArgType::Enum, false, values(luks::kIvgenAlgs, luks::kNumIvgenAlgs)},
+    {"ivgen-hash-alg", ArgType::Enum, false, values(luks::kHashAlgs, luks::kNumHashAlgs)},
+    {"hash-alg", ArgType::Enum, false, values(luks::kHashAlgs, luks::kNumHashAlgs)},
+    {"iter-time", ArgType::Int},
+    {"file", ArgType::Any, true},
+    {"size", ArgType::UInt64, true},
+    {"preallocation", ArgType::Enum, false, kPrealloc}};
 
 uint64_t u64(const OJson& v) { return v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(v.get<int64_t>()); }
 
@@ -109,6 +126,14 @@ Task<Status> create_qcow2_body(Daemon& d, OJson file_ref, qcow2::Qcow2Node::Crea
 }
 
 // rbd_create and its connection block: they run on the loop's thread pool.
+Task<Status> create_luks_body(Daemon& d, OJson file_ref, luks::CreateOptions o) {
+  auto file = open_ref(d, file_ref);
+  if (!file) co_return file.take_error();
+  NodeRef user(*file);
+  VBLK_CO_TRY(user.set_perms(PermPair{kPermWrite | kPermResize, kPermAll}));
+  co_return co_await luks::create(**file, o);
+}
+
 Task<Status> create_rbd_body(Loop& loop, Json loc, uint64_t size, uint64_t cluster_size, std::optional<Json> enc) {
   Status st;
   std::function<long()> fn = [&]() -> long {
@@ -125,6 +150,7 @@ std::vector<Arg> create_members(const std::string& drv) {
   if (drv == "file") members.insert(members.end(), kFileCreate.begin(), kFileCreate.end());
   if (drv == "qcow2") members.insert(members.end(), kQcow2Create.begin(), kQcow2Create.end());
   if (drv == "rbd") members.insert(members.end(), kRbdCreate.begin(), kRbdCreate.end());
+  if (drv == "luks") members.insert(members.end(), kLuksCreate.begin(), kLuksCreate.end());
   return members;
 }
 
@@ -139,13 +165,13 @@ Task<Reply> blockdev_create(Daemon& d, const OJson& a) {
   bool foreign = std::any_of(std::begin(kForeignCreate), std::end(kForeignCreate), [&](const char* s) { return drv == s; });
   std::vector<Arg> members = create_members(drv);
   if (auto e = check_args(members, foreign, o, "options")) co_return Reply::fail(*e);
-  if (drv == "qcow2") {
+  if (drv == "qcow2" || drv == "luks") {
     if (auto e = check_blockdev_ref(o["file"], "file", "options.file")) co_return Reply::fail(*e);
     if (o.contains("data-file"))
       if (auto e = check_blockdev_ref(o["data-file"], "data-file", "options.data-file")) co_return Reply::fail(*e);
   }
   if (foreign) co_return Reply::fail("Block driver '" + drv + "' not found or not supported");
-  if (drv != "file" && drv != "qcow2" && drv != "rbd") co_return Reply::fail("Driver does not support blockdev-create");
+  if (drv != "file" && drv != "qcow2" && drv != "rbd" && drv != "luks") co_return Reply::fail("Driver does not support blockdev-create");
 
   CreateJob::Body body;
   if (drv == "rbd") {
@@ -160,6 +186,18 @@ Task<Reply> blockdev_create(Daemon& d, const OJson& a) {
     body = [&d, loc = Json::parse(o["location"].dump()), size = u64(o["size"]), cs, enc] {
       return create_rbd_body(d.loop, loc, size, cs, enc);
     };
+  } else if (drv == "luks") {
+    luks::CreateOptions c;
+    c.size = u64(o["size"]);
+    if (o.contains("key-secret")) c.key_secret = o["key-secret"].get<std::string>();
+    c.cipher_alg = str_or(o, "cipher-alg", c.cipher_alg);
+    c.cipher_mode = str_or(o, "cipher-mode", c.cipher_mode);
+    c.ivgen_alg = str_or(o, "ivgen-alg", c.ivgen_alg);
+    if (o.contains("ivgen-hash-alg")) c.ivgen_hash_alg = o["ivgen-hash-alg"].get<std::string>();
+    c.hash_alg = str_or(o, "hash-alg", c.hash_alg);
+    if (o.contains("iter-time")) c.iter_time = o["iter-time"].get<int64_t>();
+    c.preallocation = *parse_prealloc(str_or(o, "preallocation", "off"));
+    body = [&d, ref = o["file"], c] { return create_luks_body(d, ref, c); };
   } else if (drv == "file") {
     std::string prealloc = str_or(o, "preallocation", "off");
     if (o.contains("extent-size-hint") && u64(o["extent-size-hint"]) > UINT32_MAX)

@@ -14,6 +14,9 @@ Result<std::shared_ptr<Node>> open_blkdebug(OpenContext& ctx, Json& opts);
 int probe_raw(std::span<const uint8_t> head);
 Result<std::shared_ptr<Node>> open_qcow2(OpenContext& ctx, Json& opts);
 int probe_qcow2(std::span<const uint8_t> head);
+// luks/: LUKS1 encryption (QEMU's `luks` format).
+Result<std::shared_ptr<Node>> open_luks(OpenContext& ctx, Json& opts);
+int probe_luks(std::span<const uint8_t> head);
 Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_throttle(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_snapshot_access(OpenContext& ctx, Json& opts);

@@ -1,0 +1,153 @@
+// LUKS1 image creation: see create.h.
+#include "block/drivers/luks/create.h"
+
+#include <openssl/rand.h>
+#include <sys/resource.h>
+
+#include <climits>
+#include <cstring>
+
+#include "block/drivers/luks/luks.h"
+#include "vblk/buffer.h"
+
+namespace vblk::luks {
+
+const char* const kCipherAlgs[] = {"aes-128",     "aes-192",     "aes-256",     "des",        "3des",
+                                   "cast5-128",   "serpent-128", "serpent-192", "serpent-256", "twofish-128",
+                                   "twofish-192", "twofish-256", "sm4"};
+const size_t kNumCipherAlgs = std::size(kCipherAlgs);
+const char* const kCipherModes[] = {"ecb", "cbc", "xts", "ctr"};
+const size_t kNumCipherModes = std::size(kCipherModes);
+const char* const kIvgenAlgs[] = {"plain", "plain64", "essiv"};
+const size_t kNumIvgenAlgs = std::size(kIvgenAlgs);
+const char* const kHashAlgs[] = {"md5", "sha1", "sha224", "sha256", "sha384", "sha512", "ripemd160"};
+const size_t kNumHashAlgs = std::size(kHashAlgs);
+
+namespace {
+
+uint64_t thread_cpu_ms() {
+  rusage ru{};
+  getrusage(RUSAGE_THREAD, &ru);
+  return static_cast<uint64_t>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000 +
+         static_cast<uint64_t>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1000;
+}
+
+// PBKDF2 iterations per second of CPU for this key, salt and output length
+// (QEMU's qcrypto_pbkdf2_count_iters: grow the count until one run takes
+// over half a second, then scale). A run too short to measure counts as
+// too short (QEMU fails then, "Unable to get accurate CPU usage").
+Result<uint64_t> count_iters(const std::string& hash, std::span<const uint8_t> key, std::span<const uint8_t> salt,
+                             size_t nout) {
+  KeyBuffer out(nout);
+  uint64_t iterations = 1 << 15, delta = 0;
+  for (;;) {
+    if (iterations > INT32_MAX) return Error(ERANGE, "PBKDF iterations too large to measure");
+    uint64_t start = thread_cpu_ms();
+    VBLK_TRY(pbkdf2(hash, key, salt, static_cast<uint32_t>(iterations), out.span()));
+    delta = thread_cpu_ms() - start;
+    if (delta > 500) break;
+    iterations = delta < 100 ? iterations * 10 : iterations * 1000 / delta;
+  }
+  return iterations * 1000 / delta;
+}
+
+// Iterations for `iter_time` ms, QEMU's scaling and limits; `divisor` 8
+// for the master key digest (cryptsetup's choice, which QEMU follows).
+Result<uint32_t> scale_iters(uint64_t per_sec, int64_t iter_time, uint64_t divisor, uint32_t min) {
+  auto t = static_cast<uint64_t>(iter_time);
+  if (t && per_sec > ULLONG_MAX / t)
+    return Error(ERANGE, "PBKDF iterations " + std::to_string(per_sec) + " too large to scale: Numerical result out of range");
+  uint64_t iters = per_sec * t / 1000 / divisor;
+  if (iters > UINT32_MAX)
+    return Error(ERANGE, "PBKDF iterations " + std::to_string(iters) + " larger than " + std::to_string(UINT32_MAX) +
+                             ": Numerical result out of range");
+  return static_cast<uint32_t>(std::max<uint64_t>(iters, min));
+}
+
+std::string random_uuid() {
+  uint8_t u[16];
+  RAND_bytes(u, sizeof u);
+  u[6] = (u[6] & 0x0F) | 0x40;  // version 4
+  u[8] = (u[8] & 0x3F) | 0x80;  // RFC 4122 variant
+  char s[37];
+  std::snprintf(s, sizeof s, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2],
+                u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+  return s;
+}
+
+Task<Status> write_at(Node& file, uint64_t offset, std::span<const uint8_t> data) {
+  AlignedBuffer buf(align_up(data.size(), kSectorSize), 4096);
+  buf.zero();
+  std::memcpy(buf.data(), data.data(), data.size());
+  co_return co_await file.write(offset, buf.span());
+}
+
+}  // namespace
+
+Task<Status> create(Node& file, const CreateOptions& o) {
+  if (!o.key_secret) co_return Error(EINVAL, "Parameter 'key-secret' is required for cipher");
+  auto password = lookup_password(*o.key_secret);
+  if (!password) co_return password.take_error();
+  KeyBuffer pw(password->size());
+  std::memcpy(pw.data(), password->data(), pw.size());
+  explicit_bzero(password->data(), password->size());
+
+  uint32_t alg_key = cipher_key_len(o.cipher_alg);
+  if (!alg_key) co_return Error(ENOTSUP, "Algorithm '" + o.cipher_alg + "' not supported");
+  Algorithms a;
+  a.cipher_alg = o.cipher_alg;
+  a.cipher_mode = o.cipher_mode;
+  a.ivgen_alg = o.ivgen_alg;
+  a.hash_alg = o.hash_alg;
+  a.ivgen_hash_alg = o.ivgen_hash_alg.value_or(o.ivgen_alg == "essiv" ? "sha256" : "");
+  a.key_bytes = o.cipher_mode == "xts" ? alg_key * 2 : alg_key;
+
+  Header h;
+  h.cipher_name = cipher_family(o.cipher_alg);
+  h.cipher_mode = a.cipher_mode + "-" + a.ivgen_alg + (a.ivgen_hash_alg.empty() ? "" : ":" + a.ivgen_hash_alg);
+  h.hash_spec = a.hash_alg;
+  h.master_key_len = a.key_bytes;
+  h.uuid = random_uuid();
+  if (RAND_bytes(h.master_key_salt.data(), static_cast<int>(kSaltLen)) != 1)
+    co_return Error(EIO, "Unable to read random bytes");
+  KeyBuffer master(a.key_bytes);
+  if (RAND_bytes(master.data(), static_cast<int>(master.size())) != 1) co_return Error(EIO, "Unable to read random bytes");
+  // The payload cipher, built now so an algorithm vblk cannot run is
+  // refused before anything is written.
+  auto payload_cipher = SectorCipher::create(a, master.span());
+  if (!payload_cipher) co_return payload_cipher.take_error();
+
+  auto mk_rate = count_iters(a.hash_alg, master.span(), h.master_key_salt, kDigestLen);
+  if (!mk_rate) co_return mk_rate.take_error();
+  auto mk_iters = scale_iters(*mk_rate, o.iter_time, 8, 1000);
+  if (!mk_iters) co_return mk_iters.take_error();
+  h.master_key_iterations = *mk_iters;
+  VBLK_CO_TRY(pbkdf2(a.hash_alg, master.span(), h.master_key_salt, h.master_key_iterations, h.master_key_digest));
+
+  // Slot areas follow the 4 KiB header, each rounded to 4 KiB (cryptsetup's
+  // layout); only slot 0 is used.
+  const uint64_t slot_sectors = key_material_sectors(h.master_key_len, kStripes);
+  for (size_t i = 0; i < kNumKeySlots; ++i) {
+    h.slots[i].active = kSlotDisabled;
+    h.slots[i].stripes = kStripes;
+    h.slots[i].key_offset_sector = static_cast<uint32_t>(kKeySlotOffset / kSectorSize + slot_sectors * i);
+  }
+  h.payload_offset_sector = static_cast<uint32_t>(kKeySlotOffset / kSectorSize + slot_sectors * kNumKeySlots);
+  KeySlot& s0 = h.slots[0];
+  if (RAND_bytes(s0.salt.data(), static_cast<int>(kSaltLen)) != 1) co_return Error(EIO, "Unable to read random bytes");
+  auto slot_rate = count_iters(a.hash_alg, pw.span(), s0.salt, a.key_bytes);
+  if (!slot_rate) co_return slot_rate.take_error();
+  auto slot_iters = scale_iters(*slot_rate, o.iter_time, 1, 1000);
+  if (!slot_iters) co_return slot_iters.take_error();
+  auto material = make_slot(h, a, s0, pw.span(), *slot_iters, master.span());
+  if (!material) co_return material.take_error();
+
+  // Room for the header and the payload, then the header and key material.
+  const uint64_t payload = h.payload_offset();
+  VBLK_CO_TRY(co_await file.truncate(payload + o.size, false, o.preallocation));
+  VBLK_CO_TRY(co_await write_at(file, 0, serialize_header(h)));
+  VBLK_CO_TRY(co_await write_at(file, uint64_t{s0.key_offset_sector} * kSectorSize, *material));
+  co_return co_await file.flush();
+}
+
+}  // namespace vblk::luks
