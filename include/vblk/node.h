@@ -154,6 +154,7 @@ struct CorruptionEvent {
 struct Child {
   std::string role;  // "file", "backing", ...
   std::shared_ptr<Node> node;
+  uint64_t stamp = next_user_stamp();  // when it became a user of node (perm.h)
 };
 
 class Node {
@@ -212,8 +213,11 @@ class Node {
   bool force_share() const { return force_share_; }
   // Recomputes the pair from the node's users, applies it (a file node
   // takes or drops its OFD locks), then does the same for its children.
-  // On a refusal ("Failed to get \"write\" lock") the node and its children
-  // keep the pairs and locks they had.
+  // Users that do not share what another user needs are refused first, in
+  // QEMU's words ("Permission conflict on node 'f0': permissions 'write'
+  // are both required by ... and unshared by ..."). On a refusal (that, or
+  // "Failed to get \"write\" lock") the node and its children keep the
+  // pairs and locks they had.
   Status refresh_perms();
   // What this node needs of its child `c` when its own pair is `self`.
   // The default is a filter's: everything passes through.

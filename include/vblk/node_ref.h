@@ -46,7 +46,10 @@ class NodeRef {
     std::shared_ptr<Node> old = std::move(node_);
     if (old) std::erase(old->refs_, this);
     node_ = std::move(n);
-    if (node_) node_->refs_.push_back(this);
+    if (node_) {
+      node_->refs_.push_back(this);
+      stamp_ = next_user_stamp();
+    }
     if (perms_ != PermPair{}) {
       if (node_) (void)node_->refresh_perms();
       if (old) (void)old->refresh_perms();
@@ -68,11 +71,25 @@ class NodeRef {
   }
   const PermPair& perms() const { return perms_; }
 
+  // How a permission conflict names this user (QEMU's get_parent_desc and
+  // child name): "an unnamed block device" as "root" for an export or a
+  // blockdev-create, "backup job 'j0'" as "main node" for a job.
+  void set_user(std::string desc, std::string role) {
+    desc_ = std::move(desc);
+    role_ = std::move(role);
+  }
+  const std::string& user_desc() const { return desc_; }
+  const std::string& user_role() const { return role_; }
+  uint64_t stamp() const { return stamp_; }
+
  private:
   // Moves o's node and pair here (the node's needs do not change).
   void take(NodeRef& o) {
     perms_ = o.perms_;
     o.perms_ = {};
+    desc_ = std::move(o.desc_);
+    role_ = std::move(o.role_);
+    stamp_ = o.stamp_;
     std::shared_ptr<Node> n = o.node_;
     o.reset();
     node_ = std::move(n);
@@ -81,6 +98,9 @@ class NodeRef {
 
   std::shared_ptr<Node> node_;
   PermPair perms_;
+  std::string desc_ = "an unnamed block device";
+  std::string role_ = "root";
+  uint64_t stamp_ = 0;
 };
 
 }  // namespace vblk

@@ -38,4 +38,9 @@ struct PermPair {
 // QEMU's bdrv_perm_names: "consistent read, write" for a mask.
 std::string perm_names(uint32_t perms);
 
+// Users of a node are checked against each other newest first, as QEMU
+// walks a node's parent list (new parents go to its head), so that the
+// same conflict is reported in the same words. A stamp orders them.
+uint64_t next_user_stamp();
+
 }  // namespace vblk

@@ -100,6 +100,7 @@ Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
   auto force_share = take_bool(opts, "force-share");
   VBLK_TRY(force_share);
   nctx.force_share = force_share->value_or(ctx.force_share);
+  nctx.node_name = name->value_or("");
   auto node = d->open(nctx, opts);
   VBLK_TRY(node);
   if (!opts.empty()) return Error(EINVAL, leftover_error(*d, first_key(opts)));
@@ -110,8 +111,8 @@ Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
   }
   // The node's locks as its children and (for a file) its own users need
   // them now; parents and exports added later refresh them again.
-  VBLK_TRY((*node)->refresh_perms());
   if (*name) (*node)->set_node_name(**name);
+  VBLK_TRY((*node)->refresh_perms());
   if (ctx.graph) VBLK_TRY(ctx.graph->add(*node));
   return node;
 }

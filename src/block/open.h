@@ -44,6 +44,10 @@ struct OpenContext {
   // ignores discards without it). Only snapshot-access reads it so far:
   // the other drivers pass every discard on, as before.
   bool discard_unmap = false;
+  // The node-name of the node being opened (not of its children): a driver
+  // that checks its children's permissions while it opens names itself in
+  // a conflict, as QEMU names a node before it opens the node's children.
+  std::string node_name;
 };
 
 // A parent that writes to `file` without being allowed to resize it (raw, or

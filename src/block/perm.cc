@@ -1,10 +1,41 @@
 // Node permissions: the cumulative pair of a node from its users, applied
 // top-down (perm.h). QEMU computes the same thing in bdrv_refresh_perms.
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
 #include "vblk/node.h"
 #include "vblk/node_ref.h"
 #include "vblk/perm.h"
 
 namespace vblk {
+
+uint64_t next_user_stamp() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+namespace {
+
+// One user of a node as a conflict names it.
+struct User {
+  PermPair need;
+  std::string desc;  // "node 'd0'", "an unnamed block device"
+  std::string role;  // the child name: "file", "root"
+  uint64_t stamp;
+};
+
+// QEMU's bdrv_a_allow_b: a must share everything b needs.
+Status a_allows_b(const std::string& node, const User& a, const User& b) {
+  const uint32_t denied = b.need.perm & ~a.need.shared;
+  if (!denied) return {};
+  return Error(EPERM, "Permission conflict on node '" + node + "': permissions '" + perm_names(denied) +
+                          "' are both required by " + b.desc + " (uses node '" + node + "' as '" + b.role +
+                          "' child) and unshared by " + a.desc + " (uses node '" + node + "' as '" + a.role +
+                          "' child).");
+}
+
+}  // namespace
 
 std::string perm_names(uint32_t perms) {
   static const char* const kNames[kPermBits] = {"consistent read", "write", "write unchanged", "resize"};
@@ -23,20 +54,29 @@ PermPair Node::child_perm(const Child& c, PermPair self) const {
 }
 
 Status Node::refresh_perms() {
-  PermPair now = claim_;
-  for (const NodeRef* r : refs_) {
-    now.perm |= r->perms().perm;
-    now.shared &= r->perms().shared;
-  }
+  std::vector<User> users;
+  if (claim_ != PermPair{}) users.push_back({claim_, "an unnamed block device", "root", 0});
+  for (const NodeRef* r : refs_) users.push_back({r->perms(), r->user_desc(), r->user_role(), r->stamp()});
   for (const Node* p : parents_) {
     for (const Child& c : p->children_) {
       if (c.node.get() != this) continue;
-      PermPair need = p->child_perm(c, p->perms_);
-      now.perm |= need.perm;
-      now.shared &= need.shared;
+      users.push_back({p->child_perm(c, p->perms_), "node '" + p->node_name() + "'", c.role, c.stamp});
     }
   }
-  if (force_share_) now.shared = kPermAll;
+  // force-share: every user shares everything (QEMU's force_share on the
+  // child), so nothing here conflicts.
+  if (force_share_)
+    for (User& u : users) u.need.shared = kPermAll;
+  std::sort(users.begin(), users.end(), [](const User& a, const User& b) { return a.stamp > b.stamp; });
+  for (const User& a : users)
+    for (const User& b : users)
+      if (&a != &b)
+        if (Status st = a_allows_b(node_name(), a, b); !st) return st;
+  PermPair now;
+  for (const User& u : users) {
+    now.perm |= u.need.perm;
+    now.shared &= u.need.shared;
+  }
   const PermPair old = perms_;
   if (now != old) {
     if (Status st = apply_perms(now); !st) return st;

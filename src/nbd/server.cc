@@ -25,9 +25,11 @@ Status Server::add_export(Export e) {
   if (e.node && e.node->length() > static_cast<uint64_t>(INT64_MAX)) return Error(EFBIG, "File too large");
   std::string name = e.name;
   // What an NBD export needs (QEMU's blk_exp_add): consistent reads, writes
-  // if writable, and a size nobody changes under the clients.
-  PermPair need{kPermConsistentRead | (e.writable ? kPermWrite : 0u), kPermAll & ~kPermResize};
-  VBLK_TRY(e.node.set_perms(need));
+  // if writable, and then a size nobody changes under the clients — in
+  // two steps as QEMU takes them, so a conflict names the same culprit.
+  const uint32_t perm = kPermConsistentRead | (e.writable ? kPermWrite : 0u);
+  VBLK_TRY(e.node.set_perms(PermPair{perm, kPermAll}));
+  VBLK_TRY(e.node.set_perms(PermPair{perm, kPermAll & ~kPermResize}));
   exports_[name] = std::make_shared<const Export>(std::move(e));
   return {};
 }

@@ -240,6 +240,7 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
     no_backing = true;
   }
   auto node = std::make_shared<Qcow2Node>(ctx.loop, *file);
+  node->set_node_name(ctx.node_name);
   // The file's locks before the first write (a dirty image's repair, the
   // bitmaps' in_use bits): a writable qcow2 node writes its file whoever
   // its users turn out to be.
