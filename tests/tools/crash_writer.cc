@@ -28,6 +28,14 @@ using namespace vblk;
 
 namespace {
 
+// A failed operation is a bug in vblk, not a crash the test caused: say
+// which, then abort (the test tells an abort from its own SIGKILL).
+[[noreturn]] void die(const Status& st) {
+  std::fprintf(stderr, "crash_writer: %s\n", st.error().what().c_str());
+  std::abort();
+}
+
+
 constexpr uint64_t kBlock = 4096;
 
 void fill_block(uint8_t* p, uint64_t block, uint64_t seq) {
@@ -87,7 +95,7 @@ Task<void> one_op(State& s, WaitGroup& wg) {
     AlignedBuffer b(count * kBlock);
     for (uint64_t i = 0; i < count; ++i) fill_block(b.data() + i * kBlock, first + i, seq);
     auto st = co_await s.node.write(first * kBlock, b.span());
-    if (!st) std::abort();
+    if (!st) die(st);
   } else {
     // Zeroes and discards on whole clusters, so both read back as zeroes.
     uint64_t clusters = 1 + s.rng() % 4;
@@ -105,7 +113,7 @@ Task<void> one_op(State& s, WaitGroup& wg) {
     } else {
       st = co_await s.node.discard(first * kBlock, count * kBlock);
     }
-    if (!st) std::abort();
+    if (!st) die(st);
   }
   wg.done();
 }
@@ -120,14 +128,18 @@ Task<void> run(State& s) {
     for (uint64_t i = 0; i < n; ++i) spawn_detached(one_op(s, wg));
     co_await wg.wait();
     if (s.snapshots && s.rng() % 4 == 0) {
-      if (s.live.size() >= 2 && s.rng() % 2) {
+      // At most 8 snapshots live: with refcount_bits=4 a cluster shared by
+      // 15 of them cannot be shared again, and creation refuses (EINVAL, as
+      // QEMU's does), which is not the crash this test is after.
+      const bool del = s.live.size() >= 2 && s.rng() % 2;
+      if (del || s.live.size() >= 8) {
         std::string name = s.live.front();
         log_line(s, "D " + name);
         SnapshotInfo victim;
         for (const auto& sn : s.node.snapshots())
           if (sn.name == name) victim = sn;
         auto st = co_await s.node.snapshot_delete(victim.id, victim.name);
-        if (!st) std::abort();
+        if (!st) die(st);
         s.live.erase(s.live.begin());
         log_line(s, "DD " + name);
       } else {
@@ -136,7 +148,7 @@ Task<void> run(State& s) {
         SnapshotInfo sn;
         sn.name = name;
         auto st = co_await s.node.snapshot_create(sn);
-        if (!st) std::abort();
+        if (!st) die(st);
         s.live.push_back(name);
         // Creation flushes: everything so far is durable.
         log_line(s, "SS " + name + " " + std::to_string(s.seq));
@@ -147,7 +159,7 @@ Task<void> run(State& s) {
     if (s.rng() % 3 == 0) {
       uint64_t upto = s.seq;
       auto st = co_await s.node.flush();
-      if (!st) std::abort();
+      if (!st) die(st);
       log_line(s, "F " + std::to_string(upto));
     }
   }
