@@ -32,6 +32,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "vblk/block_copy.h"
 #include "vblk/graph.h"
@@ -123,6 +124,11 @@ class MirrorJob : public BlockJob {
   Graph* graph_ = nullptr;
   std::shared_ptr<Node> source_, target_;
   NodeRef target_ref_;  // the job's use of the target (write, shares only write-unchanged)
+  // Commit's and stream's claims on the layers they copy out of or past
+  // (QEMU's block_job_add_bdrv "intermediate node"): nobody resizes them,
+  // nor writes a layer a stream reads, nor reads the moving layers of an
+  // active commit. Released with target_ref_.
+  std::vector<NodeRef> chain_claims_;
   std::shared_ptr<MirrorTop> filter_;
   std::unique_ptr<BlockCopyState> bcs_;
   Sync sync_ = Sync::Full;

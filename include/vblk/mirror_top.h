@@ -57,6 +57,12 @@ class MirrorTop : public FilterNode {
   void start_write_blocking(std::function<void(int err)> on_error);
   // Guest writes cover their clusters (see above); set before attach().
   void set_covering(bool on) { covering_ = on; }
+  // An active commit's filter (QEMU's is_commit): the layers above the base
+  // are claimed without consistent read by the job, so the filter does not
+  // pass consistent read down, and it shares write (or the job would block
+  // its own writes into the base below).
+  void set_commit(bool on) { commit_ = on; }
+  PermPair child_perm(const Child& c, PermPair self) const override;
   // Writes stop touching the job's state (before it is destroyed).
   void detach();
   // Bytes write-blocking writes put on the target (progress).
@@ -105,6 +111,7 @@ class MirrorTop : public FilterNode {
   std::function<void(int)> on_error_;
   bool write_blocking_ = false;
   bool covering_ = false;
+  bool commit_ = false;
   uint64_t active_done_ = 0, active_in_flight_ = 0;
   std::vector<ActiveOp*> active_;  // write-blocking writes in progress
   // Holding: writes inside the filter, and the gate at its entry.

@@ -219,6 +219,10 @@ class Node {
   // "Failed to get \"write\" lock") the node and its children keep the
   // pairs and locks they had.
   Status refresh_perms();
+  // A job's filter stands between this node and its backing file (QEMU's
+  // commit_top during an intermediate commit, which needs nothing of the
+  // backing file and shares everything): the backing edge claims nothing.
+  void set_backing_filtered(bool on) { backing_filtered_ = on; }
   // What this node needs of its child `c` when its own pair is `self`.
   // The default is a filter's: everything passes through.
   virtual PermPair child_perm(const Child& c, PermPair self) const;
@@ -450,6 +454,7 @@ class Node {
   PermPair perms_;
   PermPair claim_;
   bool force_share_ = false;
+  bool backing_filtered_ = false;
   uint64_t length_ = 0;
   bool read_only_ = false;
   bool writethrough_ = false;

@@ -60,7 +60,8 @@ Status Node::refresh_perms() {
   for (const Node* p : parents_) {
     for (const Child& c : p->children_) {
       if (c.node.get() != this) continue;
-      users.push_back({p->child_perm(c, p->perms_), "node '" + p->node_name() + "'", c.role, c.stamp});
+      const PermPair need = p->backing_filtered_ && c.role == "backing" ? PermPair{} : p->child_perm(c, p->perms_);
+      users.push_back({need, "node '" + p->node_name() + "'", c.role, c.stamp});
     }
   }
   // force-share: every user shares everything (QEMU's force_share on the

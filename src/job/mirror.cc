@@ -275,6 +275,11 @@ void MirrorJob::exit_common(bool switch_to_target) {
   // The job's own use of the target ends first: the users it takes over
   // need to write it.
   target_ref_.reset();
+  chain_claims_.clear();
+  if (overlay_) {
+    overlay_->set_backing_filtered(false);
+    if (Node* b = overlay_->child("backing")) (void)b->refresh_perms();
+  }
   filter_->detach();
   graph_->remove_filter(filter_, switch_to_target ? target_ : source_);
   filter_->release(switch_to_target ? target_ : nullptr);
@@ -355,6 +360,46 @@ Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, c
   return start_mirror_job(mgr, graph, src, tgt, p);
 }
 
+namespace {
+
+// The layers a commit or stream copies out of or past, claimed as QEMU's
+// commit_start, mirror_start_job (active commit) and stream_start claim
+// them. (An intermediate commit's overlay keeps reading the top directly,
+// where QEMU puts its commit_top filter in between: the overlay's backing
+// edge is marked filtered for the job's time, so it claims nothing, as
+// through QEMU's filter.)
+Result<std::vector<NodeRef>> claim_chain(const std::string& desc, Graph& graph, const std::shared_ptr<Node>& src,
+                                         const std::shared_ptr<Node>& tgt, const MirrorJobParams& p) {
+  std::vector<NodeRef> claims;
+  Node* from = nullptr;
+  Node* until = nullptr;
+  uint32_t shared = 0;
+  switch (p.sync) {
+    case MirrorJob::Sync::Commit:
+      from = chain_next(*src), until = tgt.get(), shared = kPermWrite | kPermWriteUnchanged;
+      break;
+    case MirrorJob::Sync::CommitIntermediate:
+      from = src.get(), until = tgt.get(), shared = kPermWrite | kPermWriteUnchanged;
+      break;
+    case MirrorJob::Sync::Stream:
+      from = chain_next(*src), until = p.new_backing.get(), shared = kPermConsistentRead | kPermWriteUnchanged;
+      break;
+    default:
+      return claims;
+  }
+  const std::vector<std::shared_ptr<Node>> nodes = graph.nodes();
+  for (Node* n = from; n && n != until; n = chain_next(*n)) {
+    auto it = std::find_if(nodes.begin(), nodes.end(), [&](const auto& s) { return s.get() == n; });
+    if (it == nodes.end()) continue;  // not in the graph: nobody else can use it
+    NodeRef& r = claims.emplace_back(*it);
+    r.set_user(desc, "intermediate node");
+    VBLK_TRY(r.set_perms(PermPair{0, shared}));
+  }
+  return claims;
+}
+
+}  // namespace
+
 Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& graph, const std::shared_ptr<Node>& src,
                                                     const std::shared_ptr<Node>& tgt, const MirrorJobParams& p) {
   // mirror_start_job
@@ -399,9 +444,13 @@ Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& grap
   // blk_new(BLK_PERM_WRITE, BLK_PERM_WRITE_UNCHANGED)); a commit's base is
   // read by the chain above it meanwhile, and may need to grow.
   PermPair tp{kPermWrite, kPermWriteUnchanged};
-  if (p.sync == MirrorJob::Sync::Commit || p.sync == MirrorJob::Sync::CommitIntermediate) {
+  if (p.sync == MirrorJob::Sync::Commit) {
     tp.shared |= kPermConsistentRead | kPermWrite;
     if (tgt->length() < src->length()) tp.perm |= kPermResize;
+  } else if (p.sync == MirrorJob::Sync::CommitIntermediate) {
+    // QEMU's commit_start base: read, written and resized by the job; the
+    // chain above reads it, nobody else writes it.
+    tp = PermPair{kPermConsistentRead | kPermWrite | kPermResize, kPermConsistentRead | kPermWriteUnchanged};
   }
   // (A stream writes its source through the node itself, which its users
   // keep using: no reference of the job's own.)
@@ -429,11 +478,23 @@ Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& grap
   auto filter = std::make_shared<MirrorTop>(src->loop(), src, p.driver);
   if (!fname.empty()) filter->set_node_name(fname);
   filter->set_covering(stream);
+  filter->set_commit(p.sync == MirrorJob::Sync::Commit);
   if (auto st = graph.insert_filter(src, filter); !st) {
     job->target_ref_.reset();
     mgr.early_fail(job);
     return st.take_error();
   }
+  job->sync_ = p.sync;  // (the job's type names it in a conflict)
+  if (p.overlay) p.overlay->set_backing_filtered(true);
+  auto claims = claim_chain(std::string(job->type()) + " job '" + job->id() + "'", graph, src, tgt, p);
+  if (!claims) {
+    if (p.overlay) p.overlay->set_backing_filtered(false);
+    graph.remove_filter(filter, src);
+    job->target_ref_.reset();
+    mgr.early_fail(job);
+    return claims.take_error();
+  }
+  job->chain_claims_ = std::move(*claims);
   job->graph_ = &graph;
   job->source_ = src;
   job->target_ = tgt;

@@ -12,6 +12,15 @@ MirrorTop::MirrorTop(Loop& loop, std::shared_ptr<Node> source, std::string drive
 
 MirrorTop::~MirrorTop() = default;
 
+PermPair MirrorTop::child_perm(const Child& c, PermPair self) const {
+  PermPair p = FilterNode::child_perm(c, self);
+  if (commit_) {
+    p.perm &= ~kPermConsistentRead;
+    p.shared |= kPermWrite;
+  }
+  return p;
+}
+
 void MirrorTop::attach(BlockCopyState* bcs, std::function<void()> kick) {
   bcs_ = bcs;
   kick_ = std::move(kick);

@@ -17,7 +17,7 @@ import unittest
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from graph_common import GraphTestCase, img  # noqa: E402
+from graph_common import GraphTestCase, graph, img  # noqa: E402
 
 MiB = 1 << 20
 
@@ -61,8 +61,7 @@ class PermsTest(GraphTestCase):
                 c("query-jobs")
                 c("job-dismiss", id=job)
                 c.ev()
-            # d0 still reads its data.
-            c("query-named-block-nodes", flat=True)
+            out.append(graph(q))
             c("blockdev-del", **{"node-name": "d0"})
             c("blockdev-del", **{"node-name": "f0"})
             return digest(self.path("disk.qcow2")) == before["sha"]
@@ -93,7 +92,7 @@ class PermsTest(GraphTestCase):
             # A read-only second user of d0 shares what the export needs.
             c("block-export-add", type="nbd", id="e3", **{"node-name": "d0"})
             c("query-block-exports")
-            c("query-named-block-nodes", flat=True)
+            out.append(graph(q))
             c("block-export-del", id="e2")
             c("block-export-del", id="e3")
             c.ev(wait=0.5)
@@ -123,6 +122,65 @@ class PermsTest(GraphTestCase):
         seen = self.both(run, self.prepare_disk)
         for name, obs in seen.items():
             self.assertEqual(obs[-1], ["result", 1], name)
+
+
+    def prepare_chain(self):
+        """base <- mid <- top, each with data of its own."""
+        prev = None
+        for name, pat in (("base", 1), ("mid", 2), ("top", 3)):
+            p = self.path(name + ".qcow2")
+            args = ["create", "-q", "-f", "qcow2"] + (["-b", prev, "-F", "qcow2"] if prev else []) + [p, "16M"]
+            img(*args)
+            r = __import__("subprocess").run(["qemu-io", "-f", "qcow2", "-c", "write -P %d %dM 2M" % (pat, 2 * pat), p],
+                                              capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            prev = p
+
+    def open_chain(self, c):
+        c("blockdev-add", driver="qcow2", file={"driver": "file", "filename": self.path("base.qcow2")},
+          **{"node-name": "b0"})
+        c("blockdev-add", driver="qcow2", file={"driver": "file", "filename": self.path("mid.qcow2"),
+                                                "node-name": "mf"}, backing="b0", **{"node-name": "m0"})
+        c("blockdev-add", driver="qcow2", file={"driver": "file", "filename": self.path("top.qcow2")},
+          backing="m0", **{"node-name": "t0"})
+
+    def chain_job(self, start, exports=(("m0", True), ("m0", False), ("b0", True), ("t0", False)),
+                  refused=()):
+        """A job on the chain held at speed 1 while exports try the layers:
+        `exports` must be answered alike; `refused` must be refused by both
+        (in words that may differ)."""
+
+        def run(q, c, out):
+            self.open_chain(c)
+            c("nbd-server-start", addr={"type": "unix", "data": {"path": os.path.join(self.tmp, "nbd.sock")}})
+            q.ok(start[0], **start[1])
+            for i, (node, writable) in enumerate(exports):
+                c("block-export-add", type="nbd", id="e%d" % i, **{"node-name": node, "writable": writable})
+            for i, (node, writable) in enumerate(refused):
+                r = q.cmd("block-export-add", {"type": "nbd", "id": "r%d" % i, "node-name": node,
+                                               "writable": writable})
+                out.append(("refused", node, writable, "error" in r))
+            c("query-block-exports")
+            q.ok("block-job-cancel", device="j", force=True)
+            q.event("BLOCK_JOB_CANCELLED", 30)
+            q.ok("nbd-server-stop")
+
+        self.both(run, self.prepare_chain)
+
+    def test_stream_claims_the_layers_it_reads(self):
+        """block-stream: nobody writes the layer streamed from."""
+        self.chain_job(("block-stream", {"job-id": "j", "device": "t0", "base-node": "b0", "speed": 1}))
+
+    def test_active_commit_claims_the_moving_layers(self):
+        """Active block-commit: the layers above the base are not read by
+        anyone else (they change under the reader), as in QEMU."""
+        self.chain_job(("block-commit", {"job-id": "j", "device": "t0", "base-node": "b0", "speed": 1}))
+
+    def test_intermediate_commit_claims_the_base(self):
+        """block-commit of mid into base: nobody else writes the base, nor
+        reads the top while it is being dropped; the overlay goes on."""
+        self.chain_job(("block-commit", {"job-id": "j", "device": "t0", "top-node": "m0", "base-node": "b0",
+                                         "speed": 1}))
 
 
 if __name__ == "__main__":
