@@ -244,6 +244,12 @@ void MirrorJob::on_pause() {
 }
 
 Task<Status> MirrorJob::relink() {
+  // The copied data must be durable before a header stops pointing at the
+  // layers it came from: killed after the new link but with the copy's L2
+  // entries still in the cache, the top would read zeroes or older data
+  // there (QEMU 7.2 has this window; scripts/kill_matrix.py found it).
+  VBLK_CO_TRY(co_await flush_target());
+  if (is_cancelled()) co_return Status{};
   if (sync_ == Sync::Stream) {
     std::string fmt = new_backing_ ? new_backing_->driver() : std::string();
     co_return co_await source_->set_backing(new_backing_, backing_str_, fmt);
