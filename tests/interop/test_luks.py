@@ -39,7 +39,7 @@ def opts(path, key="s0"):
 def qemu_create(path, size, extra=""):
     """qemu-img create -f luks; QEMU's iteration timing fails now and then
     ("Unable to get accurate CPU usage") on a busy machine: retried."""
-    o = "key-secret=s0,iter-time=100" + ("," + extra if extra else "")
+    o = "key-secret=s0,iter-time=10" + ("," + extra if extra else "")
     for _ in range(5):
         r = qemu("create", "-q", "-f", "luks", "--object", SECRET, "-o", o, path, str(size))
         if r.rc == 0:
@@ -251,7 +251,7 @@ class LuksTest(InteropTestCase):
                       "cipher-alg=aes-256,cipher-mode=cbc,ivgen-alg=plain64,ivgen-hash-alg=sha512"):
             with self.subTest(extra=extra):
                 img = self.p("v.luks")
-                o = "key-secret=s0,iter-time=50" + ("," + extra if extra else "")
+                o = "key-secret=s0,iter-time=10" + ("," + extra if extra else "")
                 r = vblk("create", "-f", "luks", "--object", SECRET, "-o", o, img, "3M")
                 self.assertEqual(r.rc, 0, r)
                 # The "Formatting" line lists the options in qemu-img's order

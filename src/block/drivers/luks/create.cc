@@ -4,6 +4,7 @@
 #include <openssl/rand.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 
@@ -36,8 +37,12 @@ uint64_t thread_cpu_ms() {
 // (QEMU's qcrypto_pbkdf2_count_iters: grow the count until one run takes
 // over half a second, then scale). A run too short to measure counts as
 // too short (QEMU fails then, "Unable to get accurate CPU usage").
+// Unlike QEMU, a short iter-time is measured over a shorter run (at least
+// 50 ms, well above the clock's resolution): a key meant to take 10 ms
+// need not cost two seconds of calibration.
 Result<uint64_t> count_iters(const std::string& hash, std::span<const uint8_t> key, std::span<const uint8_t> salt,
-                             size_t nout) {
+                             size_t nout, int64_t iter_time) {
+  const auto enough = static_cast<uint64_t>(std::clamp<int64_t>(iter_time, 50, 500));
   KeyBuffer out(nout);
   uint64_t iterations = 1 << 15, delta = 0;
   for (;;) {
@@ -45,7 +50,7 @@ Result<uint64_t> count_iters(const std::string& hash, std::span<const uint8_t> k
     uint64_t start = thread_cpu_ms();
     VBLK_TRY(pbkdf2(hash, key, salt, static_cast<uint32_t>(iterations), out.span()));
     delta = thread_cpu_ms() - start;
-    if (delta > 500) break;
+    if (delta > enough) break;
     iterations = delta < 100 ? iterations * 10 : iterations * 1000 / delta;
   }
   return iterations * 1000 / delta;
@@ -117,7 +122,7 @@ Task<Status> create(Node& file, const CreateOptions& o) {
   auto payload_cipher = SectorCipher::create(a, master.span());
   if (!payload_cipher) co_return payload_cipher.take_error();
 
-  auto mk_rate = count_iters(a.hash_alg, master.span(), h.master_key_salt, kDigestLen);
+  auto mk_rate = count_iters(a.hash_alg, master.span(), h.master_key_salt, kDigestLen, o.iter_time);
   if (!mk_rate) co_return mk_rate.take_error();
   auto mk_iters = scale_iters(*mk_rate, o.iter_time, 8, 1000);
   if (!mk_iters) co_return mk_iters.take_error();
@@ -135,7 +140,7 @@ Task<Status> create(Node& file, const CreateOptions& o) {
   h.payload_offset_sector = static_cast<uint32_t>(kKeySlotOffset / kSectorSize + slot_sectors * kNumKeySlots);
   KeySlot& s0 = h.slots[0];
   if (RAND_bytes(s0.salt.data(), static_cast<int>(kSaltLen)) != 1) co_return Error(EIO, "Unable to read random bytes");
-  auto slot_rate = count_iters(a.hash_alg, pw.span(), s0.salt, a.key_bytes);
+  auto slot_rate = count_iters(a.hash_alg, pw.span(), s0.salt, a.key_bytes, o.iter_time);
   if (!slot_rate) co_return slot_rate.take_error();
   auto slot_iters = scale_iters(*slot_rate, o.iter_time, 1, 1000);
   if (!slot_iters) co_return slot_iters.take_error();
