@@ -71,6 +71,13 @@ class MirrorTop : public FilterNode {
 
   // Waits until no write is inside the filter.
   Task<void> quiesce() { co_await inside_.wait(); }
+  // Lets the requests that were already under way on the source when the
+  // filter was put above it finish (an NBD request writes to the node it
+  // looked up when it started, so these do not pass here: nothing marks
+  // them dirty or sends them to the target). New requests, reads too,
+  // wait at the entry meanwhile, so the source runs dry even under load
+  // (QEMU drains the source around bdrv_append of its mirror_top).
+  Task<void> drain_source();
   // New writes wait at the entry; returns once no write is inside.
   Task<void> hold();
   // Lets held (and later) writes go to `dest` (nullptr: the source).
@@ -116,6 +123,7 @@ class MirrorTop : public FilterNode {
   std::vector<ActiveOp*> active_;  // write-blocking writes in progress
   // Holding: writes inside the filter, and the gate at its entry.
   bool held_ = false;
+  bool hold_reads_ = false;  // drain_source(): reads wait at the entry too
   CoEvent unheld_;
   WaitGroup inside_;
   std::shared_ptr<Node> dest_;  // after release(target)

@@ -142,6 +142,16 @@ Task<Status> MirrorJob::run() {
       if (m->idle_) m->enter();
     }
   });
+  // A request already under way on the source when start_mirror_job put
+  // the filter above it goes on to the source alone: it marks nothing
+  // dirty and never reaches the target. If it lands after the engine has
+  // copied its clusters, the target keeps the old data there for good (a
+  // guest write into a hole of the source, in flight while the engine wrote
+  // that cluster to the target as zeroes, was lost after the switch:
+  // test_complete_while_fio_writes_and_verifies). Nothing is looked at or
+  // copied until those requests are done; from here on every write passes
+  // the filter, which is attached now.
+  co_await filter_->drain_source();
   if (len_ == 0) {
     // Nothing to copy: ready at once, then wait for complete or cancel.
     transition_to_ready();

@@ -44,6 +44,14 @@ Task<void> MirrorTop::hold() {
   co_await inside_.wait();
 }
 
+Task<void> MirrorTop::drain_source() {
+  hold_reads_ = true;
+  co_await hold();
+  co_await filtered().drain();
+  hold_reads_ = false;
+  release(nullptr);
+}
+
 void MirrorTop::release(std::shared_ptr<Node> dest) {
   if (dest && dest.get() != &filtered()) dest_ = std::move(dest);
   held_ = false;
@@ -51,6 +59,7 @@ void MirrorTop::release(std::shared_ptr<Node> dest) {
 }
 
 Task<Status> MirrorTop::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) {
+  while (held_ && hold_reads_) co_await unheld_.wait();
   co_return co_await dest().read(offset, buf, flags);
 }
 
