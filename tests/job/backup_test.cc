@@ -9,6 +9,7 @@
 
 #include "../copy/fake_node.h"
 #include "block/open.h"
+#include "wait_for.h"
 
 namespace vblk {
 namespace {
@@ -50,20 +51,8 @@ struct Env {
     EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().what());
     return r.ok() ? *r : nullptr;
   }
-  // Runs the loop until cond() holds or timeout_ms passed (a wakeable
-  // timer makes sure the loop looks again at the deadline).
   bool wait_for(const std::function<bool()>& cond, int timeout_ms = 20000) {
-    std::stop_source stop;
-    bool fired = false;
-    auto timer = [](Loop& l, int ms, std::stop_token t, bool& f) -> Task<void> {
-      co_await l.sleep(std::chrono::milliseconds(ms), t);
-      f = true;
-    };
-    spawn_detached(timer(loop, timeout_ms, stop.get_token(), fired));
-    loop.run_until([&] { return cond() || fired; });
-    stop.request_stop();
-    loop.run_until([&] { return fired; });
-    return cond();
+    return test::wait_for(loop, cond, timeout_ms);
   }
   bool wait_gone(const std::shared_ptr<BackupJob>& j) {
     return wait_for([&] { return j->status() == JobStatus::Null || j->status() == JobStatus::Concluded; });

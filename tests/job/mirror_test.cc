@@ -7,6 +7,7 @@
 #include <random>
 
 #include "../copy/fake_node.h"
+#include "wait_for.h"
 
 namespace vblk {
 namespace {
@@ -53,17 +54,7 @@ struct Env {
     for (auto& b : src->data()) b = static_cast<uint8_t>(rng() | 1);  // all data, never zero
   }
   bool wait_for(const std::function<bool()>& cond, int timeout_ms = 20000) {
-    std::stop_source stop;
-    bool fired = false;
-    auto timer = [](Loop& l, int ms, std::stop_token t, bool& f) -> Task<void> {
-      co_await l.sleep(std::chrono::milliseconds(ms), t);
-      f = true;
-    };
-    spawn_detached(timer(loop, timeout_ms, stop.get_token(), fired));
-    loop.run_until([&] { return cond() || fired; });
-    stop.request_stop();
-    loop.run_until([&] { return fired; });
-    return cond();
+    return test::wait_for(loop, cond, timeout_ms);
   }
 };
 
