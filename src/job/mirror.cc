@@ -186,12 +186,23 @@ Task<Status> MirrorJob::run() {
       // if nothing got dirty meanwhile, source and target agree.
       co_await filter_->hold();
       if (bcs_->bitmap().count() == 0 && bcs_->in_flight_bytes() == 0 && active_error_.ok()) {
-        Status st = co_await target_->flush();
+        // The last flush fails under the target's error policy, as QEMU's
+        // mirror_flush: going round again would spin on a dead target
+        // forever, busy and never reporting.
+        if (Status st = co_await target_->flush(); !st.ok()) {
+          filter_->release(nullptr);
+          if (error_action(on_target_error_, false, st.error().code) == ErrorAction::Report) co_return st;
+          continue;
+        }
         // drive-mirror's target takes the source's backing chain.
-        if (st.ok() && target_backing_)
-          st = co_await target_->set_backing(target_backing_, target_->backing_file_name(),
-                                             target_->backing_file_format());
-        if (st.ok()) co_return Status{};  // held until exit_common
+        if (target_backing_)
+          if (Status st = co_await target_->set_backing(target_backing_, target_->backing_file_name(),
+                                                        target_->backing_file_format());
+              !st.ok()) {
+            filter_->release(nullptr);
+            co_return st;
+          }
+        co_return Status{};  // held until exit_common
       }
       filter_->release(nullptr);
       continue;

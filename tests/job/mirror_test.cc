@@ -7,6 +7,7 @@
 #include <random>
 
 #include "../copy/fake_node.h"
+#include "vblk/mem_node.h"
 #include "wait_for.h"
 
 namespace vblk {
@@ -117,6 +118,39 @@ void run_bypassing_write(bool write_blocking) {
 TEST(MirrorTest, WriteUnderWayBeforeTheFilterReachesTheTargetWriteBlocking) { run_bypassing_write(true); }
 
 TEST(MirrorTest, WriteUnderWayBeforeTheFilterReachesTheTargetBackground) { run_bypassing_write(false); }
+
+// The target's last flush, once complete has stopped guest writes, fails:
+// the job reports it under the target's error policy (QEMU's mirror_flush),
+// not go round again for ever, busy, never ending (found by
+// vblk_power_loss_jobs cutting the power under a write-blocking mirror).
+TEST(MirrorTest, CompleteReportsAFailingTargetFlush) {
+  Loop loop;
+  JobManager mgr{loop};
+  Graph graph;
+  auto src = std::make_shared<MemNode>(loop, MemNode::Options{.size = 1 << 20});
+  auto tgt = std::make_shared<MemNode>(loop, MemNode::Options{.size = 1 << 20});
+  src->set_node_name("src");
+  tgt->set_node_name("tgt");
+  ASSERT_TRUE(graph.add(src).ok());
+  ASSERT_TRUE(graph.add(tgt).ok());
+  NodeRef device(src);
+  std::fill(src->mutable_data().begin(), src->mutable_data().end(), 0x5a);
+  MirrorArgs a;
+  a.job_id = "j";
+  a.device = "src";
+  a.target = "tgt";
+  a.sync = "full";
+  auto r = start_mirror(mgr, graph, a);
+  ASSERT_TRUE(r.ok()) << r.error().what();
+  std::shared_ptr<MirrorJob> job = *r;
+  ASSERT_TRUE(test::wait_for(loop, [&] { return job->is_ready(); }));
+  tgt->faults.push_back({'f', 0, 1, EIO, false});
+  ASSERT_TRUE(job->complete().ok());
+  ASSERT_TRUE(test::wait_for(loop, [&] { return job->status() == JobStatus::Null; }, 5000));
+  ASSERT_FALSE(job->result().ok());
+  EXPECT_EQ(job->result().error().code, EIO);
+  EXPECT_EQ(device.get(), src.get());  // not switched to a target that lost writes
+}
 
 }  // namespace
 }  // namespace vblk
