@@ -2,8 +2,8 @@
 # The long runs CI's time budget leaves out: the randomized interop tests
 # with many repetitions (crash kills, point-in-time backups and fleecing
 # under guest writes, COW-buffer reps) in the optimised build, power cut at
-# 1,250 instants under qcow2 (docs/power-loss.md), the Ceph fault tests, and
-# a ten-minute fuzz run. Exit status is non-zero on the first failure.
+# 1,250 instants under qcow2 and 1,200 under jobs (docs/power-loss.md), the
+# Ceph fault tests, and a ten-minute fuzz run. Exit status is non-zero on the first failure.
 #   scripts/soak.sh [SCALE]   SCALE multiplies the repetitions (default 1:
 #                             500 kills, 100 reps each, fuzz 10 min)
 set -euo pipefail
@@ -20,6 +20,8 @@ for t in test_crash test_backup test_fleecing test_fleecing_buffer test_cow_buff
 done
 echo "== power loss"
 build/tests/vblk_power_loss --points $((1250 * scale)) --seed "${VBLK_POWER_SEED:-7}"
+echo "== power loss under jobs"
+build/tests/vblk_power_loss_jobs --points $((1200 * scale)) --seed "${VBLK_POWER_SEED:-7}"
 # The Ceph fault tests (an OSD killed, the cluster stopped mid-backup) take
 # about a minute, so the suite skips them unless asked.
 echo "== test_rbd_faults"

@@ -17,6 +17,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <random>
 #include <vector>
@@ -55,9 +57,25 @@ class MemNode final : public Node {
     Reorder,  // each sector of an unflushed write independently lands or not
   };
 
+  // Nodes on one supply lose power together (a host with several disks):
+  // write-type requests are counted across all of them, and at the cut
+  // every node's medium is taken at the same instant.
+  struct PowerSupply {
+    uint64_t submitted = 0;  // write-type requests, all nodes
+    uint64_t cut_at = 0;     // cut just before this one (0: never)
+    CutMode mode = CutMode::Drop;
+    uint64_t seed = 0;
+    bool cut = false;
+    // Called at the cut instant, once every image is taken: lets a test
+    // note the state of the world above the media at that moment.
+    std::function<void()> on_cut;
+    std::vector<MemNode*> nodes;
+  };
+
   MemNode(Loop& loop, Options o);
   MemNode(Loop& loop, std::vector<uint8_t> contents, Options o);
   MemNode(Loop& loop, std::vector<uint8_t> contents);
+  ~MemNode() override;
 
   // What reads return now (the cache view).
   const std::vector<uint8_t>& data() const { return volatile_; }
@@ -72,7 +90,9 @@ class MemNode final : public Node {
   // Takes power_cut(mode, seed) just before write-type request n (1-based)
   // and fails every request from then on.
   void cut_before(uint64_t n, CutMode mode, uint64_t seed);
-  // The image cut_before took, once it has.
+  // Puts this node on `supply` (before its first request).
+  void join(const std::shared_ptr<PowerSupply>& supply);
+  // The image cut_before or the supply's cut took, once it has.
   const std::optional<std::vector<uint8_t>>& cut_image() const { return cut_; }
 
  protected:
@@ -109,6 +129,7 @@ class MemNode final : public Node {
   CutMode cut_mode_ = CutMode::Drop;
   uint64_t cut_seed_ = 0;
   std::optional<std::vector<uint8_t>> cut_;
+  std::shared_ptr<PowerSupply> supply_;
 };
 
 }  // namespace vblk

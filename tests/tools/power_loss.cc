@@ -22,7 +22,6 @@
 // Prints one line per scenario and a closing "N passed, N failed" line;
 // exits 1 if any point failed.
 #include <getopt.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cinttypes>
@@ -36,6 +35,8 @@
 #include <vector>
 
 #include "block/drivers/qcow2/qcow2.h"
+#include "guest_model.h"
+#include "image_check.h"
 #include "block/open.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
@@ -43,10 +44,9 @@
 #include "vblk/sync.h"
 
 using namespace vblk;
+using namespace vblk::power;
 
 namespace {
-
-constexpr uint64_t kSector = 512;
 
 struct Scenario {
   std::string name;
@@ -114,43 +114,6 @@ std::vector<Scenario> scenarios() {
   }
   return v;
 }
-
-// A guest sector written by operation `id` holds id, its own number, then
-// bytes derived from both; zeroes are id 0.
-void fill_sector(uint8_t* p, uint64_t id, uint64_t sector) {
-  std::memcpy(p, &id, 8);
-  std::memcpy(p + 8, &sector, 8);
-  for (uint64_t i = 16; i < kSector; ++i) p[i] = static_cast<uint8_t>(id * 31 + sector * 7 + i);
-}
-
-// The id a read-back sector holds, or -1 if it is no sector ever written.
-int64_t decode_sector(const uint8_t* p, uint64_t sector) {
-  uint64_t id;
-  std::memcpy(&id, p, 8);
-  if (id == 0) {
-    for (uint64_t i = 0; i < kSector; ++i)
-      if (p[i]) return -1;
-    return 0;
-  }
-  uint8_t want[kSector];
-  fill_sector(want, id, sector);
-  return std::memcmp(want, p, kSector) == 0 ? static_cast<int64_t>(id) : -1;
-}
-
-// What each guest sector may hold after a crash.
-struct Model {
-  explicit Model(uint64_t sectors) : durable(sectors, {0}), current(sectors, {0}), since(sectors) {}
-  std::vector<std::set<uint64_t>> durable;  // possible values at the last completed flush
-  std::vector<std::set<uint64_t>> current;  // possible values now
-  std::vector<std::set<uint64_t>> since;    // written (or being written) after it
-  void flushed() {
-    durable = current;
-    for (auto& s : since) s.clear();
-  }
-  bool allowed(uint64_t sector, uint64_t id) const {
-    return durable[sector].count(id) || since[sector].count(id);
-  }
-};
 
 struct Guest {
   Loop& loop;
@@ -375,113 +338,17 @@ RunResult run_workload(const Scenario& sc, const std::vector<uint8_t>& base, uin
   return res;
 }
 
-int run_cmd(const std::vector<std::string>& argv, std::string* out) {
-  std::string cmd;
-  for (const auto& a : argv) cmd += "'" + a + "' ";
-  cmd += "2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return -1;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out->append(buf, n);
-  int st = ::pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-bool write_file(const std::string& path, const std::vector<uint8_t>& data) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) return false;
-  bool ok = std::fwrite(data.data(), 1, data.size(), f) == data.size();
-  return std::fclose(f) == 0 && ok;
-}
-
-std::vector<uint8_t> read_file(const std::string& path) {
-  std::vector<uint8_t> v;
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return v;
-  char buf[65536];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, f)) > 0) v.insert(v.end(), buf, buf + n);
-  std::fclose(f);
-  return v;
-}
-
-// Every guest sector of `disk` is allowed by the model; the first that is
-// not, described.
-std::string verify_content(const std::vector<uint8_t>& disk, const Model& model, const char* reader) {
-  const uint64_t sectors = model.durable.size();
-  if (disk.size() < sectors * kSector) return std::string(reader) + ": short read";
-  for (uint64_t s = 0; s < sectors; ++s) {
-    const int64_t id = decode_sector(disk.data() + s * kSector, s);
-    if (id < 0 || !model.allowed(s, static_cast<uint64_t>(id))) {
-      char msg[200];
-      std::snprintf(msg, sizeof msg, "%s: guest sector %" PRIu64 " holds %s%" PRId64 ", not a value it may hold",
-                    reader, s, id < 0 ? "garbage " : "write ", id);
-      return msg;
-    }
-  }
-  return {};
-}
-
-struct Stats {
-  uint64_t dirty = 0;          // lazy refcounts left to the next open's repair
-  uint64_t copied_behind = 0;  // COPIED flags not yet set where refcount fell to 1
-};
-
-// qcow2 v3's incompatible "dirty" bit (lazy refcounts in use).
-bool dirty_bit(const std::vector<uint8_t>& img) {
-  if (img.size() < 80 || img[7] < 3) return false;
-  return img[79] & 1;
-}
-
-// Every error qemu-img check reports is an OFLAG_COPIED flag missing on an
-// entry whose refcount is 1 (with refcount 1 the message can only mean a
-// missing flag; a flag set on a shared cluster shows refcount > 1).
-bool only_copied_behind(const std::string& out) {
-  size_t pos = 0, errors = 0;
-  while ((pos = out.find("ERROR", pos)) != std::string::npos) {
-    const size_t eol = out.find('\n', pos);
-    const std::string line = out.substr(pos, eol == std::string::npos ? std::string::npos : eol - pos);
-    if (line.rfind("ERROR OFLAG_COPIED", 0) != 0 || line.size() < 11 ||
-        line.compare(line.size() - 11, 11, " refcount=1") != 0)
-      return false;
-    ++errors;
-    pos += 5;
-  }
-  return errors > 0;
-}
-
 // The cut image: qemu-img check, then the guest content through QEMU and
 // through vblk. Empty string: good.
 std::string verify_point(const Scenario& sc, const std::vector<uint8_t>& img, const Model& model,
                          const std::string& qemu_img, const std::string& dir, const std::string& tag, bool keep,
-                         Stats& stats, bool want_bitmap = false) {
+                         CheckStats& stats, bool want_bitmap = false) {
   const std::string path = dir + "/" + tag + ".qcow2";
   const std::string raw = dir + "/" + tag + ".raw";
   if (!write_file(path, img)) return "cannot write " + path;
   std::string out;
-  std::string problem;
-  // 0: clean; 3: leaked clusters only (a crash may leak, as in QEMU).
-  int rc = run_cmd({qemu_img, "check", "-f", "qcow2", path}, &out);
-  if (rc == 2 && dirty_bit(img)) {
-    // Lazy refcounts: the dirty bit says the refcounts are to be rebuilt,
-    // which every read-write open does first (QEMU's and vblk's).
-    ++stats.dirty;
-    out.clear();
-    rc = run_cmd({qemu_img, "check", "-r", "all", "-f", "qcow2", path}, &out);
-    if (rc == 0) rc = run_cmd({qemu_img, "check", "-f", "qcow2", path}, &out);
-  } else if (rc == 2 && only_copied_behind(out)) {
-    // A snapshot delete cut between its refcount decrements (flushed
-    // first) and the COPIED flags they allow: refcount 1 without the flag
-    // costs a copy on the next write, never data, and -r all sets it. QEMU
-    // orders these the same way (its L2 cache depends on the refcount
-    // cache), so its images show the same after such a crash.
-    ++stats.copied_behind;
-    out.clear();
-    rc = run_cmd({qemu_img, "check", "-r", "all", "-f", "qcow2", path}, &out);
-    if (rc == 0) rc = run_cmd({qemu_img, "check", "-f", "qcow2", path}, &out);
-  }
-  if (rc != 0 && rc != 3) problem = "qemu-img check rc " + std::to_string(rc) + ": " + out;
+  std::string problem = check_qcow2(qemu_img, path, img, stats);
+  int rc = 0;
   if (problem.empty() && want_bitmap) {
     // A stored persistent bitmap survives any later cut (in use, perhaps,
     // so not trusted; but listed, so the chain is not silently lost).
@@ -587,7 +454,7 @@ int main(int argc, char** argv) {
     }
     // The end of the uncut run, as the medium holds it, is checked like a
     // cut (the close flushed everything).
-    Stats stats;
+    CheckStats stats;
     if (std::string p = verify_point(*sc, full.end, dry, qemu_img, dir, sc->name + "-end", !keep_dir.empty(), stats);
         !p.empty()) {
       std::fprintf(stderr, "%s: the image after the uncut run: %s\n", sc->name.c_str(), p.c_str());

@@ -22,11 +22,26 @@ MemNode::MemNode(Loop& loop, std::vector<uint8_t> contents, Options o)
   set_length(volatile_.size());
 }
 
+MemNode::~MemNode() {
+  if (supply_) std::erase(supply_->nodes, this);
+}
+
+void MemNode::join(const std::shared_ptr<PowerSupply>& supply) {
+  supply_ = supply;
+  supply_->nodes.push_back(this);
+}
+
 Task<Status> MemNode::enter(char op, uint64_t offset, uint64_t bytes, uint32_t flags) {
   if (opts_.record) ops_.push_back({op, offset, bytes, flags});
   if (op != 'r') {
     ++submitted_;
     if (cut_at_ && submitted_ == cut_at_ && !cut_) cut_ = power_cut(cut_mode_, cut_seed_);
+    if (supply_ && ++supply_->submitted == supply_->cut_at && !supply_->cut) {
+      supply_->cut = true;
+      uint64_t i = 0;
+      for (MemNode* n : supply_->nodes) n->cut_ = n->power_cut(supply_->mode, supply_->seed + i++);
+      if (supply_->on_cut) supply_->on_cut();
+    }
   }
   if (opts_.latency_ns) {
     co_await loop().sleep(std::chrono::nanoseconds(opts_.latency_ns));
