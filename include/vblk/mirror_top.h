@@ -57,6 +57,11 @@ class MirrorTop : public FilterNode {
   void start_write_blocking(std::function<void(int err)> on_error);
   // Guest writes cover their clusters (see above); set before attach().
   void set_covering(bool on) { covering_ = on; }
+  // Covering: the clusters of the writes under way are theirs once they
+  // land, so clean. A write that started before the job's first bitmap
+  // claimed nothing, and a bitmap built meanwhile may mark its clusters:
+  // the engine's copy of the old data would then land after the guest's.
+  void clean_under_writes();
   // An active commit's filter (QEMU's is_commit): the layers above the base
   // are claimed without consistent read by the job, so the filter does not
   // pass consistent read down, and it shares write (or the job would block
@@ -120,7 +125,7 @@ class MirrorTop : public FilterNode {
   bool covering_ = false;
   bool commit_ = false;
   uint64_t active_done_ = 0, active_in_flight_ = 0;
-  std::vector<ActiveOp*> active_;  // write-blocking writes in progress
+  std::vector<ActiveOp*> active_;  // write-blocking and covering writes in progress
   // Holding: writes inside the filter, and the gate at its entry.
   bool held_ = false;
   bool hold_reads_ = false;  // drain_source(): reads wait at the entry too

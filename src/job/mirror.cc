@@ -89,6 +89,7 @@ Task<Status> MirrorJob::init_bitmap() {
     for (Node* n = chain_next(*source_); n && n != new_backing_.get(); n = chain_next(*n))
       if (Status st = co_await mark(*n, true); !st.ok()) co_return st;
     if (Status st = co_await mark(*source_, false); !st.ok()) co_return st;
+    filter_->clean_under_writes();
   } else if (sync_ == Sync::Commit || sync_ == Sync::CommitIntermediate) {
     // What the layers above the base allocate (QEMU's
     // bdrv_is_allocated_above up to the base's overlay); the base has the

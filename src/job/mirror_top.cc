@@ -146,6 +146,12 @@ void MirrorTop::leave_range(ActiveOp& op) {
   for (auto h : op.waiters) loop().post(h);
 }
 
+void MirrorTop::clean_under_writes() {
+  if (!bcs_ || !covering_) return;
+  for (const ActiveOp* o : active_)
+    if (o->begin < o->end) bcs_->bitmap().reset(o->begin, o->end - o->begin);
+}
+
 Task<Status> MirrorTop::write_covering(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
                                        uint32_t flags) {
   BlockCopyState& bcs = *bcs_;
@@ -158,8 +164,13 @@ Task<Status> MirrorTop::write_covering(Method m, uint64_t offset, uint64_t bytes
   Status st = co_await do_method(filtered(), m, offset, bytes, buf, flags);
   bcs.end_claim(std::move(claim), false);
   // Written (even in part: the format copied the rest of each cluster up):
-  // the source has its own data there now.
-  if (st.ok() && begin < end) bcs.bitmap().reset(begin, end - begin);
+  // the source has its own data there now. Failed: the clusters may still
+  // need the data below (clean_under_writes may have taken their bits), and
+  // copying a cluster the source owns changes nothing.
+  if (begin < end) {
+    if (st.ok()) bcs.bitmap().reset(begin, end - begin);
+    else bcs.bitmap().set(begin, end - begin);
+  }
   leave_range(op);
   co_return st;
 }
