@@ -204,6 +204,10 @@ Result<std::vector<uint8_t>> serialize_header(const Header& h) {
   ok &= ext(kExtEnd, nullptr, 0);
   if (!ok) return Error(ENOSPC, "Header extensions do not fit in the first cluster");
   if (!h.backing_file.empty()) {
+    // Where the name already is, if that is past the extensions: a header
+    // rewrite then leaves the name's bytes as they are (Qcow2Node::
+    // set_backing moves a name in two steps, crash-safe).
+    if (h.backing_file_offset >= off && h.backing_file_offset + h.backing_file.size() <= cs) off = h.backing_file_offset;
     if (off + h.backing_file.size() > cs) return Error(ENOSPC, "Backing file name too long");
     put64(p + 8, off);
     put32(p + 16, static_cast<uint32_t>(h.backing_file.size()));

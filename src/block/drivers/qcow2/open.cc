@@ -57,16 +57,75 @@ Task<Status> Qcow2Node::set_backing(std::shared_ptr<Node> backing, const std::st
     Header h = h_;
     h.backing_file = backing ? file : std::string();
     h.backing_format = backing ? fmt : std::string();
-    std::swap(h, h_);
-    Status st = co_await write_header();
-    if (!st.ok()) {
+    Status st;
+    if (!h.backing_file.empty() && !h_.backing_file.empty() && h.backing_format == h_.backing_format &&
+        h.backing_file != h_.backing_file) {
+      st = co_await rename_backing(h);
+    } else {
       std::swap(h, h_);
-      co_return st;
+      st = co_await write_header();
+      if (!st.ok()) std::swap(h, h_);
     }
+    if (!st.ok()) co_return st;
   }
   backing_ = backing.get();
   replace_child("backing", std::move(backing));
   (void)refresh_perms();
+  co_return Status{};
+}
+
+// The header names another backing file of the same format, the change
+// atomic under a power cut even where the drive tears the header cluster's
+// write at sector boundaries: the name sits after the extensions, often in
+// a sector after the one holding its offset and length, and one write of
+// both could land half (the old length over the new name: "base.qcow" for
+// "base.qcow2", found by vblk_power_loss_jobs). So the new name goes to a
+// place the old one does not use, written and flushed first; then the first
+// sector alone (its offset and length) switches to it. Until then the old
+// header, its name untouched, holds.
+Task<Status> Qcow2Node::rename_backing(Header h) {
+  constexpr uint64_t kHeaderSector = 512;  // what a drive writes whole
+  h.backing_file_offset = 0;
+  auto std_layout = serialize_header(h);
+  if (!std_layout) co_return std_layout.take_error();
+  const uint64_t slot = be64((*std_layout).data() + 8);  // right after the extensions
+  const uint64_t cs = cs_;
+  const uint64_t old_at = h_.backing_file_offset, old_len = h_.backing_file.size();
+  // The other of two slots 1 KiB apart (a name is at most 1023 bytes).
+  uint64_t at = old_at == slot ? slot + 1024 : slot;
+  if (at < old_at + old_len && old_at < at + h.backing_file.size()) at = old_at + 1024;
+  if (cs < 4096 || at + h.backing_file.size() > cs || old_at < slot) {
+    // Too small a cluster for two slots (512 B: one sector, atomic
+    // anyway), or a name inside the extensions' area: in place.
+    Header old = h_;
+    h_ = h;
+    Status st = co_await write_header();
+    if (!st.ok()) h_ = old;
+    co_return st;
+  }
+  h.backing_file_offset = at;
+  auto buf = serialize_header(h);
+  if (!buf) co_return buf.take_error();
+  std::vector<uint8_t>& b = *buf;
+  // The old name stays where it is until nothing points at it.
+  std::memcpy(b.data() + old_at, h_.backing_file.data(), old_len);
+  // Step 1: the sectors of the new name, the first sector still pointing
+  // at the old one.
+  const uint64_t s0 = align_down(at, kHeaderSector), s1 = align_up(at + h.backing_file.size(), kHeaderSector);
+  AlignedBuffer first(s1 - s0);
+  std::memcpy(first.data(), b.data() + s0, s1 - s0);
+  if (s0 == 0) {
+    put64(first.data() + 8, old_at);
+    put32(first.data() + 16, static_cast<uint32_t>(old_len));
+  }
+  VBLK_CO_TRY(co_await file_->write(s0, first.span()));
+  VBLK_CO_TRY(co_await file_->flush());
+  // Step 2: the first sector, with the new offset and length.
+  AlignedBuffer sector(kHeaderSector);
+  std::memcpy(sector.data(), b.data(), kHeaderSector);
+  VBLK_CO_TRY(co_await file_->write(0, sector.span()));
+  VBLK_CO_TRY(co_await file_->flush());
+  h_ = h;
   co_return Status{};
 }
 

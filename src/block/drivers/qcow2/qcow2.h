@@ -156,6 +156,8 @@ class Qcow2Node final : public Node {
   // ---- open.cc
   Task<Status> load(OpenContext& ctx, bool read_only);
   Task<Status> write_header();
+  // set_backing to another name of the same format, crash-safe (open.cc).
+  Task<Status> rename_backing(Header h);
   // A fatal corruption (QEMU's qcow2_signal_corruption(bs, true, -1, -1, ...)).
   Task<Status> mark_corrupt(const std::string& why) { return signal_corruption(true, -1, -1, why); }
   // lazy_refcounts: the dirty bit goes to disk before the first L2 entry
