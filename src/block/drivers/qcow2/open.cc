@@ -173,11 +173,24 @@ Status validate_table(uint64_t offset, uint64_t entries, uint64_t entry_len, uin
 }  // namespace
 
 Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
-  // The header and its extensions live in the first cluster (at most 2 MiB).
-  uint64_t flen = file_->length();
-  AlignedBuffer head(std::max<uint64_t>(512, std::min<uint64_t>(flen, 2 << 20)));
+  // The header and its extensions live in the first cluster (at most
+  // 2 MiB); its first 4 KiB say how big that is. Only the cluster is read,
+  // as QEMU does: reading 2 MiB of a small-cluster image reads guest data
+  // too (an injected read error there failed the open, which QEMU's passes).
+  const uint64_t flen = file_->length();
+  uint64_t first = std::min<uint64_t>(flen, 4096);
+  AlignedBuffer probe(4096);
+  probe.zero();
+  if (first) VBLK_CO_TRY(co_await file_->read(0, probe.span().subspan(0, first)));
+  uint64_t head_len = first;
+  if (flen > 4096) {
+    const uint32_t cluster_bits = be32(probe.data() + 20);
+    head_len = std::min<uint64_t>(flen, cluster_bits >= 12 && cluster_bits <= 21 ? 1ull << cluster_bits : 4096);
+  }
+  AlignedBuffer head(std::max<uint64_t>(512, head_len));
   head.zero();
-  if (flen) VBLK_CO_TRY(co_await file_->read(0, head.span().subspan(0, std::min<uint64_t>(head.size(), flen))));
+  std::memcpy(head.data(), probe.data(), first);
+  if (head_len > first) VBLK_CO_TRY(co_await file_->read(first, head.span().subspan(first, head_len - first)));
   auto h = parse_header(head.span(), flen);
   if (!h) co_return h.take_error();
   h_ = std::move(*h);
