@@ -101,8 +101,9 @@ class BlockCopyCall {
   // The first error (valid once failed()), and whether a read caused it.
   const Status& status() const { return status_; }
   bool error_is_read() const { return error_is_read_; }
-  // Where the failed chunk starts.
+  // The failed chunk.
   uint64_t error_offset() const { return error_offset_; }
+  uint64_t error_bytes() const { return error_bytes_; }
 
   // Asks the call to stop; it finishes once its running tasks are done.
   void cancel();
@@ -125,7 +126,7 @@ class BlockCopyCall {
   bool finished_ = false;
   bool cancelled_ = false;
   bool error_is_read_ = false;
-  uint64_t error_offset_ = 0;
+  uint64_t error_offset_ = 0, error_bytes_ = 0;
   Status status_;
   std::function<void(BlockCopyCall&)> on_done_;
   CoSemaphore workers_;   // task slots of this call

@@ -138,6 +138,7 @@ class MirrorJob : public BlockJob {
   bool should_complete_ = false;
   bool exited_ = false, cleaned_ = false;
   Status active_error_;  // a write-blocking target write failed under report
+  Status ignored_error_; // a stream's first error under `ignore`: it ends with it
   uint64_t len_ = 0;
   // stream: the new backing (nullptr: none); intermediate commit: the node
   // whose backing becomes the base. The name and format recorded for it.

@@ -318,6 +318,7 @@ Task<void> BlockCopyState::run_task(BlockCopyCall& call, uint64_t offset, uint64
       call.status_ = st;
       call.error_is_read_ = error_is_read;
       call.error_offset_ = offset;
+      call.error_bytes_ = bytes;
     }
   }
   for (auto h : t.waiters) source_.loop().post(h);

@@ -174,7 +174,12 @@ Task<Status> MirrorJob::run() {
       if (!st.ok()) co_return st;
       continue;
     }
-    if (auto_complete()) co_return co_await relink();
+    if (auto_complete()) {
+      // A stream that ignored an error ends with it, keeping the backing
+      // file it could not copy everything from (QEMU's stream_run).
+      if (!ignored_error_.ok()) co_return ignored_error_;
+      co_return co_await relink();
+    }
     if (!is_ready()) {
       // Out of the first pass: from here a cancel finishes the copy and
       // leaves a consistent target.
@@ -246,10 +251,18 @@ Task<Status> MirrorJob::copy_pass() {
       // A pause stopped it; the main loop passes its pause point.
       co_return Status{};
     }
-    const bool is_read = call->error_is_read();
+    // A stream copies by reading with copy-on-read in QEMU: every error it
+    // meets is a read's.
+    const bool is_read = call->error_is_read() || sync_ == Sync::Stream;
     ErrorAction act = error_action(is_read ? on_source_error_ : on_target_error_, is_read, call->status().error().code);
     if (act == ErrorAction::Report) co_return call->status();
     if (act == ErrorAction::Stop) co_await pause_point();
+    if (act == ErrorAction::Ignore && sync_ == Sync::Stream) {
+      // QEMU's stream goes on past the chunk (not retried) and ends with
+      // the first such error.
+      if (ignored_error_.ok()) ignored_error_ = call->status();
+      bcs_->bitmap().reset(call->error_offset(), call->error_bytes());
+    }
   }
 }
 
