@@ -240,18 +240,20 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
   bool probed_raw = false;
   // QEMU's json: pseudo-protocol, where the object names its driver (say
   // json:{"driver": "rbd", ...}, the names `info` prints): opened as
-  // --image-opts would be, with QEMU's parse errors. Without a driver, or
-  // with -f, it stays a file name (vblk does not probe json: objects).
+  // --image-opts would be, with QEMU's parse errors; -f names the driver
+  // over the object's, as in QEMU. Without either it stays a file name
+  // (vblk does not probe json: objects).
   bool json_opened = false;
-  if (!a.image_opts && a.format.empty() && a.filename.rfind("json:", 0) == 0) {
+  if (!a.image_opts && a.filename.rfind("json:", 0) == 0) {
     auto m = qmp::parse_json_value(std::string_view(a.filename).substr(5));
     std::string err;
     if (!m.ok) {
       err = "Could not parse the JSON options: " + m.error;
     } else if (!m.value.is_object()) {
       err = "Invalid JSON object given";
-    } else if (m.value.contains("driver")) {
+    } else if (m.value.contains("driver") || !a.format.empty()) {
       Json o = Json::parse(m.value.dump());
+      if (!a.format.empty()) o["driver"] = a.format;
       if (a.cache.direct) o["cache"]["direct"] = "on";
       node = open_node(ctx, o);
       json_opened = true;
