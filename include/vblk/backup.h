@@ -102,6 +102,7 @@ class BackupJob : public BlockJob {
   void commit() override;
   void abort() override;
   void clean() override;
+  Task<void> before_exit() override;
 
  private:
   friend Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, const BackupArgs& args);

@@ -68,6 +68,16 @@ class CopyBeforeWrite : public FilterNode {
   const Status& snapshot_error() const { return snapshot_error_; }
   // Waits for copies that outlived a timed-out guest write.
   Task<void> quiesce();
+  // A backup job that is done: new writes wait at the filter's entry, and
+  // this returns once the writes inside are done (quiet() then holds
+  // until release_target). QEMU's job ends in a drained section; this is
+  // its equivalent, so that the job's end lets go of the target at once.
+  Task<void> hold_writes();
+  bool quiet() const { return quiet_; }
+  // The filter has left the graph: it drops its target (blockdev-del may
+  // take it now) if quiet, and lets the held writes go on to the source
+  // without copying anything.
+  void release_target();
   // Copies the old data under [offset, offset+bytes) if still needed.
   Task<Status> copy_before_write(uint64_t offset, uint64_t bytes);
 
@@ -118,6 +128,10 @@ class CopyBeforeWrite : public FilterNode {
   Status snapshot_error_;
   std::unique_ptr<BlockCopyState> bcs_;
   WaitGroup orphans_;  // timed-out copy calls still running
+  // hold_writes / release_target: the gate at the writes' entry.
+  bool held_ = false, quiet_ = false, detached_ = false;
+  CoEvent unheld_;
+  WaitGroup inside_;  // writes past the gate
 
   std::unique_ptr<CowBuffer> buffer_;
   uint64_t sync_copies_ = 0;  // copies made synchronously because the buffer was full

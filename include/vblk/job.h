@@ -117,6 +117,7 @@ class Job : public std::enable_shared_from_this<Job> {
   void start();
   // Makes the job a member of `g` (before start()).
   void join_group(const std::shared_ptr<JobGroup>& g);
+  bool in_group() const { return group_ != nullptr; }
   // Internal pause / resume (error policy stop uses pause()).
   void pause();
   void resume();
@@ -132,6 +133,9 @@ class Job : public std::enable_shared_from_this<Job> {
   // The job's body. Returns its result; cancellation is seen through
   // is_cancelled() (a cancelled job's ok result becomes ECANCELED).
   virtual Task<Status> run() = 0;
+  // After run(), before the job completes (and, auto-finalized, concludes
+  // at once): where a job quiesces what its completion must find quiet.
+  virtual Task<void> before_exit() { co_return; }
   // Driver hooks, QEMU's JobDriver callbacks.
   virtual void on_pause() {}        // at a pause point, before stopping
   virtual void on_resume() {}       // at a pause point, after the pause

@@ -194,10 +194,20 @@ Task<void> release_filter(std::shared_ptr<CopyBeforeWrite> f) {
 }
 }  // namespace
 
+// A job that concludes as soon as it completes (auto-finalize, alone)
+// holds the guest writes at the filter and lets those inside end, so that
+// clean() can drop the target at once: blockdev-del of the target right
+// after BLOCK_JOB_COMPLETED works, as in QEMU, whose job ends drained.
+// (Not for a job that waits in pending: guest writes would wait with it.)
+Task<void> BackupJob::before_exit() {
+  if (cbw_ && auto_finalize() && !in_group()) co_await cbw_->hold_writes();
+}
+
 void BackupJob::clean() {
   if (cleaned_ || !cbw_) return;
   cleaned_ = true;
   graph_->remove_filter(cbw_, source_);
+  cbw_->release_target();
   manager().unblock(target_.get());
   spawn_detached(release_filter(cbw_));
 }

@@ -150,6 +150,7 @@ Task<void> Job::co_entry(std::shared_ptr<Job> self) {
   busy_ = true;
   // QEMU finishes the job from a bottom half, outside the job coroutine.
   co_await loop().yield();
+  co_await before_exit();
   exit_job();
 }
 

@@ -98,6 +98,50 @@ class BackupInteropTest(BothDaemons, InteropTestCase):
         return e
 
     # -- scenarios --------------------------------------------------------
+    def test_target_free_when_job_ends_under_writes(self):
+        """A guest writes through an NBD export the whole time: as soon as
+        BLOCK_JOB_COMPLETED has come, blockdev-del of the target succeeds
+        (QEMU's job ends drained). vblk's copy-before-write filter held the
+        target until the writes inside it ended: "Block device tgtN is in
+        use" (found by scripts/soak_serve.py)."""
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+        import threading
+        import soak_serve
+
+        def run(q, d):
+            src = os.path.join(d, "src.qcow2")  # zeroes: what the writers expect where they have not written
+            subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", src, str(16 * MiB)], check=True)
+            q.ok("blockdev-add", **file_node("src", src, "qcow2"))
+            sock = os.path.join(d, "nbd.sock")
+            q.ok("nbd-server-start", addr={"type": "unix", "data": {"path": sock}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "name": "e", "node-name": "src", "writable": True})
+            stop = threading.Event()
+            writers = [soak_serve.Client(k, sock, b"e", k * 8 * MiB, 8 * MiB, stop, k) for k in range(2)]
+            for w in writers:
+                w.start()
+            refused = []
+            for i in range(20):
+                tgt = os.path.join(d, "t%d.qcow2" % i)
+                subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", tgt, str(16 * MiB)], check=True)
+                q.ok("blockdev-add", **file_node("t%d" % i, tgt, "qcow2"))
+                q.ok("blockdev-backup", **{"job-id": "j%d" % i, "device": "src", "target": "t%d" % i,
+                                           "sync": "full"})
+                q.event("BLOCK_JOB_COMPLETED", 120)  # and at once:
+                r = q.cmd("blockdev-del", **{"node-name": "t%d" % i})
+                if "error" in r:
+                    refused.append(r["error"]["desc"])
+                    time.sleep(1)
+                    q.cmd("blockdev-del", **{"node-name": "t%d" % i})
+            stop.set()
+            for w in writers:
+                w.join(30)
+            return refused, [e for w in writers for e in w.errors], all(w.requests for w in writers)
+        seen = self.each_daemon(run)
+        for name, (refused, errors, wrote) in seen.items():
+            self.assertEqual(refused, [], name)
+            self.assertEqual(errors, [], name)
+            self.assertTrue(wrote, name)
+
     def test_full_backup_raw_and_qcow2(self):
         def run(q, d):
             src, tgt = self.images(d, sparse=True)

@@ -37,6 +37,8 @@ CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::sh
       on_error_(opts.on_error),
       timeout_ns_(uint64_t{opts.timeout_s} * 1000000000ull),
       orphans_(loop),
+      unheld_(loop),
+      inside_(loop),
       drain_wake_(loop),
       buffer_users_(loop) {
   if (!opts.copy.cluster_size) opts.copy.cluster_size = cbw_cluster_size(*target_);
@@ -74,7 +76,34 @@ PermPair CopyBeforeWrite::child_perm(const Child& c, PermPair self) const {
 
 Task<void> CopyBeforeWrite::quiesce() { co_await orphans_.wait(); }
 
+Task<void> CopyBeforeWrite::hold_writes() {
+  held_ = true;
+  unheld_.reset();
+  co_await inside_.wait();
+  co_await orphans_.wait();
+  // (release_target may have come meanwhile.) With COW-buffer data still
+  // to be written the target stays until the filter is gone.
+  quiet_ = held_ && drain_writes_ == 0 && buffer_empty();
+}
+
+void CopyBeforeWrite::release_target() {
+  if (quiet_ && !detached_) {
+    detached_ = true;
+    replace_child("target", nullptr);
+  }
+  quiet_ = false;
+  held_ = false;
+  unheld_.set();
+}
+
 Task<Status> CopyBeforeWrite::copy_before_write(uint64_t offset, uint64_t bytes) {
+  while (held_) co_await unheld_.wait();
+  if (detached_) co_return Status{};  // the job is over: nothing to keep
+  inside_.add();
+  struct Leave {
+    WaitGroup& wg;
+    ~Leave() { wg.done(); }
+  } leave{inside_};
   if (!snapshot_error_.ok() || bytes == 0) co_return Status{};
   bcs_->note_foreground();
   const uint64_t cs = bcs_->options().cluster_size;
