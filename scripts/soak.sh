@@ -3,7 +3,9 @@
 # with many repetitions (crash kills, point-in-time backups and fleecing
 # under guest writes, COW-buffer reps) in the optimised build, power cut at
 # 1,250 instants under qcow2 and 1,200 under jobs (docs/power-loss.md), the
-# Ceph fault tests, and a ten-minute fuzz run. Exit status is non-zero on the first failure.
+# Ceph fault tests, 30 minutes of vblk serve under everything at once
+# (scripts/soak_serve.py), and a ten-minute fuzz run. Exit status is
+# non-zero on the first failure.
 #   scripts/soak.sh [SCALE]   SCALE multiplies the repetitions (default 1:
 #                             500 kills, 100 reps each, fuzz 10 min)
 set -euo pipefail
@@ -26,5 +28,7 @@ build/tests/vblk_power_loss_jobs --points $((1200 * scale)) --seed "${VBLK_POWER
 # about a minute, so the suite skips them unless asked.
 echo "== test_rbd_faults"
 VBLK_RBD_FAULTS=1 python3 tests/interop/test_rbd_faults.py
+echo "== soak: vblk serve under clients, jobs and export churn"
+python3 scripts/soak_serve.py --seconds $((1800 * scale)) --clients 6
 echo "== fuzz"
 scripts/fuzz.sh $((600 * scale))
