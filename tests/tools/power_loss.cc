@@ -21,7 +21,6 @@
 //
 // Prints one line per scenario and a closing "N passed, N failed" line;
 // exits 1 if any point failed.
-#include <getopt.h>
 #include <unistd.h>
 
 #include <cinttypes>
@@ -37,6 +36,7 @@
 #include "block/drivers/qcow2/qcow2.h"
 #include "guest_model.h"
 #include "image_check.h"
+#include "tool_args.h"
 #include "block/open.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
@@ -388,39 +388,15 @@ std::string verify_point(const Scenario& sc, const std::vector<uint8_t>& img, co
 }  // namespace
 
 int main(int argc, char** argv) {
-  uint64_t points = 200, seed = 1;
-  std::string only, qemu_img = "qemu-img", keep_dir;
-  bool list = false;
-  static const option longopts[] = {{"points", required_argument, nullptr, 'n'},
-                                    {"seed", required_argument, nullptr, 's'},
-                                    {"scenario", required_argument, nullptr, 'c'},
-                                    {"qemu-img", required_argument, nullptr, 'q'},
-                                    {"keep", required_argument, nullptr, 'k'},
-                                    {"list", no_argument, nullptr, 'l'},
-                                    {nullptr, 0, nullptr, 0}};
-  int c;
-  while ((c = getopt_long(argc, argv, "", longopts, nullptr)) != -1) {
-    switch (c) {
-      case 'n': points = std::strtoull(optarg, nullptr, 10); break;
-      case 's': seed = std::strtoull(optarg, nullptr, 10); break;
-      case 'c': only = optarg; break;
-      case 'q': qemu_img = optarg; break;
-      case 'k': keep_dir = optarg; break;
-      case 'l': list = true; break;
-      default: return 2;
-    }
-  }
+  ToolArgs args{.points = 200};
+  if (!parse_tool_args(argc, argv, args, "vblk-power-loss")) return 2;
   auto all = scenarios();
-  if (list) {
+  if (args.list) {
     for (const auto& s : all) std::printf("%s\n", s.name.c_str());
     return 0;
   }
-  std::string dir = keep_dir;
-  if (dir.empty()) {
-    char tmpl[] = "/tmp/vblk-power-loss-XXXXXX";
-    if (!::mkdtemp(tmpl)) return 2;
-    dir = tmpl;
-  }
+  const uint64_t points = args.points, seed = args.seed;
+  const std::string &only = args.only, &qemu_img = args.qemu_img, &keep_dir = args.keep_dir, &dir = args.dir;
   std::vector<const Scenario*> chosen;
   for (const auto& s : all)
     if (only.empty() || s.name == only) chosen.push_back(&s);
