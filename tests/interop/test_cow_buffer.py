@@ -1328,7 +1328,12 @@ class CowBufferTest(InteropTestCase):
         j = self.wait_for(q, lambda j: j["x-cow-buffer"]["spilled"] > 0, "spill")
         held = deleted_fds_in(dm.proc.pid, spill)
         listing = os.listdir(spill)
+        # Some acknowledged writes to check after the kill (a loaded machine,
+        # say under ASan, may have acknowledged few by the time of the spill).
+        end = time.time() + 30
         time.sleep(0.1)
+        while len(wr.acked) <= 10 and time.time() < end:
+            time.sleep(0.05)
         dm.proc.send_signal(signal.SIGKILL)
         dm.proc.wait()
         wr.join(30)
