@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build_only=0
 target=qcow2
-targets="qcow2 migration_stream"
+targets="qcow2 nbd_server migration_stream"
 while [ $# -gt 0 ]; do
   case "$1" in
     --build-only) build_only=1; shift ;;
@@ -45,7 +45,7 @@ mkdir -p "$corpus" "$artifacts"
 # Per target: the longest input worth mutating.
 case "$target" in
   qcow2) max_len=131072 ;;
-  migration_stream) max_len=65536 ;;
+  migration_stream) max_len=8192 ;;
   *) max_len=16384 ;;
 esac
 dict=()
