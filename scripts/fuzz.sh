@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build_only=0
 target=qcow2
-targets="qcow2 nbd_server nbd_client options migration_stream"
+targets="qcow2 nbd_server nbd_client qmp options migration_stream"
 while [ $# -gt 0 ]; do
   case "$1" in
     --build-only) build_only=1; shift ;;
