@@ -273,7 +273,11 @@ OJson value_of(fuzz::Choices& c, const qmp::Arg& a, int depth) {
 std::string typed_stream(fuzz::Choices& c, const qmp::Registry& r, bool negotiate, bool ids) {
   std::string out;
   if (negotiate) out += "{\"execute\": \"qmp_capabilities\"}\r\n";
-  const std::vector<std::string> names = r.names();
+  // The denied commands are not generated (they would only make the
+  // whole input unrunnable); safe_message() still checks everything.
+  std::vector<std::string> names;
+  for (const auto& n : r.names())
+    if (!denied_strings().count(n)) names.push_back(n);
   for (int i = 0; i < 8 && !c.empty(); ++i) {
     const size_t k = c.pick(names.size() + 4);
     if (k == names.size()) {  // raw bytes spliced in
