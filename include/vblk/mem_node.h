@@ -123,6 +123,7 @@ class MemNode final : public Node {
   std::vector<uint8_t> volatile_;
   std::vector<uint8_t> durable_;
   std::vector<Pending> pending_;
+  uint64_t flushed_ = 0;  // changes ever taken off pending_ (made durable)
   std::vector<Op> ops_;
   uint64_t submitted_ = 0;
   uint64_t cut_at_ = 0;

@@ -165,9 +165,9 @@ Result<uint64_t> parse_size(const std::string& text) {
     } else {
       for (const char* p = end; p < fend; ++p)
         if (*p == 'e' || *p == 'E') return Error(EINVAL);
-      // Same rounding as QEMU: a fraction that rounds to 1.0 becomes 0.
-      valf = static_cast<uint64_t>(std::ldexp(frac, 64));
-      if (frac >= 1.0) valf = 0;
+      // Same rounding as QEMU: a fraction that rounds to 1.0 becomes 0
+      // (tested before the conversion: 2^64 does not fit in valf).
+      valf = frac >= 1.0 ? 0 : static_cast<uint64_t>(std::ldexp(frac, 64));
       end = fend;
     }
   }

@@ -224,13 +224,15 @@ Task<Status> Client::read_reply() {
     auto it = pending_.find(cookie);
     if (it == pending_.end()) co_return protocol_error("reply to an unknown request");
     Pending* p = it->second;
-    pending_.erase(it);
     if (err) {
       p->result = Error(wire_to_errno(err));
     } else if (p->type == kCmdRead) {
       if (structured_) co_return protocol_error("simple reply to a read with structured replies");
+      // Still pending while its data arrives: if the connection breaks
+      // meanwhile, fail_all() ends this request too.
       VBLK_CO_TRY(co_await recv_exact(loop_, fd_.get(), p->buf));
     }
+    pending_.erase(cookie);
     p->done.set();
     co_return Status{};
   }

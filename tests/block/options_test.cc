@@ -11,7 +11,11 @@ TEST(ParseSize, QemuVectors) {
   };
   for (V v : {V{"0", 0}, V{"1k", 1024}, V{"1K", 1024}, V{"1b", 1}, V{"1m", 1 << 20}, V{"1.5G", 1610612736ull},
               V{"1.", 1}, V{"1.k", 1024}, V{"0.5k", 512}, V{"0.3k", 307}, V{"1.0005k", 1025}, V{"+1024", 1024},
-              V{"010", 10}, V{"0x1000", 4096}, V{"0x10k", 16384}, V{"0.00048828125k", 1}}) {
+              V{"010", 10}, V{"0x1000", 4096}, V{"0x10k", 16384}, V{"0.00048828125k", 1},
+              // A fraction that strtod rounds to 1.0 counts as 0 (qemu-img
+              // create says size=1024 and size=1); it used to be converted
+              // to uint64 first, undefined behaviour (found by fuzz_options).
+              V{"1.99999999999999999999k", 1024}, V{"1.99999999999999999999", 1}}) {
     auto r = parse_size(v.in);
     ASSERT_TRUE(r.ok()) << v.in;
     EXPECT_EQ(*r, v.out) << v.in;

@@ -11,8 +11,11 @@ through NBD must land in the image.
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 sys.dont_write_bytecode = True
@@ -25,6 +28,16 @@ from common import MiB, InteropTestCase, VBLK, both, qemu, run, wait_for_socket 
 QEMU_NBD = shutil.which("qemu-nbd")
 QEMU_IO = shutil.which("qemu-io")
 NBDKIT = shutil.which("nbdkit")
+
+
+def recv_exact(s, n):
+    b = b""
+    while len(b) < n:
+        d = s.recv(n - len(b))
+        if not d:
+            raise EOFError
+        b += d
+    return b
 
 
 
@@ -144,6 +157,44 @@ class NbdClientTest(InteropTestCase):
                 os.unlink(sock)
         self.assertEqual(p.returncode, 1, (out, err))
         self.assertIn(b"Failed request", err)
+
+    def test_read_reply_cut_short(self):
+        # A server without structured replies that dies in the middle of a
+        # read's data: the read fails with EIO, and vblk exits with an
+        # error instead of waiting forever (the read used to leave the
+        # pending list before its data arrived; found by fuzz_nbd_client).
+        sock = os.path.join(self.tmp, "cut.sock")
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(sock)
+        srv.listen(1)
+
+        def serve():
+            c, _ = srv.accept()
+            c.sendall(b"NBDMAGICIHAVEOPT" + struct.pack(">H", 3))
+            c.recv(4)
+            while True:
+                _, opt, n = struct.unpack(">QII", recv_exact(c, 16))
+                recv_exact(c, n)
+                if opt != 7:  # anything but GO: unsupported
+                    c.sendall(struct.pack(">QIII", 0x3e889045565a9, opt, 0x80000001, 0))
+                    continue
+                info = struct.pack(">HQH", 0, 1 << 20, 1 | 2)
+                c.sendall(struct.pack(">QIII", 0x3e889045565a9, 7, 3, len(info)) + info +
+                          struct.pack(">QIII", 0x3e889045565a9, 7, 1, 0))
+                break
+            _, _, _, cookie, _, length = struct.unpack(">IHHQQI", recv_exact(c, 28))
+            c.sendall(struct.pack(">IIQ", 0x67446698, 0, cookie) + b"\0" * (length // 2))
+            c.close()
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            r = run([VBLK, "bench", "-f", "raw", "-c", "1", "-d", "1", "-s", "64k",
+                     "nbd+unix:///?socket=" + sock], timeout=30)
+        finally:
+            srv.close()
+            t.join(10)
+        self.assertEqual(r.rc, 1, r)
 
     def test_connections_option_spreads_over_multi_conn(self):
         sock = os.path.join(self.tmp, "mc.sock")

@@ -150,13 +150,17 @@ Task<Status> MemNode::do_discard(uint64_t offset, uint64_t bytes) {
 }
 
 Task<Status> MemNode::do_flush() {
-  // What completed before the flush was issued is what it makes durable.
-  const size_t covered = pending_.size();
+  // What completed before the flush was issued is what it makes durable
+  // (counted from the first write ever: flushes overlap, and one issued
+  // earlier may complete first and take its part off pending_).
+  const uint64_t covered = flushed_ + pending_.size();
   VBLK_CO_TRY(co_await enter('f', 0, 0, 0));
+  const size_t n = covered > flushed_ ? static_cast<size_t>(covered - flushed_) : 0;
   // In order, FUA writes again too: an earlier write of their sector must
   // not land over them.
-  for (size_t i = 0; i < covered; ++i) apply(durable_, pending_[i], nullptr);
-  pending_.erase(pending_.begin(), pending_.begin() + static_cast<long>(covered));
+  for (size_t i = 0; i < n; ++i) apply(durable_, pending_[i], nullptr);
+  pending_.erase(pending_.begin(), pending_.begin() + static_cast<long>(n));
+  flushed_ += n;
   co_return Status{};
 }
 
