@@ -158,9 +158,9 @@ struct Guest {
       AlignedBuffer buf(op.bytes);
       for (uint64_t s = 0; s < op.bytes / kSector; ++s)
         fill_sector(buf.data() + s * kSector, op.id, op.offset / kSector + s);
-      st = co_await n.write(op.offset, buf.span(), op.kind == 'c' ? kReqCompressed : 0);
+      st = co_await n.write(op.offset, buf.span(), op.kind == 'c' ? uint32_t{kReqCompressed} : 0u);
     } else if (op.kind == 'z') {
-      st = co_await n.write_zeroes(op.offset, op.bytes, (rng() & 1) ? kReqMayUnmap : 0);
+      st = co_await n.write_zeroes(op.offset, op.bytes, (rng() & 1) ? uint32_t{kReqMayUnmap} : 0u);
     } else {
       // qcow2 without a backing file reads discarded clusters as zeroes;
       // partial clusters are left as they are, so only whole ones count.
@@ -390,20 +390,11 @@ std::string verify_point(const Scenario& sc, const std::vector<uint8_t>& img, co
 int main(int argc, char** argv) {
   ToolArgs args{.points = 200};
   if (!parse_tool_args(argc, argv, args, "vblk-power-loss")) return 2;
-  auto all = scenarios();
-  if (args.list) {
-    for (const auto& s : all) std::printf("%s\n", s.name.c_str());
-    return 0;
-  }
-  const uint64_t points = args.points, seed = args.seed;
-  const std::string &only = args.only, &qemu_img = args.qemu_img, &keep_dir = args.keep_dir, &dir = args.dir;
+  const auto all = scenarios();
   std::vector<const Scenario*> chosen;
-  for (const auto& s : all)
-    if (only.empty() || s.name == only) chosen.push_back(&s);
-  if (chosen.empty()) {
-    std::fprintf(stderr, "power_loss: no scenario '%s' (--list)\n", only.c_str());
-    return 2;
-  }
+  if (int rc = choose_scenarios(all, args, "power_loss", chosen); rc >= 0) return rc;
+  const uint64_t points = args.points, seed = args.seed;
+  const std::string &qemu_img = args.qemu_img, &keep_dir = args.keep_dir, &dir = args.dir;
   uint64_t passed = 0, failed = 0;
   const uint64_t per = std::max<uint64_t>(1, points / chosen.size());
   for (const Scenario* sc : chosen) {

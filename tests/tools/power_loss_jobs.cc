@@ -486,20 +486,11 @@ void remove_dir(const std::string& dir) {
 int main(int argc, char** argv) {
   ToolArgs args{.points = 120};
   if (!parse_tool_args(argc, argv, args, "vblk-power-jobs")) return 2;
-  auto all = scenarios();
-  if (args.list) {
-    for (const auto& s : all) std::printf("%s\n", s.name.c_str());
-    return 0;
-  }
-  const uint64_t points = args.points, seed = args.seed;
-  const std::string &only = args.only, &qemu_img = args.qemu_img, &keep_dir = args.keep_dir, &dir = args.dir;
+  const auto all = scenarios();
   std::vector<const Scenario*> chosen;
-  for (const auto& s : all)
-    if (only.empty() || s.name == only) chosen.push_back(&s);
-  if (chosen.empty()) {
-    std::fprintf(stderr, "power_loss_jobs: no scenario '%s' (--list)\n", only.c_str());
-    return 2;
-  }
+  if (int rc = choose_scenarios(all, args, "power_loss_jobs", chosen); rc >= 0) return rc;
+  const uint64_t points = args.points, seed = args.seed;
+  const std::string &qemu_img = args.qemu_img, &keep_dir = args.keep_dir, &dir = args.dir;
   uint64_t passed = 0, failed = 0;
   const uint64_t per = std::max<uint64_t>(1, points / chosen.size());
   for (const Scenario* sc : chosen) {
