@@ -114,6 +114,8 @@ class CopyBeforeWrite : public FilterNode {
   Task<Status> do_close() override;
 
  private:
+  // copy_before_write past the hold_writes gate.
+  Task<Status> copy_old_data(uint64_t offset, uint64_t bytes);
   // The buffered copy-before-write of [begin, end): nullopt when buffer and
   // spill are full (the caller copies synchronously).
   Task<std::optional<Status>> buffered_copy(uint64_t begin, uint64_t end);

@@ -100,10 +100,12 @@ Task<Status> CopyBeforeWrite::copy_before_write(uint64_t offset, uint64_t bytes)
   while (held_) co_await unheld_.wait();
   if (detached_) co_return Status{};  // the job is over: nothing to keep
   inside_.add();
-  struct Leave {
-    WaitGroup& wg;
-    ~Leave() { wg.done(); }
-  } leave{inside_};
+  Status st = co_await copy_old_data(offset, bytes);
+  inside_.done();
+  co_return st;
+}
+
+Task<Status> CopyBeforeWrite::copy_old_data(uint64_t offset, uint64_t bytes) {
   if (!snapshot_error_.ok() || bytes == 0) co_return Status{};
   bcs_->note_foreground();
   const uint64_t cs = bcs_->options().cluster_size;

@@ -48,6 +48,13 @@ Task<Status> Qcow2Node::write_header() {
   co_return co_await file_->flush();
 }
 
+Task<Status> Qcow2Node::write_header_as(Header h) {
+  std::swap(h, h_);
+  Status st = co_await write_header();
+  if (!st.ok()) std::swap(h, h_);
+  co_return st;
+}
+
 Task<Status> Qcow2Node::set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) {
   if (read_only() || corrupt()) co_return Error(EACCES);
   {
@@ -57,16 +64,13 @@ Task<Status> Qcow2Node::set_backing(std::shared_ptr<Node> backing, const std::st
     Header h = h_;
     h.backing_file = backing ? file : std::string();
     h.backing_format = backing ? fmt : std::string();
-    Status st;
-    if (!h.backing_file.empty() && !h_.backing_file.empty() && h.backing_format == h_.backing_format &&
-        h.backing_file != h_.backing_file) {
-      st = co_await rename_backing(h);
+    const bool rename = !h.backing_file.empty() && !h_.backing_file.empty() &&
+                        h.backing_format == h_.backing_format && h.backing_file != h_.backing_file;
+    if (rename) {
+      VBLK_CO_TRY(co_await rename_backing(std::move(h)));
     } else {
-      std::swap(h, h_);
-      st = co_await write_header();
-      if (!st.ok()) std::swap(h, h_);
+      VBLK_CO_TRY(co_await write_header_as(std::move(h)));
     }
-    if (!st.ok()) co_return st;
   }
   backing_ = backing.get();
   replace_child("backing", std::move(backing));
@@ -97,11 +101,7 @@ Task<Status> Qcow2Node::rename_backing(Header h) {
   if (cs < 4096 || at + h.backing_file.size() > cs || old_at < slot) {
     // Too small a cluster for two slots (512 B: one sector, atomic
     // anyway), or a name inside the extensions' area: in place.
-    Header old = h_;
-    h_ = h;
-    Status st = co_await write_header();
-    if (!st.ok()) h_ = old;
-    co_return st;
+    co_return co_await write_header_as(std::move(h));
   }
   h.backing_file_offset = at;
   auto buf = serialize_header(h);

@@ -156,6 +156,8 @@ class Qcow2Node final : public Node {
   // ---- open.cc
   Task<Status> load(OpenContext& ctx, bool read_only);
   Task<Status> write_header();
+  // h_ becomes h, written; h_ unchanged if the write fails.
+  Task<Status> write_header_as(Header h);
   // set_backing to another name of the same format, crash-safe (open.cc).
   Task<Status> rename_backing(Header h);
   // A fatal corruption (QEMU's qcow2_signal_corruption(bs, true, -1, -1, ...)).
