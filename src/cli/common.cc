@@ -336,7 +336,9 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
 int create_target(const std::string& filename, const std::string& fmt, const std::string& options,
                   const std::string& backing, const std::string& backing_fmt, uint64_t size,
                   const std::string& error_context) {
-  std::vector<std::string> args = {"create", "-q", "-f", fmt};
+  // -u: the caller opens the backing chain itself (convert -B and backup
+  // -B, as QEMU's convert, create without opening it).
+  std::vector<std::string> args = {"create", "-q", "-u", "-f", fmt};
   if (!options.empty()) args.insert(args.end(), {"-o", options});
   if (!backing.empty()) {
     args.insert(args.end(), {"-b", backing});

@@ -244,7 +244,7 @@ int cmd_create(int argc, char** argv) {
   };
   optind = 0;
   std::string fmt = "raw", backing, backing_fmt, options;
-  bool quiet = false;
+  bool quiet = false, unsafe = false, backing_given = false;
   int c;
   while ((c = getopt_long(argc, argv, ":F:b:f:ho:qu", longopts, nullptr)) != -1) {
     switch (c) {
@@ -252,7 +252,10 @@ int cmd_create(int argc, char** argv) {
       case '?': unrecognized_option(argv, optind);
       case 'h': std::printf("usage: %s create [-q] [-f fmt] [-o options] filename [size]\n", g_prog.c_str()); return 0;
       case 'F': backing_fmt = optarg; break;
-      case 'b': backing = optarg; break;
+      case 'b':
+        backing = optarg;
+        backing_given = true;
+        break;
       case 'f': fmt = optarg; break;
       case 'o':
         if (!valid_option_list(optarg)) {
@@ -262,7 +265,7 @@ int cmd_create(int argc, char** argv) {
         options = options.empty() ? std::string(optarg) : options + "," + optarg;
         break;
       case 'q': quiet = true; break;
-      case 'u': break;
+      case 'u': unsafe = true; break;
       case 256: cli_object(optarg); break;
     }
   }
@@ -348,7 +351,7 @@ int cmd_create(int argc, char** argv) {
       item += options[i];
     }
   }
-  if (!backing.empty()) {
+  if (backing_given) {
     if (!spec_of("backing_file")) return fail("Backing file not supported for file format '" + fmt + "'");
     opts["backing_file"] = backing;
   }
@@ -382,14 +385,22 @@ int cmd_create(int argc, char** argv) {
   if (opts.count("extent_size_hint") && sizes["extent_size_hint"] > UINT32_MAX)
     return fail("Extent size hint is too large");
 
-  // A backing file gives the size when none was given; it must exist.
-  if (!size && opts.count("backing_file")) {
-    if (!opts.count("backing_fmt")) return fail("Backing file specified without backing format");
+  // QEMU's bdrv_img_create: the backing file is opened (unless -u) whether
+  // or not a size was given, before anything is created: a create over an
+  // existing image whose backing file is missing or unnamed in format
+  // leaves that image as it was.
+  if (opts.count("backing_file")) {
+    if (opts["backing_file"] == filename)
+      return fail("Error: Trying to create an image with the same filename as the backing file");
+    if (opts["backing_file"].empty()) return fail("Expected backing file name, got empty string");
+  }
+  if (opts.count("backing_file") && !unsafe) {
     Loop probe_loop;
     ImageArgs ba;
     ba.filename = path_combine(filename, opts["backing_file"]);
-    ba.format = opts["backing_fmt"];
+    if (opts.count("backing_fmt")) ba.format = opts["backing_fmt"];
     OpenContext ctx{probe_loop};
+    ctx.force_share = true;  // QEMU opens it with force-share=on
     ImageOpenOptions io;
     io.format = ba.format;
     auto b = open_image(ctx, ba.filename, io);
@@ -398,7 +409,12 @@ int cmd_create(int argc, char** argv) {
       std::fprintf(stderr, "Could not open backing image.\n");
       return 1;
     }
-    size = static_cast<int64_t>((*b)->length());
+    if (!opts.count("backing_fmt")) {
+      error_report(filename + ": Backing file specified without backing format");
+      std::fprintf(stderr, "Detected format of %s.", (*b)->driver().c_str());
+      return 1;
+    }
+    if (!size) size = static_cast<int64_t>((*b)->length());
   }
   if (!size) return fail("Image creation needs a size parameter");
 
