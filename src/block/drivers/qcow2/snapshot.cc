@@ -415,6 +415,16 @@ Task<Status> Qcow2Node::snapshot_goto(const std::string& id_or_name) {
   if (idx < 0) co_return Error(ENOENT);
   const Snapshot sn = snapshots_[static_cast<size_t>(idx)];
   VBLK_CO_TRY(validate_l1(sn.l1_table_offset, sn.l1_size, cs_, "Snapshot L1 table"));
+  // What can fail without changing the image is tried before the resize
+  // (QEMU resizes first): the snapshot's L1 table is read and its refcounts
+  // checked, so a failure there leaves the active layer's size as it was.
+  {
+    auto g = co_await lock_.scoped();
+    co_await wait_allocs();
+    auto snl1 = co_await read_l1(sn.l1_table_offset, sn.l1_size);
+    if (!snl1) co_return snl1.take_error();
+    VBLK_CO_TRY(co_await l1_refcounts(*snl1, +1, true));
+  }
   if (sn.disk_size != length()) VBLK_CO_TRY(co_await resize(sn.disk_size));
 
   auto g = co_await lock_.scoped();
