@@ -13,10 +13,12 @@ Status check_bitmap(const NamedBitmap& b, unsigned flags) {
     return Error(EBUSY, "Bitmap '" + b.name + "' is currently in use by another operation and cannot be used");
   if ((flags & kBitmapRo) && b.readonly)
     return Error(EPERM, "Bitmap '" + b.name + "' is readonly and cannot be modified");
-  if ((flags & kBitmapInconsistent) && b.inconsistent)
-    // QEMU adds a hint ("Try block-dirty-bitmap-remove to delete this bitmap
-    // from disk") that QMP does not show.
-    return Error(EINVAL, "Bitmap '" + b.name + "' is inconsistent and cannot be used");
+  if ((flags & kBitmapInconsistent) && b.inconsistent) {
+    // QEMU's hint: qemu-img prints it, QMP does not show it.
+    Error e(EINVAL, "Bitmap '" + b.name + "' is inconsistent and cannot be used");
+    e.hint = "Try block-dirty-bitmap-remove to delete this bitmap from disk";
+    return e;
+  }
   return {};
 }
 

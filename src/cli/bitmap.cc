@@ -198,8 +198,10 @@ int cmd_bitmap(int argc, char** argv) {
   for (const Action& act : actions) {
     Status st = run_action(loop, *node, *src, act, name, has_granularity, granularity);
     if (!st) {
+      // error_reportf_err: the message, then QEMU's hint on its own line.
       error_report(std::string("Operation ") + op_name(act.op) + " on bitmap " + name + " failed: " +
                    st.error().what());
+      if (!st.error().hint.empty()) std::fprintf(stderr, "%s\n", st.error().hint.c_str());
       ret = 1;
       break;
     }
