@@ -214,10 +214,11 @@ int cmd_nbd(int argc, char** argv) {
 
   if (!a.pid_file.empty() && !write_pid_file(a.pid_file))
     nbd_fail("Failed to write pid file '" + a.pid_file + "': " + std::strerror(errno));
-  on_stop_signal(loop, sigs, [&server] { server.stop(); });
+  StopSignalThread stop_signal(loop, sigs, [&server] { server.stop(); });
   bg.ready();
 
   loop.run(server.serve(std::move(*listener)));
+  stop_signal.join();
   Status st = loop.run(node->flush());
   if (!a.socket.empty()) ::unlink(a.socket.c_str());
   if (!a.pid_file.empty()) ::unlink(a.pid_file.c_str());

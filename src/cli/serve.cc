@@ -335,7 +335,7 @@ int cmd_serve(int argc, char** argv) {
   if (!pidfile.empty() && !write_pid_file(pidfile))
     serve_fail("Cannot open pid file: " + std::string(std::strerror(errno)));
   // A stop signal is a quit request, as QMP's quit.
-  on_stop_signal(loop, sigs, [&d] { d.quit.set(); });
+  StopSignalThread stop_signal(loop, sigs, [&d] { d.quit.set(); });
   d.open_clients();
   bg.ready();
 
@@ -343,8 +343,9 @@ int cmd_serve(int argc, char** argv) {
   for (auto& [id, ch] : chardevs)
     if (ch.fd.valid()) ::unlink(ch.path.c_str());
   if (!pidfile.empty()) ::unlink(pidfile.c_str());
-  // The signal thread stays blocked in sigwait; _exit skips joining it and
-  // static destructors that could race with it.
+  // Joined before _exit, so that its last post to the loop is over. _exit
+  // then skips tearing down the daemon's graph, done with already.
+  stop_signal.join();
   std::fflush(stdout);
   std::fflush(stderr);
   ::_exit(0);

@@ -56,18 +56,29 @@ sigset_t block_stop_signals() {
   return set;
 }
 
-void on_stop_signal(Loop& loop, sigset_t set, std::function<void()> stop) {
+StopSignalThread::StopSignalThread(Loop& loop, sigset_t set, std::function<void()> stop) {
   // Until the signal comes the loop is fed from here: held, it waits for
   // it even when nothing else is left to serve.
   loop.hold();
-  std::thread([&loop, set, stop = std::move(stop)] {
+  thread_ = std::thread([this, &loop, set, stop = std::move(stop)] {
     int sig = 0;
     sigwait(&set, &sig);
+    if (ending_.load()) return;  // the destructor's wakeup, not a signal
     loop.post_threadsafe([&loop, stop] {
       loop.release();
       stop();
     });
-  }).detach();
+  });
+}
+
+void StopSignalThread::join() {
+  if (!thread_.joinable()) return;
+  ending_.store(true);
+  // A stop signal sent to the thread itself ends its sigwait (the set is
+  // blocked in every thread, so none is delivered anywhere else); one that
+  // came first has already ended it, and the thread has finished posting.
+  pthread_kill(thread_.native_handle(), SIGTERM);
+  thread_.join();
 }
 
 bool write_pid_file(const std::string& path) {

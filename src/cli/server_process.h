@@ -7,7 +7,9 @@
 
 #include <signal.h>
 
+#include <atomic>
 #include <functional>
+#include <thread>
 #include <string>
 
 #include "vblk/loop.h"
@@ -30,12 +32,27 @@ class Background {
 
 // Blocks SIGTERM, SIGINT and SIGHUP in this thread (call before any thread
 // starts, so every thread inherits the mask) and ignores SIGPIPE; returns
-// the blocked set for on_stop_signal.
+// the blocked set for StopSignalThread.
 sigset_t block_stop_signals();
 
-// The first stop signal runs `stop` on the loop. A detached thread takes it
-// in sigwait, so the loop only ever sees a posted call.
-void on_stop_signal(Loop& loop, sigset_t set, std::function<void()> stop);
+// The first stop signal runs `stop` on the loop. A thread of its own takes
+// it in sigwait, so the loop only ever sees a posted call. Declare it after
+// the loop: the destructor wakes the thread if no signal came and joins it,
+// so the thread never posts to (or signals the eventfd of) a loop that is
+// gone, and its last write to the loop happens before the loop closes.
+class StopSignalThread {
+ public:
+  StopSignalThread(Loop& loop, sigset_t set, std::function<void()> stop);
+  ~StopSignalThread() { join(); }
+  // Wakes the thread if no signal came, and joins it (once).
+  void join();
+  StopSignalThread(const StopSignalThread&) = delete;
+  StopSignalThread& operator=(const StopSignalThread&) = delete;
+
+ private:
+  std::atomic<bool> ending_{false};
+  std::thread thread_;
+};
 
 // Writes "<pid>\n" to path; false (errno set) when it cannot.
 bool write_pid_file(const std::string& path);
