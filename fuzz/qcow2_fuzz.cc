@@ -8,9 +8,9 @@
 #include <memory>
 
 #include "block/open.h"
-#include "fuzz/mem_file.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
+#include "vblk/mem_node.h"
 
 using namespace vblk;
 
@@ -79,6 +79,16 @@ std::shared_ptr<Node> open_qcow2(const std::shared_ptr<Node>& file, bool read_on
   return *n;
 }
 
+// The image file, in memory: it grows on writes past its end like a file,
+// up to 64 MiB (a corrupt table can point allocations at any offset), and
+// never suspends.
+std::shared_ptr<MemNode> image_file(const uint8_t* data, size_t size) {
+  MemNode::Options o;
+  o.max_size = 64ull << 20;
+  o.yield = false;
+  return std::make_shared<MemNode>(loop(), std::vector<uint8_t>(data, data + size), o);
+}
+
 void close_node(std::shared_ptr<Node>& n) {
   loop().run(n->drain());
   n.reset();
@@ -89,7 +99,7 @@ void close_node(std::shared_ptr<Node>& n) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Plain opens: read-only, then read-write with a few writes.
   for (bool ro : {true, false}) {
-    auto file = std::make_shared<fuzz::MemFile>(loop(), data, size);
+    auto file = image_file(data, size);
     if (auto n = open_qcow2(file, ro, false)) {
       loop().run(exercise(*n, !ro));
       close_node(n);
@@ -98,14 +108,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Check as qemu-img check does: report only (read-only), then repair
   // everything and check again.
   {
-    auto file = std::make_shared<fuzz::MemFile>(loop(), data, size);
+    auto file = image_file(data, size);
     if (auto n = open_qcow2(file, true, true)) {
       (void)loop().run(n->check(kCheckReport));
       close_node(n);
     }
   }
   {
-    auto file = std::make_shared<fuzz::MemFile>(loop(), data, size);
+    auto file = image_file(data, size);
     if (auto n = open_qcow2(file, false, true)) {
       auto r = loop().run(n->check(kCheckFixLeaks | kCheckFixErrors));
       if (r && (r->corruptions_fixed || r->leaks_fixed)) (void)loop().run(n->check(kCheckReport));

@@ -13,9 +13,16 @@
 // truncate) reaches the medium, and from then on every request fails with
 // EIO, as for a process whose disk has gone.
 //
+// It is the one in-memory node of the tests and fuzz targets: it also
+// answers block status from a settable extent list, copies ranges into
+// another MemNode (or fails with a chosen errno), keeps a VM state area,
+// counts requests that break its own limits (the generic layer must pad,
+// split and align for it), and measures how many requests overlap.
+//
 // Ownership: plain node; one loop, not thread-safe.
 #pragma once
 
+#include <cerrno>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -27,10 +34,14 @@
 
 namespace vblk {
 
-class MemNode final : public Node {
+class MemNode : public Node {
  public:
   static constexpr uint32_t kSector = 512;
 
+  // Requests in flight, shared between nodes that count together.
+  struct Concurrency {
+    int now = 0, peak = 0;
+  };
   struct Options {
     uint64_t size = 0;
     // Writes past the end grow the node like a regular file, up to this;
@@ -40,11 +51,24 @@ class MemNode final : public Node {
     bool yield = true;        // each request suspends once (requests interleave)
     uint64_t latency_ns = 0;  // instead: each request sleeps this long
     bool record = false;      // keep every request in ops()
+    // What the node offers the generic layer; unset: zero writes, discard
+    // and native FUA. (Tests of FUA emulation or zero fallbacks take less.)
+    std::optional<NodeCaps> caps;
+    bool vmstate = false;                // a VM state area (supports_vmstate)
+    Concurrency* concurrency = nullptr;  // also counted here (not owned)
   };
   struct Op {
-    char op;  // 'r' read, 'w' write, 'z' write-zeroes, 'd' discard, 'f' flush, 't' truncate
+    // 'r' read, 'w' write, 'z' write-zeroes, 'd' discard, 'f' flush,
+    // 't' truncate, 'c' copy range (on both nodes), 'v' VM state write,
+    // 'V' VM state read
+    char op;
     uint64_t offset, bytes;
     uint32_t flags;
+    uint64_t start_ns = 0, end_ns = 0;  // end_ns: 0 while in flight
+  };
+  struct Extent {
+    uint64_t offset, bytes;
+    uint32_t flags;  // kStatusData / kStatusZero / 0 (unallocated)
   };
   struct Fault {
     char op;  // as Op::op
@@ -77,11 +101,32 @@ class MemNode final : public Node {
   MemNode(Loop& loop, std::vector<uint8_t> contents);
   ~MemNode() override;
 
-  // What reads return now (the cache view).
+  // What reads return now (the cache view). Changing it directly changes
+  // the medium too as far as reads go, not what a power cut keeps.
   const std::vector<uint8_t>& data() const { return volatile_; }
+  std::vector<uint8_t>& data() { return volatile_; }
   std::vector<uint8_t>& mutable_data() { return volatile_; }
   const std::vector<Op>& ops() const { return ops_; }
+  void clear_ops() { ops_.clear(); }
+  // Recorded requests of kind op that overlap [offset, offset + bytes).
+  int count(char op, uint64_t offset, uint64_t bytes) const;
   std::vector<Fault> faults;
+  // Latency, yield and the like may change between requests.
+  Options& options() { return opts_; }
+  NodeCaps& mutable_caps() { return caps_; }
+
+  // Block status: sorted extents, the gaps between them data. Empty: the
+  // generic answer (all data).
+  std::vector<Extent> extents;
+  // copy_range into another MemNode: fails with this errno unless 0.
+  int copy_range_errno = ENOTSUP;
+  int copy_range_calls = 0;
+  // The VM state area (Options::vmstate).
+  std::vector<uint8_t>& vmstate_area() { return vmstate_; }
+  // Requests that broke limits(): misaligned offset, length or buffer, or
+  // longer than max_transfer / max_zeroes.
+  uint64_t limit_violations() const { return limit_violations_; }
+  int peak_in_flight() const { return peak_; }
 
   // Write-type requests submitted so far (the instants cut_before counts).
   uint64_t writes_submitted() const { return submitted_; }
@@ -102,6 +147,14 @@ class MemNode final : public Node {
   Task<Status> do_discard(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_flush() override;
   Task<Status> do_truncate(uint64_t length, bool exact) override;
+  Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
+  Task<Status> do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes,
+                                uint32_t flags) override;
+
+ public:
+  bool supports_vmstate() const override { return opts_.vmstate; }
+  Task<Status> write_vmstate(uint64_t pos, std::span<const uint8_t> buf) override;
+  Task<Status> read_vmstate(uint64_t pos, std::span<uint8_t> buf, const std::string& snapshot_id) override;
 
  private:
   // A change not yet on the medium: data (empty for zeroes) or a new length.
@@ -114,6 +167,9 @@ class MemNode final : public Node {
 
   // Records, waits, counts the instant, applies faults; EIO once cut.
   Task<Status> enter(char op, uint64_t offset, uint64_t bytes, uint32_t flags);
+  void check_limits(uint64_t offset, uint64_t bytes, const void* buf);
+  // [offset, offset + bytes) within max_size, without overflow.
+  bool fits(uint64_t offset, uint64_t bytes) const;
   bool grow(uint64_t end);
   // Applies p to img, or (sector_mask) only the sectors the generator picks.
   static void apply(std::vector<uint8_t>& img, const Pending& p, std::mt19937_64* pick);
@@ -131,6 +187,9 @@ class MemNode final : public Node {
   uint64_t cut_seed_ = 0;
   std::optional<std::vector<uint8_t>> cut_;
   std::shared_ptr<PowerSupply> supply_;
+  std::vector<uint8_t> vmstate_;
+  uint64_t limit_violations_ = 0;
+  int in_flight_ = 0, peak_ = 0;
 };
 
 }  // namespace vblk

@@ -294,7 +294,8 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
   // read-only; others may do anything meanwhile unless told otherwise.
   if (node) {
     PermPair claim;
-    claim.perm = (a.no_io ? 0 : kPermConsistentRead) | (a.read_only ? 0 : kPermWrite) | (a.resize ? kPermResize : 0);
+    claim.perm = (a.no_io ? 0u : uint32_t{kPermConsistentRead}) | (a.read_only ? 0u : uint32_t{kPermWrite}) |
+                 (a.resize ? uint32_t{kPermResize} : 0u);
     claim.shared = kPermAll & ~a.unshare;
     (*node)->set_claim(claim);
     if (Status st = (*node)->refresh_perms(); !st) node = st.take_error();

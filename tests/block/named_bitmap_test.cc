@@ -3,12 +3,13 @@
 // the digest x-debug-block-dirty-bitmap-sha256 prints.
 #include <gtest/gtest.h>
 
-#include "mem_node.h"
+#include "bare_disk.h"
 #include "util/sha256.h"
 #include "vblk/named_bitmap.h"
 
 using namespace vblk;
-using vblk::testing::MemNode;
+using vblk::MemNode;
+using vblk::testing::bare_disk;
 
 namespace {
 
@@ -64,7 +65,7 @@ TEST(NamedBitmapTest, ChecksInQemuOrderAndWords) {
 
 TEST(NamedBitmapTest, WritesZeroesAndDiscardsMarkEnabledBitmaps) {
   Loop loop;
-  MemNode n(loop, 1 << 20, align512(), all_caps());
+  MemNode n(loop, bare_disk(1 << 20, align512(), all_caps()));
   auto on = n.bitmaps().create("on", n.length(), 65536);
   auto fine = n.bitmaps().create("fine", n.length(), 4096);
   auto off = n.bitmaps().create("off", n.length(), 65536);
@@ -94,10 +95,10 @@ TEST(NamedBitmapTest, FailedWritesStillMark) {
   // QEMU marks at the end of every write request, failed or not: a failed
   // write may have changed some of the range.
   Loop loop;
-  MemNode n(loop, 1 << 20, align512(), all_caps());
+  MemNode n(loop, bare_disk(1 << 20, align512(), all_caps()));
   auto b = n.bitmaps().create("b", n.length(), 65536);
   ASSERT_TRUE(b.ok());
-  n.fail_writes_errno = EIO;
+  n.faults.push_back({'w', 0, UINT64_MAX, EIO, false});
   std::vector<uint8_t> buf(4096, 1);
   EXPECT_FALSE(loop.run(n.write(0, buf)).ok());
   EXPECT_TRUE((*b)->bits.get(0));

@@ -4,11 +4,12 @@
 
 #include <random>
 
-#include "mem_node.h"
+#include "bare_disk.h"
 #include "vblk/buffer.h"
 
 using namespace vblk;
-using vblk::testing::MemNode;
+using vblk::MemNode;
+using vblk::testing::bare_disk;
 
 namespace {
 
@@ -30,52 +31,52 @@ std::vector<uint8_t> pattern(size_t n, uint8_t seed) {
 
 TEST(NodeTest, UnalignedWriteIsPaddedWithReadModifyWrite) {
   Loop loop;
-  MemNode n(loop, 64 << 10, limits(4096, 4096));
+  MemNode n(loop, bare_disk(64 << 10, limits(4096, 4096)));
   auto before = pattern(64 << 10, 7);
   n.data() = before;
   auto payload = pattern(5000, 99);
   auto st = loop.run(n.write(1000, payload));
   ASSERT_TRUE(st.ok());
-  EXPECT_TRUE(n.aligned_ok);
+  EXPECT_EQ(n.limit_violations(), 0u);
   auto expect = before;
   std::copy(payload.begin(), payload.end(), expect.begin() + 1000);
   EXPECT_EQ(n.data(), expect);
   // Head block and tail block were read (two partial blocks), then one write.
   int reads = 0, writes = 0;
-  for (auto& r : n.reqs) (r.op == 'r' ? reads : writes) += r.op == 'r' || r.op == 'w';
+  for (auto& r : n.ops()) (r.op == 'r' ? reads : writes) += r.op == 'r' || r.op == 'w';
   EXPECT_EQ(reads, 2);
   EXPECT_EQ(writes, 1);
 }
 
 TEST(NodeTest, UnalignedReadUsesBounceBuffer) {
   Loop loop;
-  MemNode n(loop, 64 << 10, limits(512, 4096));
+  MemNode n(loop, bare_disk(64 << 10, limits(512, 4096)));
   n.data() = pattern(64 << 10, 3);
   std::vector<uint8_t> out(777);
   ASSERT_TRUE(loop.run(n.read(12345, out)).ok());
-  EXPECT_TRUE(n.aligned_ok);
+  EXPECT_EQ(n.limit_violations(), 0u);
   EXPECT_TRUE(std::equal(out.begin(), out.end(), n.data().begin() + 12345));
 }
 
 TEST(NodeTest, MisalignedMemoryIsBouncedForAlignedRanges) {
   Loop loop;
-  MemNode n(loop, 64 << 10, limits(512, 4096));
+  MemNode n(loop, bare_disk(64 << 10, limits(512, 4096)));
   std::vector<uint8_t> raw(4096 + 1);
   std::span<uint8_t> odd(raw.data() + 1, 4096);  // never 4096-aligned
   std::fill(odd.begin(), odd.end(), 0x5a);
   ASSERT_TRUE(loop.run(n.write(8192, odd)).ok());
-  EXPECT_TRUE(n.aligned_ok);
+  EXPECT_EQ(n.limit_violations(), 0u);
   EXPECT_EQ(n.data()[8192], 0x5a);
   EXPECT_EQ(n.data()[8192 + 4095], 0x5a);
 }
 
 TEST(NodeTest, LargeRequestsAreSplitAtMaxTransfer) {
   Loop loop;
-  MemNode n(loop, 1 << 20, limits(512, 1, 64 << 10));
+  MemNode n(loop, bare_disk(1 << 20, limits(512, 1, 64 << 10)));
   auto payload = pattern(300 << 10, 1);
   ASSERT_TRUE(loop.run(n.write(0, payload)).ok());
-  EXPECT_TRUE(n.aligned_ok);
-  EXPECT_EQ(n.reqs.size(), 5u);  // 64K * 4 + 44K
+  EXPECT_EQ(n.limit_violations(), 0u);
+  EXPECT_EQ(n.ops().size(), 5u);  // 64K * 4 + 44K
   std::vector<uint8_t> back(300 << 10);
   ASSERT_TRUE(loop.run(n.read(0, back)).ok());
   EXPECT_EQ(back, payload);
@@ -83,7 +84,7 @@ TEST(NodeTest, LargeRequestsAreSplitAtMaxTransfer) {
 
 TEST(NodeTest, ConcurrentUnalignedWritesSharingABlockAreNotLost) {
   Loop loop;
-  MemNode n(loop, 16 << 10, limits(4096, 1));
+  MemNode n(loop, bare_disk(16 << 10, limits(4096, 1)));
   // 64 writers each own 64 bytes of the same 4 KiB block: without
   // serialisation, read-modify-write would lose most of them.
   auto all = [&]() -> Task<void> {
@@ -105,7 +106,7 @@ TEST(NodeTest, ConcurrentUnalignedWritesSharingABlockAreNotLost) {
 TEST(NodeTest, RandomMixedWorkloadMatchesAModel) {
   Loop loop;
   const uint64_t size = 256 << 10;
-  MemNode n(loop, size, limits(512, 512, 32 << 10), NodeCaps{.zeroes = true, .discard = true});
+  MemNode n(loop, bare_disk(size, limits(512, 512, 32 << 10), NodeCaps{.zeroes = true, .discard = true}));
   std::vector<uint8_t> model(size, 0);
   std::mt19937_64 rng(42);
   for (int i = 0; i < 500; ++i) {
@@ -117,7 +118,7 @@ TEST(NodeTest, RandomMixedWorkloadMatchesAModel) {
       ASSERT_TRUE(loop.run(n.write(off, buf)).ok());
       std::copy(buf.begin(), buf.end(), model.begin() + static_cast<long>(off));
     } else if (op == 1) {
-      ASSERT_TRUE(loop.run(n.write_zeroes(off, len, i % 2 ? kReqMayUnmap : 0)).ok());
+      ASSERT_TRUE(loop.run(n.write_zeroes(off, len, i % 2 ? uint32_t{kReqMayUnmap} : 0u)).ok());
       std::fill_n(model.begin() + static_cast<long>(off), len, 0);
     } else {
       std::vector<uint8_t> back(len);
@@ -125,29 +126,29 @@ TEST(NodeTest, RandomMixedWorkloadMatchesAModel) {
       ASSERT_TRUE(std::equal(back.begin(), back.end(), model.begin() + static_cast<long>(off))) << i;
     }
   }
-  EXPECT_TRUE(n.aligned_ok);
+  EXPECT_EQ(n.limit_violations(), 0u);
   EXPECT_EQ(n.data(), model);
 }
 
 TEST(NodeTest, FuaIsEmulatedWithAFlushAndWritethroughAddsIt) {
   Loop loop;
-  MemNode n(loop, 64 << 10);
+  MemNode n(loop, bare_disk(64 << 10));
   std::vector<uint8_t> b(512, 1);
   ASSERT_TRUE(loop.run(n.write(0, b, kReqFua)).ok());
-  ASSERT_EQ(n.reqs.size(), 2u);
-  EXPECT_EQ(n.reqs[0].op, 'w');
-  EXPECT_EQ(n.reqs[0].flags & kReqFua, 0u);  // the driver said it cannot do FUA
-  EXPECT_EQ(n.reqs[1].op, 'f');
-  n.reqs.clear();
+  ASSERT_EQ(n.ops().size(), 2u);
+  EXPECT_EQ(n.ops()[0].op, 'w');
+  EXPECT_EQ(n.ops()[0].flags & kReqFua, 0u);  // the driver said it cannot do FUA
+  EXPECT_EQ(n.ops()[1].op, 'f');
+  n.clear_ops();
   n.set_writethrough(true);
   ASSERT_TRUE(loop.run(n.write(512, b)).ok());
-  ASSERT_EQ(n.reqs.size(), 2u);
-  EXPECT_EQ(n.reqs[1].op, 'f');
+  ASSERT_EQ(n.ops().size(), 2u);
+  EXPECT_EQ(n.ops()[1].op, 'f');
 }
 
 TEST(NodeTest, WriteZeroesFallsBackToWritingUnlessNoFallback) {
   Loop loop;
-  MemNode n(loop, 64 << 10);  // caps.zeroes = false
+  MemNode n(loop, bare_disk(64 << 10));  // caps.zeroes = false
   n.data() = pattern(64 << 10, 9);
   EXPECT_EQ(loop.run(n.write_zeroes(4096, 8192, kReqNoFallback)).error().code, ENOTSUP);
   EXPECT_NE(n.data()[4096], 0);
@@ -159,24 +160,26 @@ TEST(NodeTest, WriteZeroesFallsBackToWritingUnlessNoFallback) {
 
 TEST(NodeTest, UnalignedWriteZeroesPadsEdgesAndZeroesTheMiddle) {
   Loop loop;
-  MemNode n(loop, 64 << 10, limits(4096), NodeCaps{.zeroes = true});
+  MemNode n(loop, bare_disk(64 << 10, limits(4096), NodeCaps{.zeroes = true}));
   n.data() = pattern(64 << 10, 5);
   ASSERT_TRUE(loop.run(n.write_zeroes(100, 20000, kReqMayUnmap)).ok());
-  EXPECT_TRUE(n.aligned_ok);
+  EXPECT_EQ(n.limit_violations(), 0u);
   for (uint64_t i = 0; i < (64 << 10); ++i) {
     bool in = i >= 100 && i < 20100;
-    if (in) ASSERT_EQ(n.data()[i], 0) << i;
+    if (in) {
+      ASSERT_EQ(n.data()[i], 0) << i;
+    }
   }
   EXPECT_NE(n.data()[99], 0);
   EXPECT_NE(n.data()[20100], 0);
   bool used_zero_op = false;
-  for (auto& r : n.reqs) used_zero_op |= r.op == 'z' && (r.flags & kReqMayUnmap);
+  for (auto& r : n.ops()) used_zero_op |= r.op == 'z' && (r.flags & kReqMayUnmap);
   EXPECT_TRUE(used_zero_op);
 }
 
 TEST(NodeTest, OutOfRangeAndReadOnlyAreRefused) {
   Loop loop;
-  MemNode n(loop, 64 << 10);
+  MemNode n(loop, bare_disk(64 << 10));
   std::vector<uint8_t> b(512);
   EXPECT_EQ(loop.run(n.read(64 << 10, b)).error().code, EIO);
   EXPECT_EQ(loop.run(n.write((64 << 10) - 100, b)).error().code, EIO);
@@ -185,12 +188,12 @@ TEST(NodeTest, OutOfRangeAndReadOnlyAreRefused) {
   EXPECT_EQ(loop.run(n.write(0, b)).error().code, EPERM);
   EXPECT_EQ(loop.run(n.write_zeroes(0, 512)).error().code, EPERM);
   EXPECT_EQ(loop.run(n.discard(0, 512)).error().code, EPERM);
-  EXPECT_TRUE(n.reqs.empty());  // nothing reached the driver
+  EXPECT_TRUE(n.ops().empty());  // nothing reached the driver
 }
 
 TEST(NodeTest, GrowableNodesAcceptWritesPastTheEnd) {
   Loop loop;
-  MemNode n(loop, 4096);
+  MemNode n(loop, bare_disk(4096));
   n.set_growable(true);
   std::vector<uint8_t> b(512, 7);
   ASSERT_TRUE(loop.run(n.write(8192, b)).ok());
@@ -199,8 +202,8 @@ TEST(NodeTest, GrowableNodesAcceptWritesPastTheEnd) {
 
 TEST(NodeTest, WriteErrorsReachTheCaller) {
   Loop loop;
-  MemNode n(loop, 64 << 10, limits(4096));
-  n.fail_writes_errno = ENOSPC;
+  MemNode n(loop, bare_disk(64 << 10, limits(4096)));
+  n.faults.push_back({'w', 0, UINT64_MAX, ENOSPC, false});
   std::vector<uint8_t> b(100, 1);
   auto st = loop.run(n.write(10, b));
   ASSERT_FALSE(st.ok());
@@ -210,7 +213,7 @@ TEST(NodeTest, WriteErrorsReachTheCaller) {
 
 TEST(NodeTest, DrainWaitsForInFlightRequests) {
   Loop loop;
-  MemNode n(loop, 64 << 10);
+  MemNode n(loop, bare_disk(64 << 10));
   int done = 0;
   auto t = [&]() -> Task<void> {
     auto w = [](MemNode& node, int& d) -> Task<void> {
@@ -229,7 +232,7 @@ TEST(NodeTest, DrainWaitsForInFlightRequests) {
 
 TEST(NodeTest, BlockStatusIsClampedAndMarksEof) {
   Loop loop;
-  MemNode n(loop, 10000);
+  MemNode n(loop, bare_disk(10000));
   auto s = loop.run(n.block_status(4000, 1 << 20));
   ASSERT_TRUE(s.ok());
   EXPECT_EQ(s->bytes, 6000u);
@@ -248,23 +251,23 @@ TEST(NodeTest, CompressedWritesNeedDriverSupportAndAlignment) {
   Loop loop;
   std::vector<uint8_t> buf(4096, 7);
   {
-    MemNode n(loop, 1 << 20, BlockLimits{512, 512});
+    MemNode n(loop, bare_disk(1 << 20, BlockLimits{512, 512}));
     auto st = loop.run(n.write(0, buf, kReqCompressed));
     ASSERT_FALSE(st.ok());
     EXPECT_EQ(st.error().code, ENOTSUP);
-    EXPECT_TRUE(n.reqs.empty());
+    EXPECT_TRUE(n.ops().empty());
   }
   {
     NodeCaps caps;
     caps.compressed_writes = true;
-    MemNode n(loop, 1 << 20, BlockLimits{512, 512}, caps);
+    MemNode n(loop, bare_disk(1 << 20, BlockLimits{512, 512}, caps));
     auto st = loop.run(n.write(100, buf, kReqCompressed));
     ASSERT_FALSE(st.ok());
     EXPECT_EQ(st.error().code, EINVAL);  // no read-modify-write of a compressed unit
-    EXPECT_TRUE(n.reqs.empty());
+    EXPECT_TRUE(n.ops().empty());
     ASSERT_TRUE(loop.run(n.write(4096, buf, kReqCompressed)).ok());
-    ASSERT_EQ(n.reqs.size(), 1u);
-    EXPECT_EQ(n.reqs[0].flags & kReqCompressed, kReqCompressed);
+    ASSERT_EQ(n.ops().size(), 1u);
+    EXPECT_EQ(n.ops()[0].flags & kReqCompressed, kReqCompressed);
     EXPECT_EQ(n.data()[4096], 7);
   }
 }

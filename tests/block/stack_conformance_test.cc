@@ -443,7 +443,9 @@ TEST_P(StackConformance, ConcurrentWorkloadMatchesModel) {
       ASSERT_NO_FATAL_FAILURE(check_status(s, m));
     }
   }
-  if (s.compressed) EXPECT_GT(compressed, 4);
+  if (s.compressed) {
+    EXPECT_GT(compressed, 4);
+  }
   ASSERT_TRUE(s.loop.run(s.top->flush()).ok());
   ASSERT_NO_FATAL_FAILURE(read_all_matches(s, *s.top, m, "after the workload"));
   ASSERT_NO_FATAL_FAILURE(check_status(s, m));

@@ -13,6 +13,7 @@
 
 #include "block/drivers/qcow2/qcow2.h"
 #include "block/open.h"
+#include "vblk/mem_node.h"
 #include "vblk/vmstate.h"
 #include "qcow2_temp_image.h"
 
@@ -20,43 +21,22 @@ using namespace vblk;
 
 namespace {
 
-// A node with only a VM state area, in memory; every request suspends so
-// that the writer's workers really overlap.
-class VmNode : public Node {
- public:
-  explicit VmNode(Loop& loop) : Node(loop, "vmmem") {}
-  std::vector<uint8_t> area;
-  struct Req {
-    uint64_t pos, len;
-  };
-  std::vector<Req> writes;
-  int in_flight = 0, max_in_flight = 0;
-  int fail_write_no = -1;  // this write (0-based) fails with EIO
-  int reads = 0;
+// A MemNode with a VM state area (its data requests are never used); each
+// request suspends, so that the writer's workers really overlap.
+MemNode::Options vm_disk() {
+  MemNode::Options o;
+  o.vmstate = true;
+  o.record = true;
+  return o;
+}
 
-  bool supports_vmstate() const override { return true; }
-  Task<Status> write_vmstate(uint64_t pos, std::span<const uint8_t> buf) override {
-    const int no = static_cast<int>(writes.size());
-    writes.push_back({pos, buf.size()});
-    max_in_flight = std::max(max_in_flight, ++in_flight);
-    co_await loop().yield();
-    co_await loop().yield();
-    --in_flight;
-    if (no == fail_write_no) co_return Error(EIO);
-    if (area.size() < pos + buf.size()) area.resize(pos + buf.size());
-    std::copy(buf.begin(), buf.end(), area.begin() + static_cast<ptrdiff_t>(pos));
-    co_return Status{};
-  }
-  Task<Status> read_vmstate(uint64_t pos, std::span<uint8_t> buf, const std::string&) override {
-    ++reads;
-    co_await loop().yield();
-    for (size_t i = 0; i < buf.size(); ++i) buf[i] = pos + i < area.size() ? area[pos + i] : 0;
-    co_return Status{};
-  }
-
- protected:
-  Task<Status> do_read(uint64_t, std::span<uint8_t>, uint32_t) override { co_return Error(EIO); }
-};
+// The VM state writes the node was handed, in order.
+std::vector<MemNode::Op> vm_writes(const MemNode& n) {
+  std::vector<MemNode::Op> out;
+  for (const auto& o : n.ops())
+    if (o.op == 'v') out.push_back(o);
+  return out;
+}
 
 std::vector<uint8_t> random_stream(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -84,7 +64,7 @@ Task<Status> write_in_pieces(VmstateWriter& w, const std::vector<uint8_t>& s, si
 TEST(VmstateWriter, RandomPiecesGiveBackTheStreamInAlignedBufferWrites) {
   for (uint32_t seed = 1; seed <= 6; ++seed) {
     Loop loop;
-    VmNode node(loop);
+    MemNode node(loop, vm_disk());
     VmstateOptions o;
     o.workers = 3;
     o.buffer_size = 64 << 10;
@@ -92,28 +72,29 @@ TEST(VmstateWriter, RandomPiecesGiveBackTheStreamInAlignedBufferWrites) {
     const size_t len = (seed * 977 * 1021) % (3 << 20);
     auto s = random_stream(len, seed);
     ASSERT_TRUE(loop.run(write_in_pieces(w, s, 64 << 10, seed)).ok());
-    ASSERT_EQ(node.area.size(), s.size());
-    EXPECT_TRUE(node.area == s) << "seed " << seed;
+    ASSERT_EQ(node.vmstate_area().size(), s.size());
+    EXPECT_TRUE(node.vmstate_area() == s) << "seed " << seed;
     EXPECT_EQ(w.end(), len);
     // Every write is a whole aligned buffer except the last one.
-    for (size_t i = 0; i < node.writes.size(); ++i) {
-      EXPECT_EQ(node.writes[i].pos % o.buffer_size, 0u);
-      if (i + 1 < node.writes.size()) {
-        EXPECT_EQ(node.writes[i].len, o.buffer_size);
+    const auto writes = vm_writes(node);
+    for (size_t i = 0; i < writes.size(); ++i) {
+      EXPECT_EQ(writes[i].offset % o.buffer_size, 0u);
+      if (i + 1 < writes.size()) {
+        EXPECT_EQ(writes[i].bytes, o.buffer_size);
       }
     }
-    EXPECT_EQ(node.writes.size(), (len + o.buffer_size - 1) / o.buffer_size);
-    EXPECT_LE(node.max_in_flight, 3);
+    EXPECT_EQ(writes.size(), (len + o.buffer_size - 1) / o.buffer_size);
+    EXPECT_LE(node.peak_in_flight(), 3);
     if (len > 8 * o.buffer_size) {
-      EXPECT_GE(node.max_in_flight, 2) << "writes never overlapped";
+      EXPECT_GE(node.peak_in_flight(), 2) << "writes never overlapped";
     }
-    EXPECT_EQ(node.reads, 0) << "a front-to-back stream needs no read-modify-write";
+    EXPECT_EQ(node.count('V', 0, UINT64_MAX), 0) << "a front-to-back stream needs no read-modify-write";
   }
 }
 
 TEST(VmstateWriter, DefaultBufferIsAtLeastFourMiB) {
   Loop loop;
-  VmNode node(loop);
+  MemNode node(loop, vm_disk());
   VmstateWriter w(node);
   EXPECT_EQ(w.buffer_size(), 4u << 20);
 }
@@ -122,7 +103,7 @@ TEST(VmstateWriter, PositionsGoingBackwardsOrSkippingAreReadModifyWritten) {
   std::mt19937 rng(42);
   for (int round = 0; round < 20; ++round) {
     Loop loop;
-    VmNode node(loop);
+    MemNode node(loop, vm_disk());
     VmstateOptions o;
     o.workers = 4;
     o.buffer_size = 4096;
@@ -143,21 +124,22 @@ TEST(VmstateWriter, PositionsGoingBackwardsOrSkippingAreReadModifyWritten) {
       co_return co_await w.flush();
     };
     ASSERT_TRUE(loop.run(job()).ok());
-    node.area.resize(std::max(node.area.size(), model.size()));
-    EXPECT_TRUE(node.area == model) << "round " << round;
+    node.vmstate_area().resize(std::max(node.vmstate_area().size(), model.size()));
+    EXPECT_TRUE(node.vmstate_area() == model) << "round " << round;
     EXPECT_EQ(w.end(), model.size());
-    EXPECT_LE(node.max_in_flight, 4);
+    EXPECT_LE(node.peak_in_flight(), 4);
   }
 }
 
 TEST(VmstateWriter, WriteErrorIsKeptAndReturnedByFlush) {
   for (int fail_at : {0, 3, 17}) {
     Loop loop;
-    VmNode node(loop);
-    node.fail_write_no = fail_at;
+    MemNode node(loop, vm_disk());
     VmstateOptions o;
     o.workers = 8;
     o.buffer_size = 4096;
+    // The fail_at-th buffer write (the stream goes front to back).
+    node.faults.push_back({'v', static_cast<uint64_t>(fail_at) * o.buffer_size, 1, EIO, false});
     VmstateWriter w(node, o);
     auto s = random_stream(100 << 10, 5);
     // Writes that do not look at their result, as QEMU's migration code
@@ -179,13 +161,13 @@ TEST(VmstateWriter, WriteErrorIsKeptAndReturnedByFlush) {
 
 TEST(VmstateReader, ReadsAheadInOrderAndAnyOrder) {
   Loop loop;
-  VmNode node(loop);
-  node.area = random_stream(1000000, 9);
+  MemNode node(loop, vm_disk());
+  node.vmstate_area() = random_stream(1000000, 9);
   VmstateOptions o;
   o.workers = 4;
   o.buffer_size = 8192;
-  VmstateReader r(node, "", node.area.size(), o);
-  std::vector<uint8_t> got(node.area.size());
+  VmstateReader r(node, "", node.vmstate_area().size(), o);
+  std::vector<uint8_t> got(node.vmstate_area().size());
   std::mt19937 rng(3);
   auto job = [&]() -> Task<Status> {
     for (size_t pos = 0; pos < got.size();) {
@@ -198,7 +180,7 @@ TEST(VmstateReader, ReadsAheadInOrderAndAnyOrder) {
     for (int i = 0; i < 50; ++i) {
       size_t pos = rng() % (got.size() - piece.size());
       VBLK_CO_TRY(co_await r.read(pos, piece));
-      if (!std::equal(piece.begin(), piece.end(), node.area.begin() + static_cast<ptrdiff_t>(pos)))
+      if (!std::equal(piece.begin(), piece.end(), node.vmstate_area().begin() + static_cast<ptrdiff_t>(pos)))
         co_return Error(EBADMSG);
     }
     auto beyond = co_await r.read(got.size() - 10, std::span<uint8_t>(piece.data(), 11));
@@ -208,7 +190,7 @@ TEST(VmstateReader, ReadsAheadInOrderAndAnyOrder) {
   };
   auto st = loop.run(job());
   ASSERT_TRUE(st.ok()) << st.error().what();
-  EXPECT_TRUE(got == node.area);
+  EXPECT_TRUE(got == node.vmstate_area());
 }
 
 // ---- over qcow2: the area past the disk, carried by a snapshot

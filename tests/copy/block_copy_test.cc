@@ -5,11 +5,11 @@
 
 #include <gtest/gtest.h>
 
-#include "fake_node.h"
+#include "test_disk.h"
 
 using namespace vblk;
 using vblk::testing::Concurrency;
-using vblk::testing::FakeNode;
+using vblk::MemNode;
 using vblk::testing::fill_pattern;
 using vblk::testing::run_until;
 
@@ -18,9 +18,9 @@ namespace {
 constexpr uint64_t KiB = 1024, MiB = 1024 * 1024;
 
 // Only the target's requests of one kind, in order.
-std::vector<FakeNode::Op> ops_of(const FakeNode& n, char op) {
-  std::vector<FakeNode::Op> out;
-  for (auto& o : n.ops)
+std::vector<MemNode::Op> ops_of(const MemNode& n, char op) {
+  std::vector<MemNode::Op> out;
+  for (auto& o : n.ops())
     if (o.op == op) out.push_back(o);
   return out;
 }
@@ -43,8 +43,9 @@ void after(Loop& loop, uint64_t ns, std::function<void()> fn) {
 struct Fixture {
   Loop loop;
   Concurrency conc;
-  FakeNode src, dst;
-  Fixture(uint64_t size) : src(loop, size, &conc), dst(loop, size, &conc) {
+  MemNode src, dst;
+  Fixture(uint64_t size)
+      : src(loop, vblk::testing::disk_options(size, &conc)), dst(loop, vblk::testing::disk_options(size, &conc)) {
     fill_pattern(src, 1);
     std::fill(dst.data().begin(), dst.data().end(), 0xAA);
   }
@@ -175,7 +176,7 @@ TEST(BlockCopyTest, TargetIsZeroSkipsZeroWrites) {
 TEST(BlockCopyTest, WorkerCapBoundsParallelTasks) {
   for (unsigned workers : {1u, 3u, 16u}) {
     Fixture f(4 * MiB);
-    f.src.latency_ns = f.dst.latency_ns = 1'000'000;
+    f.src.options().latency_ns = f.dst.options().latency_ns = 1'000'000;
     auto o = opts();
     o.max_chunk = 64 * KiB;
     o.max_workers = workers;
@@ -190,7 +191,7 @@ TEST(BlockCopyTest, WorkerCapBoundsParallelTasks) {
 
 TEST(BlockCopyTest, ABusyGuestLeavesTheBackgroundCallOneSmallTask) {
   Fixture f(4 * MiB);
-  f.src.latency_ns = f.dst.latency_ns = 1'000'000;
+  f.src.options().latency_ns = f.dst.options().latency_ns = 1'000'000;
   auto o = opts();
   o.max_workers = 16;
   BlockCopyState bcs(f.src, f.dst, o);
@@ -229,7 +230,7 @@ TEST(BlockCopyTest, ABusyGuestLeavesTheBackgroundCallOneSmallTask) {
 
 TEST(BlockCopyTest, MemoryBudgetMakesTasksWait) {
   Fixture f(4 * MiB);
-  f.src.latency_ns = f.dst.latency_ns = 1'000'000;
+  f.src.options().latency_ns = f.dst.options().latency_ns = 1'000'000;
   auto o = opts();
   o.max_chunk = 64 * KiB;
   o.max_workers = 64;
@@ -313,7 +314,7 @@ TEST(BlockCopyTest, SetSpeedAppliesAtOnceToASleepingCall) {
   o.speed = 0;
   BlockCopyState slow(g.src, g.dst, o);
   slow.bitmap().set_all();
-  g.src.latency_ns = 20'000'000;
+  g.src.options().latency_ns = 20'000'000;
   auto c2 = slow.copy_async(0, 4 * MiB);
   run_until(g.loop, [&] { return slow.progress_done() >= 512 * KiB; });
   slow.set_speed(256 * KiB);
@@ -357,7 +358,7 @@ TEST(BlockCopyTest, CallsIgnoringTheLimitStillCountAgainstIt) {
 
 TEST(BlockCopyTest, CancelLeavesTheBitmapExactAndANewCallResumes) {
   Fixture f(4 * MiB);
-  f.src.latency_ns = f.dst.latency_ns = 2'000'000;
+  f.src.options().latency_ns = f.dst.options().latency_ns = 2'000'000;
   auto o = opts();
   o.max_chunk = 64 * KiB;
   o.max_workers = 4;
@@ -411,7 +412,7 @@ TEST(BlockCopyTest, CancelWakesACallSleepingForTheLimit) {
 
 TEST(BlockCopyTest, OverlappingCallWaitsForTheTaskCopyingItsRange) {
   Fixture f(2 * MiB);
-  f.src.latency_ns = f.dst.latency_ns = 5'000'000;
+  f.src.options().latency_ns = f.dst.options().latency_ns = 5'000'000;
   auto o = opts();
   o.max_workers = 1;
   BlockCopyState bcs(f.src, f.dst, o);
@@ -432,7 +433,7 @@ TEST(BlockCopyTest, OverlappingCallWaitsForTheTaskCopyingItsRange) {
 
 TEST(BlockCopyTest, OverlappingCallRecopiesWhatAFailedTaskGaveBack) {
   Fixture f(2 * MiB);
-  f.src.latency_ns = f.dst.latency_ns = 5'000'000;
+  f.src.options().latency_ns = f.dst.options().latency_ns = 5'000'000;
   f.dst.faults = {{'w', 0, 1 * MiB, EIO, true}};
   auto o = opts();
   o.max_workers = 1;
@@ -459,7 +460,7 @@ TEST(BlockCopyTest, OverlappingCallRecopiesWhatAFailedTaskGaveBack) {
 TEST(BlockCopyTest, ReadAndWriteErrorsAreReportedWithTheirSide) {
   for (char side : {'r', 'w'}) {
     Fixture f(4 * MiB);
-    FakeNode& bad = side == 'r' ? f.src : f.dst;
+    MemNode& bad = side == 'r' ? f.src : f.dst;
     bad.faults = {{side, 2 * MiB + 4096, 1, EIO, false}};
     BlockCopyState bcs(f.src, f.dst, opts());
     bcs.bitmap().set_all();
@@ -614,7 +615,7 @@ TEST(BlockCopyTest, ZeroBuffersOfATargetWithoutWriteZeroesCountAsMemory) {
   f.src.extents = {{0, 4 * MiB, kStatusZero}};
   std::fill(f.src.data().begin(), f.src.data().end(), 0);
   f.dst.mutable_caps().zeroes = false;  // the node layer writes zero buffers
-  f.dst.latency_ns = 1'000'000;
+  f.dst.options().latency_ns = 1'000'000;
   auto o = opts();
   o.max_chunk = 256 * KiB;
   o.max_memory = 512 * KiB;

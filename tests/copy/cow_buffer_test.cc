@@ -9,11 +9,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include "fake_node.h"
+#include "test_disk.h"
 #include "vblk/copy_before_write.h"
 
 using namespace vblk;
-using vblk::testing::FakeNode;
+using vblk::MemNode;
 using vblk::testing::fill_pattern;
 using vblk::testing::run_until;
 
@@ -43,7 +43,7 @@ struct TempDir {
 
 TEST(BlockCopyClaimTest, ClaimTakesDirtyClustersAndEndClaimKeepsOrGivesBack) {
   Loop loop;
-  FakeNode src(loop, 1 * MiB), dst(loop, 1 * MiB);
+  MemNode src(loop, vblk::testing::disk_options(1 * MiB)), dst(loop, vblk::testing::disk_options(1 * MiB));
   BlockCopyOptions o;
   o.cluster_size = 64 * KiB;
   BlockCopyState bcs(src, dst, o);
@@ -70,9 +70,9 @@ TEST(BlockCopyClaimTest, ClaimTakesDirtyClustersAndEndClaimKeepsOrGivesBack) {
 
 TEST(BlockCopyClaimTest, AClaimWaitsForATaskAndACallWaitsForAClaim) {
   Loop loop;
-  FakeNode src(loop, 1 * MiB), dst(loop, 1 * MiB);
-  src.latency_ns = 20'000'000;
-  dst.latency_ns = 20'000'000;
+  MemNode src(loop, vblk::testing::disk_options(1 * MiB)), dst(loop, vblk::testing::disk_options(1 * MiB));
+  src.options().latency_ns = 20'000'000;
+  dst.options().latency_ns = 20'000'000;
   BlockCopyOptions o;
   o.cluster_size = 64 * KiB;
   BlockCopyState bcs(src, dst, o);
@@ -236,14 +236,14 @@ TEST(CowBufferTest, BadSizesAndDirsAreRefused) {
 
 struct CbwFixture {
   Loop loop;
-  std::shared_ptr<FakeNode> src = std::make_shared<FakeNode>(loop, 4 * MiB);
-  std::shared_ptr<FakeNode> dst = std::make_shared<FakeNode>(loop, 4 * MiB);
+  std::shared_ptr<MemNode> src = vblk::testing::test_disk(loop, 4 * MiB);
+  std::shared_ptr<MemNode> dst = vblk::testing::test_disk(loop, 4 * MiB);
   std::vector<uint8_t> before;
   std::shared_ptr<CopyBeforeWrite> cbw;
   CbwFixture(uint64_t mem, uint64_t spill, const std::string& dir) {
     fill_pattern(*src, 3);
     before = src->data();
-    dst->latency_ns = 30'000'000;  // a slow target
+    dst->options().latency_ns = 30'000'000;  // a slow target
     CbwOptions o;
     o.copy.cluster_size = 64 * KiB;
     cbw = std::make_shared<CopyBeforeWrite>(loop, src, dst, o);

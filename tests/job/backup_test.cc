@@ -7,14 +7,14 @@
 
 #include <random>
 
-#include "../copy/fake_node.h"
+#include "../copy/test_disk.h"
 #include "block/open.h"
 #include "wait_for.h"
 
 namespace vblk {
 namespace {
 
-using testing::FakeNode;
+using vblk::MemNode;
 using J = nlohmann::ordered_json;
 constexpr uint64_t kCluster = 64 << 10;
 
@@ -22,13 +22,13 @@ struct Env {
   Loop loop;
   JobManager mgr{loop};
   Graph graph;
-  std::shared_ptr<FakeNode> src, tgt;
+  std::shared_ptr<MemNode> src, tgt;
   NodeRef device;  // what an export would hold
   std::vector<std::pair<std::string, J>> events;
 
   explicit Env(uint64_t size = 4 << 20, uint32_t seed = 1) {
-    src = std::make_shared<FakeNode>(loop, size);
-    tgt = std::make_shared<FakeNode>(loop, size);
+    src = vblk::testing::test_disk(loop, size);
+    tgt = vblk::testing::test_disk(loop, size);
     src->set_node_name("src");
     tgt->set_node_name("tgt");
     EXPECT_TRUE(graph.add(src).ok());
@@ -89,7 +89,7 @@ TEST(BackupTest, PointInTimeUnderGuestWrites) {
   for (uint32_t seed = 1; seed <= 24; ++seed) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     Env e(2 << 20, seed);
-    e.tgt->latency_ns = 50000;
+    e.tgt->options().latency_ns = 50000;
     const std::vector<uint8_t> before = e.src->data();
     std::vector<uint8_t> expect_src = before;
     BackupArgs a = e.args();
@@ -174,10 +174,10 @@ TEST(BackupTest, PauseCancelsTheCallAndResumeFinishesExactly) {
   EXPECT_TRUE(e.mgr.query_block_jobs()[0]["paused"]);
   // Nothing moves while paused (let running tasks settle first).
   e.wait_for([] { return false; }, 50);
-  const size_t ops = e.tgt->ops.size();
+  const size_t ops = e.tgt->ops().size();
   const uint64_t at = job->progress_current();
   e.wait_for([] { return false; }, 150);
-  EXPECT_EQ(e.tgt->ops.size(), ops);
+  EXPECT_EQ(e.tgt->ops().size(), ops);
   EXPECT_EQ(job->progress_current(), at);
   EXPECT_LT(at, e.src->length());
   ASSERT_TRUE(job->user_resume().ok());
@@ -350,7 +350,7 @@ TEST(BackupTest, CompressWritesEveryDataChunkCompressed) {
   ASSERT_TRUE(e.wait_gone(job));
   EXPECT_EQ(e.src->copy_range_calls, 0);
   int writes = 0;
-  for (auto& op : e.tgt->ops) {
+  for (auto& op : e.tgt->ops()) {
     if (op.op != 'w') continue;
     ++writes;
     EXPECT_TRUE(op.flags & kReqCompressed) << "plain write at " << op.offset;
@@ -371,7 +371,7 @@ TEST(BackupTest, SyncNoneCopiesOnlyWhatGuestWritesForceOut) {
   auto job = e.start(e.args("none"));
   ASSERT_TRUE(job);
   e.wait_for([] { return false; }, 20);
-  EXPECT_TRUE(e.tgt->ops.empty());
+  EXPECT_TRUE(e.tgt->ops().empty());
   Status st;
   std::vector<uint8_t> d(100, 0xab);
   e.loop.run(write_through(*e.device, kCluster + 10, d, &st));
@@ -438,7 +438,7 @@ TEST(BackupTest, ArgumentErrors) {
   a = e.args();
   a.speed = -1;
   EXPECT_EQ(err(a), "Parameter 'speed' expects a non-negative value");
-  auto other = std::make_shared<FakeNode>(e.loop, 1 << 20);
+  auto other = vblk::testing::test_disk(e.loop, 1 << 20);
   other->set_node_name("small");
   ASSERT_TRUE(e.graph.add(other).ok());
   a = e.args();
@@ -490,9 +490,9 @@ TEST(CopyBeforeWriteTest, BreakSnapshotLetsTheWriteThrough) {
   EXPECT_EQ(e.src->data()[0], 7);
   ASSERT_FALSE(f->snapshot_error().ok());
   // Later writes no longer copy.
-  const size_t ops = e.tgt->ops.size();
+  const size_t ops = e.tgt->ops().size();
   e.loop.run(write_through(*f, 3 * kCluster, std::vector<uint8_t>(10, 7), &st));
-  EXPECT_EQ(e.tgt->ops.size(), ops);
+  EXPECT_EQ(e.tgt->ops().size(), ops);
 }
 
 TEST(CopyBeforeWriteTest, ZeroesAndReadsAndTimeout) {
@@ -513,7 +513,7 @@ TEST(CopyBeforeWriteTest, ZeroesAndReadsAndTimeout) {
   EXPECT_EQ(buf[0], 0);
   EXPECT_EQ(e.src->count('r', 2 * kCluster, 16), 2);  // the copy, then the pass-through read
   // A copy slower than cbw-timeout fails the guest write with ETIMEDOUT.
-  e.tgt->latency_ns = 1500'000'000;
+  e.tgt->options().latency_ns = 1500'000'000;
   Status st;
   e.loop.run(write_through(*f, 8 * kCluster, std::vector<uint8_t>(4, 1), &st));
   ASSERT_FALSE(st.ok());

@@ -6,21 +6,21 @@
 
 #include <random>
 
-#include "../copy/fake_node.h"
+#include "../copy/test_disk.h"
 #include "vblk/copy_before_write.h"
 
 namespace vblk {
 namespace {
 
-using testing::FakeNode;
+using vblk::MemNode;
 constexpr uint64_t kCluster = 64 << 10;
 
 struct Env {
   Loop loop;
-  std::shared_ptr<FakeNode> src, tgt;
+  std::shared_ptr<MemNode> src, tgt;
   explicit Env(uint64_t size = 1 << 20) {
-    src = std::make_shared<FakeNode>(loop, size);
-    tgt = std::make_shared<FakeNode>(loop, size);
+    src = vblk::testing::test_disk(loop, size);
+    tgt = vblk::testing::test_disk(loop, size);
     std::mt19937 rng(3);
     for (auto& b : src->data()) b = static_cast<uint8_t>(rng() | 1);
   }
@@ -46,7 +46,7 @@ TEST(CbwSnapshotTest, FrozenReadHoldsTheGuestWriteBack) {
   Env e;
   const std::vector<uint8_t> before = e.src->data();
   auto f = std::make_shared<CopyBeforeWrite>(e.loop, e.src, e.tgt, CbwOptions{});
-  e.src->latency_ns = 50'000'000;
+  e.src->options().latency_ns = 50'000'000;
   std::vector<uint8_t> buf(kCluster);
   Status rst, wst;
   bool rdone = false, wdone = false;
@@ -61,7 +61,7 @@ TEST(CbwSnapshotTest, FrozenReadHoldsTheGuestWriteBack) {
   EXPECT_TRUE(std::equal(buf.begin(), buf.end(), before.begin()));
   // The guest's write of the source started only after the frozen read ended.
   uint64_t read_end = 0, write_start = 0;
-  for (auto& o : e.src->ops) {
+  for (auto& o : e.src->ops()) {
     if (o.op == 'r') read_end = std::max(read_end, o.end_ns);
     if (o.op == 'w') write_start = o.start_ns;
   }

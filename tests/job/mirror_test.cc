@@ -6,21 +6,21 @@
 
 #include <random>
 
-#include "../copy/fake_node.h"
+#include "../copy/test_disk.h"
 #include "vblk/mem_node.h"
 #include "wait_for.h"
 
 namespace vblk {
 namespace {
 
-using testing::FakeNode;
+using vblk::MemNode;
 constexpr uint64_t kCluster = 64 << 10;
 
-// A FakeNode whose write at gate_offset waits for `gate` before its data
+// A test disk whose write at gate_offset waits for `gate` before its data
 // lands (a guest write still in the host's queue).
-class GatedNode : public FakeNode {
+class GatedNode : public MemNode {
  public:
-  GatedNode(Loop& loop, uint64_t size) : FakeNode(loop, size), gate(loop) {}
+  GatedNode(Loop& loop, uint64_t size) : MemNode(loop, testing::disk_options(size)), gate(loop) {}
   CoEvent gate;
   uint64_t gate_offset = UINT64_MAX;
   bool at_gate = false;
@@ -31,7 +31,7 @@ class GatedNode : public FakeNode {
       at_gate = true;
       co_await gate.wait();
     }
-    co_return co_await FakeNode::do_write(offset, buf, flags);
+    co_return co_await MemNode::do_write(offset, buf, flags);
   }
 };
 
@@ -40,12 +40,12 @@ struct Env {
   JobManager mgr{loop};
   Graph graph;
   std::shared_ptr<GatedNode> src;
-  std::shared_ptr<FakeNode> tgt;
+  std::shared_ptr<MemNode> tgt;
   NodeRef device;  // what an NBD export holds
 
   explicit Env(uint64_t size) {
     src = std::make_shared<GatedNode>(loop, size);
-    tgt = std::make_shared<FakeNode>(loop, size);
+    tgt = vblk::testing::test_disk(loop, size);
     src->set_node_name("src");
     tgt->set_node_name("tgt");
     EXPECT_TRUE(graph.add(src).ok());
@@ -101,7 +101,7 @@ void run_bypassing_write(bool write_blocking) {
   // not a race: without the wait the 1 MiB copy is done and the job ready
   // long before it fires).
   EXPECT_FALSE(e.wait_for([&] { return job->is_ready(); }, 200));
-  EXPECT_EQ(e.tgt->ops.size(), 0u);
+  EXPECT_EQ(e.tgt->ops().size(), 0u);
 
   e.src->gate.set();
   ASSERT_TRUE(e.wait_for([&] { return wdone && wdone2 && job->is_ready(); }));

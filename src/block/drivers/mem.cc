@@ -16,9 +16,13 @@ MemNode::MemNode(Loop& loop, std::vector<uint8_t> contents) : MemNode(loop, std:
 MemNode::MemNode(Loop& loop, std::vector<uint8_t> contents, Options o)
     : Node(loop, "mem"), opts_(o), volatile_(std::move(contents)), durable_(volatile_) {
   limits_ = o.limits;
-  caps_.zeroes = true;
-  caps_.discard = true;
-  caps_.native_fua = true;
+  if (o.caps) {
+    caps_ = *o.caps;
+  } else {
+    caps_.zeroes = true;
+    caps_.discard = true;
+    caps_.native_fua = true;
+  }
   set_length(volatile_.size());
 }
 
@@ -32,8 +36,9 @@ void MemNode::join(const std::shared_ptr<PowerSupply>& supply) {
 }
 
 Task<Status> MemNode::enter(char op, uint64_t offset, uint64_t bytes, uint32_t flags) {
-  if (opts_.record) ops_.push_back({op, offset, bytes, flags});
-  if (op != 'r') {
+  const size_t idx = ops_.size();
+  if (opts_.record) ops_.push_back({op, offset, bytes, flags, Loop::now_ns(), 0});
+  if (op != 'r' && op != 'c' && op != 'v' && op != 'V') {
     ++submitted_;
     if (cut_at_ && submitted_ == cut_at_ && !cut_) cut_ = power_cut(cut_mode_, cut_seed_);
     if (supply_ && ++supply_->submitted == supply_->cut_at && !supply_->cut) {
@@ -43,11 +48,16 @@ Task<Status> MemNode::enter(char op, uint64_t offset, uint64_t bytes, uint32_t f
       if (supply_->on_cut) supply_->on_cut();
     }
   }
+  peak_ = std::max(peak_, ++in_flight_);
+  if (opts_.concurrency) opts_.concurrency->peak = std::max(opts_.concurrency->peak, ++opts_.concurrency->now);
   if (opts_.latency_ns) {
     co_await loop().sleep(std::chrono::nanoseconds(opts_.latency_ns));
   } else if (opts_.yield) {
     co_await loop().yield();
   }
+  --in_flight_;
+  if (opts_.concurrency) --opts_.concurrency->now;
+  if (opts_.record && idx < ops_.size()) ops_[idx].end_ns = Loop::now_ns();
   if (cut_) co_return Error(EIO);
   for (size_t i = 0; i < faults.size(); ++i) {
     const Fault f = faults[i];
@@ -57,6 +67,26 @@ Task<Status> MemNode::enter(char op, uint64_t offset, uint64_t bytes, uint32_t f
     }
   }
   co_return Status{};
+}
+
+void MemNode::check_limits(uint64_t offset, uint64_t bytes, const void* buf) {
+  const BlockLimits& l = limits_;
+  bool ok = offset % l.request_alignment == 0 && bytes % l.request_alignment == 0;
+  if (buf) ok &= reinterpret_cast<uintptr_t>(buf) % l.buffer_alignment == 0;
+  if (l.max_transfer && buf) ok &= bytes <= l.max_transfer;
+  if (l.max_zeroes && !buf) ok &= bytes <= l.max_zeroes;
+  if (!ok) ++limit_violations_;
+}
+
+int MemNode::count(char op, uint64_t offset, uint64_t bytes) const {
+  int n = 0;
+  for (const auto& o : ops_)
+    if (o.op == op && o.offset < offset + bytes && offset < o.offset + o.bytes) ++n;
+  return n;
+}
+
+bool MemNode::fits(uint64_t offset, uint64_t bytes) const {
+  return offset <= opts_.max_size && bytes <= opts_.max_size - offset;
 }
 
 bool MemNode::grow(uint64_t end) {
@@ -115,6 +145,7 @@ void MemNode::cut_before(uint64_t n, CutMode mode, uint64_t seed) {
 }
 
 Task<Status> MemNode::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) {
+  check_limits(offset, buf.size(), buf.data());
   VBLK_CO_TRY(co_await enter('r', offset, buf.size(), flags));
   std::fill(buf.begin(), buf.end(), 0);
   if (offset < volatile_.size()) {
@@ -125,16 +156,18 @@ Task<Status> MemNode::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t 
 }
 
 Task<Status> MemNode::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
+  check_limits(offset, buf.size(), buf.data());
   VBLK_CO_TRY(co_await enter('w', offset, buf.size(), flags));
-  if (offset > opts_.max_size || !grow(offset + buf.size())) co_return Error(ENOSPC);
+  if (!fits(offset, buf.size()) || !grow(offset + buf.size())) co_return Error(ENOSPC);
   std::memcpy(volatile_.data() + offset, buf.data(), buf.size());
   remember({'w', offset, buf.size(), std::vector<uint8_t>(buf.begin(), buf.end()), (flags & kReqFua) != 0});
   co_return Status{};
 }
 
 Task<Status> MemNode::do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) {
+  check_limits(offset, bytes, nullptr);
   VBLK_CO_TRY(co_await enter('z', offset, bytes, flags));
-  if (offset > opts_.max_size || !grow(offset + bytes)) co_return Error(ENOSPC);
+  if (!fits(offset, bytes) || !grow(offset + bytes)) co_return Error(ENOSPC);
   std::memset(volatile_.data() + offset, 0, bytes);
   remember({'z', offset, bytes, {}, (flags & kReqFua) != 0});
   co_return Status{};
@@ -170,6 +203,49 @@ Task<Status> MemNode::do_truncate(uint64_t length, bool) {
   volatile_.resize(length);
   set_length(length);
   remember({'t', length, 0, {}, false});
+  co_return Status{};
+}
+
+Task<Result<BlockStatus>> MemNode::do_block_status(uint64_t offset, uint64_t bytes) {
+  if (extents.empty()) co_return co_await Node::do_block_status(offset, bytes);
+  for (const auto& e : extents) {
+    if (offset >= e.offset + e.bytes) continue;
+    if (offset < e.offset) co_return BlockStatus{.flags = kStatusData, .bytes = std::min(bytes, e.offset - offset)};
+    co_return BlockStatus{.flags = e.flags, .bytes = std::min(bytes, e.offset + e.bytes - offset)};
+  }
+  co_return BlockStatus{.flags = kStatusData, .bytes = bytes};
+}
+
+Task<Status> MemNode::do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes,
+                                       uint32_t flags) {
+  ++copy_range_calls;
+  if (copy_range_errno) co_return Error(copy_range_errno);
+  auto* d = dynamic_cast<MemNode*>(&dst);
+  if (!d) co_return Error(ENOTSUP);
+  VBLK_CO_TRY(co_await enter('c', offset, bytes, flags));
+  if (offset > volatile_.size() || bytes > volatile_.size() - offset) co_return Error(EINVAL);
+  if (!d->fits(dst_offset, bytes) || !d->grow(dst_offset + bytes)) co_return Error(ENOSPC);
+  std::memcpy(d->volatile_.data() + dst_offset, volatile_.data() + offset, bytes);
+  d->remember({'w', dst_offset, bytes, std::vector<uint8_t>(volatile_.begin() + static_cast<long>(offset),
+                                                            volatile_.begin() + static_cast<long>(offset + bytes)),
+               false});
+  if (d->opts_.record) d->ops_.push_back({'c', dst_offset, bytes, flags, Loop::now_ns(), Loop::now_ns()});
+  co_return Status{};
+}
+
+Task<Status> MemNode::write_vmstate(uint64_t pos, std::span<const uint8_t> buf) {
+  if (!opts_.vmstate) co_return co_await Node::write_vmstate(pos, buf);
+  VBLK_CO_TRY(co_await enter('v', pos, buf.size(), 0));
+  if (!fits(pos, buf.size())) co_return Error(ENOSPC);
+  if (vmstate_.size() < pos + buf.size()) vmstate_.resize(pos + buf.size());
+  std::copy(buf.begin(), buf.end(), vmstate_.begin() + static_cast<long>(pos));
+  co_return Status{};
+}
+
+Task<Status> MemNode::read_vmstate(uint64_t pos, std::span<uint8_t> buf, const std::string& snapshot_id) {
+  if (!opts_.vmstate) co_return co_await Node::read_vmstate(pos, buf, snapshot_id);
+  VBLK_CO_TRY(co_await enter('V', pos, buf.size(), 0));
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = pos + i < vmstate_.size() ? vmstate_[pos + i] : 0;
   co_return Status{};
 }
 
