@@ -26,6 +26,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <random>
@@ -38,6 +39,9 @@
 #include "image_check.h"
 #include "tool_args.h"
 #include "block/open.h"
+#include "nbd/server.h"
+#include "vblk/net.h"
+#include "vblk/throttle.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
@@ -57,6 +61,12 @@ struct Scenario {
   bool snapshots = false;
   bool bitmap = false;   // a persistent bitmap, stored by a close and reopen midway
   bool compressed = false;
+  // What the guest writes through: "" the qcow2 node itself; "nbd" vblk's
+  // NBD client talking to vblk's server, which exports the qcow2 node;
+  // "throttle", "blkdebug" (no rules) or "copy-before-write" (its target
+  // another disk) above the qcow2 node. Their flushes must reach the
+  // medium as the node's own do.
+  std::string via;
 };
 
 std::vector<Scenario> scenarios() {
@@ -100,6 +110,15 @@ std::vector<Scenario> scenarios() {
     s.max_op = 128 << 10;
     s.rounds = 30;
     s.compressed = true;
+    v.push_back(s);
+  }
+  for (const char* via : {"nbd", "throttle", "blkdebug", "copy-before-write"}) {
+    Scenario s{.name = std::string("via-") + via};
+    s.create.size = 8 << 20;
+    s.create.cluster_size = 4096;
+    s.max_op = 64 << 10;
+    s.rounds = 30;
+    s.via = via;
     v.push_back(s);
   }
   {
@@ -281,6 +300,92 @@ std::shared_ptr<Node> open_qcow2(Loop& loop, const std::shared_ptr<Node>& file, 
   return *n;
 }
 
+// The stack the guest writes through (Scenario::via) above the image node.
+struct Via {
+  Loop& loop;
+  Graph graph;
+  ThrottleGroups groups{loop};
+  std::unique_ptr<nbd::Server> server;
+  std::string dir;
+  bool serving = false;
+  std::shared_ptr<Node> top;
+
+  explicit Via(Loop& l) : loop(l) {}
+  ~Via() {
+    if (!dir.empty()) std::filesystem::remove_all(dir);
+  }
+
+  // The node the guest uses: `image` itself, or the stack over it.
+  std::shared_ptr<Node> open(const std::string& via, const std::shared_ptr<Node>& image, std::string* err) {
+    if (via.empty()) return image;
+    image->set_node_name("image");
+    if (!graph.add(image)) {
+      *err = "graph";
+      return nullptr;
+    }
+    Json opts;
+    if (via == "nbd") {
+      char tmpl[] = "/tmp/vblk-power-nbd-XXXXXX";
+      if (!mkdtemp(tmpl)) {
+        *err = "mkdtemp";
+        return nullptr;
+      }
+      dir = tmpl;
+      server = std::make_unique<nbd::Server>(loop, nbd::Server::Options{});
+      (void)server->add_export(nbd::Export{"", "", image, true, {}});
+      auto l = listen_unix(loop, dir + "/s");
+      if (!l) {
+        *err = l.error().what();
+        return nullptr;
+      }
+      serving = true;
+      spawn_detached([](Via& v, Fd fd) -> Task<void> {
+        co_await v.server->serve(std::move(fd));
+        v.serving = false;
+      }(*this, std::move(*l)));
+      opts = {{"driver", "nbd"}, {"server", {{"type", "unix"}, {"path", dir + "/s"}}}, {"export", ""}};
+    } else if (via == "throttle") {
+      ThrottleLimits lim;
+      lim.buckets[kOpsTotal].avg = 1'000'000;
+      (void)groups.add("tg0", lim);
+      opts = {{"driver", "throttle"}, {"throttle-group", "tg0"}, {"file", "image"}};
+    } else if (via == "blkdebug") {
+      opts = {{"driver", "blkdebug"}, {"image", "image"}};
+    } else if (via == "copy-before-write") {
+      MemNode::Options o;
+      o.yield = false;
+      auto target = std::make_shared<MemNode>(loop, std::vector<uint8_t>(image->length()), o);
+      target->set_node_name("target");
+      (void)graph.add(target);
+      opts = {{"driver", "copy-before-write"}, {"file", "image"}, {"target", "target"}};
+    }
+    OpenContext ctx{.loop = loop, .graph = &graph, .throttle_groups = &groups};
+    auto n = open_node(ctx, std::move(opts));
+    if (!n) {
+      *err = n.error().what();
+      return nullptr;
+    }
+    top = *n;
+    return top;
+  }
+
+  // Closes the stack (not the image node).
+  Task<void> close() {
+    if (!top) co_return;
+    if (server) {
+      (void)co_await top->close();
+      top.reset();
+      server->stop();
+      while (serving) co_await loop.sleep(std::chrono::milliseconds(1));
+    } else {
+      // A filter's close would close its child too: only drain it.
+      co_await top->drain();
+      top.reset();
+    }
+    graph.forget("image");
+  }
+};
+
 struct RunResult {
   uint64_t writes = 0;                 // write-type requests that reached the medium
   std::optional<std::vector<uint8_t>> cut;
@@ -309,7 +414,15 @@ RunResult run_workload(const Scenario& sc, const std::vector<uint8_t>& base, uin
       if (b) (*b)->persistent = true;
     }
     const int first = sc.bitmap ? sc.rounds / 2 : sc.rounds;
-    loop.run(g.run(*node, first, snaps));
+    Via via(loop);
+    std::shared_ptr<Node> guest = via.open(sc.via, node, &err);
+    if (!guest) {
+      res.error = "stack: " + err;
+      return res;
+    }
+    loop.run(g.run(*guest, first, snaps));
+    guest.reset();
+    loop.run(via.close());
     if (sc.bitmap && !g.failed) {
       // The close stores the bitmap; the reopen marks it in use again.
       Status st = loop.run(node->close());

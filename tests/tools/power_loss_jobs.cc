@@ -44,6 +44,7 @@
 #include "image_check.h"
 #include "tool_args.h"
 #include "vblk/backup.h"
+#include "vblk/block_copy.h"
 #include "vblk/buffer.h"
 #include "vblk/commit.h"
 #include "vblk/graph.h"
@@ -68,7 +69,10 @@ struct Image {
   int prefill = 0;      // guest writes made before the run (through the chain)
 };
 
-enum class Kind { Mirror, MirrorBlocking, CommitActive, CommitIntermediate, Stream, Backup };
+// Convert: no job and no guest during the copy: the block-copy engine as
+// `vblk convert` drives it, from the device image (after its prefill) to
+// an empty qcow2 target, then the target's flush.
+enum class Kind { Mirror, MirrorBlocking, CommitActive, CommitIntermediate, Stream, Backup, Convert, ConvertCompressed };
 
 struct Scenario {
   std::string name;
@@ -89,6 +93,8 @@ std::vector<Scenario> scenarios() {
        ""},
       {"stream", Kind::Stream, {{"base", 65536, "", 30}, {"top", 4096, "base", 20}}, ""},
       {"backup-full", Kind::Backup, {{"src", 65536, "", 120}}, "tgt"},
+      {"convert", Kind::Convert, {{"src", 65536, "", 120}}, "tgt", 4096},
+      {"convert-compressed", Kind::ConvertCompressed, {{"src", 65536, "", 120}}, "tgt"},
   };
 }
 
@@ -257,6 +263,7 @@ struct RunResult {
   std::map<std::string, std::vector<uint8_t>> media;
   std::vector<std::set<uint64_t>> at_start;  // the guest's view when the job started (backup's point in time)
   std::string error;                         // the run itself broke (no cut)
+  bool complete = false;                     // a convert's target flush completed before any cut
   // The job's graph change happens between these write counts (its last
   // requests, before its end was seen): where the points crowd.
   uint64_t window_begin = 0, window_end = 0;
@@ -326,7 +333,32 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
   res.at_start = model.current;
   std::shared_ptr<Job> job;
   std::string err;
+  if (sc.kind == Kind::Convert || sc.kind == Kind::ConvertCompressed) {
+    // As `vblk convert` sets the engine up for a new qcow2 target.
+    std::shared_ptr<Node> dst = graph.find(sc.target);
+    BlockCopyOptions o;
+    o.cluster_size = dst->cluster_size();
+    o.max_workers = 16;
+    o.target_is_zero = true;
+    o.detect_zeroes = 4096;
+    if (sc.kind == Kind::ConvertCompressed) {
+      o.write_flags |= kReqCompressed;
+      o.detect_zeroes = o.cluster_size;
+    }
+    res.window_begin = UINT64_MAX;
+    Status st = loop.run([&]() -> Task<Status> {
+      BlockCopyState bcs(*device, *dst, o);
+      bcs.bitmap().set_all();
+      VBLK_CO_TRY(co_await bcs.copy(0, kDisk));
+      co_return co_await dst->flush();
+    }());
+    res.complete = st.ok();
+    if (!st && !supply->cut) res.error = "convert: " + st.error().what();
+  }
   switch (sc.kind) {
+    case Kind::Convert:
+    case Kind::ConvertCompressed:
+      break;
     case Kind::Mirror:
     case Kind::MirrorBlocking: {
       MirrorArgs a;
@@ -376,7 +408,9 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
       break;
     }
   }
-  if (!job) {
+  if (sc.kind == Kind::Convert || sc.kind == Kind::ConvertCompressed) {
+    // Done above.
+  } else if (!job) {
     if (!supply->cut) res.error = "start: " + err;
   } else {
     auto gone = [&] { return job->status() == JobStatus::Null || job->status() == JobStatus::Concluded; };
@@ -460,9 +494,11 @@ std::string verify(const Scenario& sc, const RunResult& r, const Model& model, c
     if (std::string p = read_chain(qemu_img, dir + "/" + sc.target + ".qcow2", dir + "/copy.raw", &copy); !p.empty())
       return p;
     const uint64_t sectors = kDisk / kSector;
-    if (sc.kind == Kind::Backup) {
+    if (sc.kind == Kind::Backup || sc.kind == Kind::Convert || sc.kind == Kind::ConvertCompressed) {
       // The point in time: zeroes where not yet copied, the source's data
-      // as the job started elsewhere; all of it once the job is done.
+      // as the job started elsewhere; all of it once the job is done (a
+      // convert: once its target flush completed before the cut).
+      end = end || r.complete;
       for (uint64_t s = 0; s < sectors; ++s) {
         const int64_t id = decode_sector(copy.data() + s * kSector, s);
         const bool pit = id >= 0 && r.at_start[s].count(static_cast<uint64_t>(id));
