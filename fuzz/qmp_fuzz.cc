@@ -42,7 +42,6 @@
 #include "fuzz/choices.h"
 #include "fuzz/peer.h"
 #include "fuzz/sandbox.h"
-#include "fuzz/temp_socket.h"
 #include "qmp/daemon.h"
 #include "qmp/json.h"
 #include "util/secret_store.h"
@@ -344,35 +343,16 @@ void add_nodes(qmp::Daemon& d) {
   (void)d.blockdev_add({{"driver", "null-co"}, {"node-name", "n0"}, {"size", kNodeSize}, {"read-zeroes", true}});
 }
 
-struct Listener {
-  fuzz::TempSocketPath path;
-};
-
-Listener& listener() {
-  static Listener l;
-  return l;
-}
-
-Task<void> client(std::span<const uint8_t> stream, WaitGroup& wg) {
-  auto fd = co_await connect_unix(loop(), listener().path.path());
-  if (fd) {
-    fuzz::Peer peer(loop(), std::move(*fd), stream);
-    co_await peer.done();
-  }
-  wg.done();
-}
-
 Task<void> run_monitor(std::span<const uint8_t> stream) {
   qmp::Daemon d(loop());
   qmp::register_all_commands(d);
   add_nodes(d);
-  auto l = listen_unix(loop(), listener().path.path());
-  if (l) {
-    d.monitors.add_monitor(std::move(*l), "");
-    WaitGroup done(loop());
-    done.add();
-    spawn_detached(client(stream, done));
-    co_await done.wait();
+  // A socketpair, not a listening socket: no file, bind or accept per input.
+  Fd mine, theirs;
+  if (fuzz::loop_socketpair(loop(), mine, theirs)) {
+    d.monitors.add_client(std::move(mine));
+    fuzz::Peer peer(loop(), std::move(theirs), stream);
+    co_await peer.done();
   }
   co_await d.shutdown();
 }
@@ -412,7 +392,7 @@ bool checked(std::string_view text, std::vector<std::string>& object_ids) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  if (size == 0 || !listener().path.ok()) return 0;
+  if (size == 0) return 0;
   std::span<const uint8_t> rest(data + 1, size - 1);
   if ((data[0] & 1) == 0) {
     std::string_view text(reinterpret_cast<const char*>(rest.data()), rest.size());

@@ -55,6 +55,11 @@ void QmpServer::add_monitor(Fd listener, std::string path) {
   spawn_detached(run_monitor(std::move(listener), std::move(path)));
 }
 
+void QmpServer::add_client(Fd fd) {
+  running_.add();
+  spawn_detached(run_session(std::move(fd)));
+}
+
 Task<void> QmpServer::run_monitor(Fd listener, std::string path) {
   co_await open_.wait();
   while (!stopping_) {

@@ -31,6 +31,10 @@ class QmpServer {
   // Starts a monitor on an already listening socket; `path` is unlinked
   // when the monitor stops (empty: nothing to unlink).
   void add_monitor(Fd listener, std::string path);
+  // Serves one client on an already connected socket, as a monitor's
+  // client (QEMU's add_client with protocol qmp; the fuzz target's
+  // socketpair). stop() ends it like the others.
+  void add_client(Fd fd);
   // While held, monitors accept no client (they wait in the listen
   // backlog): qemu-storage-daemon answers nothing before its command line
   // has been processed. Not held unless asked.
