@@ -1,5 +1,6 @@
 #include "block/options.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -84,6 +85,43 @@ std::optional<Json> take_dict(Json& opts, const std::string& key) {
   return std::nullopt;
 }
 
+namespace {
+
+// QEMU's keyval rules for a key (util/keyval.c): dot-separated fragments,
+// each a QAPI name (a letter, then letters, digits, '-' and '_') or, after
+// the first, a list index (digits), shorter than 128 characters. Beyond
+// QEMU: at most kMaxKeyvalDepth fragments, since every consumer of the
+// nested options walks them recursively and a command-line argument of
+// 128 KiB could otherwise nest 65,536 levels deep.
+constexpr size_t kMaxKeyvalDepth = 1024;
+
+Status check_keyval_key(const std::string& key) {
+  size_t start = 0, depth = 0;
+  for (;;) {
+    size_t dot = key.find('.', start);
+    const size_t end = dot == std::string::npos ? key.size() : dot;
+    const std::string_view frag(key.data() + start, end - start);
+    bool ok = !frag.empty();
+    if (ok && start != 0 && std::all_of(frag.begin(), frag.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      // a list index
+    } else if (ok) {
+      ok = std::isalpha(static_cast<unsigned char>(frag[0]));
+      for (char c : frag) ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_');
+    }
+    if (!ok) return Error(EINVAL, "Invalid parameter '" + key + "'");
+    if (frag.size() >= 128)
+      return Error(EINVAL, std::string("Parameter") + (frag.size() != key.size() ? " fragment" : "") + " '" +
+                               std::string(frag) + "' is too long");
+    if (++depth > kMaxKeyvalDepth)
+      return Error(EINVAL, "Parameter '" + key.substr(0, 64) + "...' nests deeper than " +
+                               std::to_string(kMaxKeyvalDepth) + " levels");
+    if (dot == std::string::npos) return Status{};
+    start = dot + 1;
+  }
+}
+
+}  // namespace
+
 Result<Json> parse_keyval(const std::string& text, const std::string& implied_key) {
   Json out = Json::object();
   if (text.empty()) return out;
@@ -118,6 +156,7 @@ Result<Json> parse_keyval(const std::string& text, const std::string& implied_ke
       return Error(EINVAL, "Expected '=' after parameter '" + item + "'");
     }
     if (key.empty()) return Error(EINVAL, "Invalid parameter ''");
+    VBLK_TRY(check_keyval_key(key));
     // Nest dotted keys: file.filename=x -> {"file":{"filename":"x"}}.
     Json* node = &out;
     size_t start = 0;

@@ -48,6 +48,30 @@ TEST(ParseKeyval, NestsDottedKeysAndHandlesCommas) {
   EXPECT_FALSE(parse_keyval("a=1,a.b=2").ok());
 }
 
+// QEMU's keyval rules (qemu-storage-daemon --blockdev 'driver=null-co,x..y=1'
+// says "Invalid parameter 'x..y'"), and a bound on nesting: a key of 5,000
+// dots once nested the options 5,000 levels deep and overflowed the stack of
+// whatever walked them (found by the options fuzzer).
+TEST(ParseKeyval, KeysFollowQemuRulesAndNestBoundedly) {
+  auto msg = [](const std::string& text) {
+    auto r = parse_keyval(text);
+    return r.ok() ? std::string("ok") : r.error().what();
+  };
+  EXPECT_EQ(msg("driver=null-co,x..y=1"), "Invalid parameter 'x..y'");
+  EXPECT_EQ(msg("driver=null-co,x.1y=1"), "Invalid parameter 'x.1y'");
+  EXPECT_EQ(msg("driver=null-co,x.y$=1"), "Invalid parameter 'x.y$'");
+  EXPECT_EQ(msg("1x=1"), "Invalid parameter '1x'");
+  EXPECT_EQ(msg("file.=1"), "Invalid parameter 'file.'");
+  EXPECT_EQ(msg("a.0.b=1"), "ok");  // list indices after the first fragment
+  EXPECT_EQ(msg("x-perf.max_chunk=1"), "ok");
+  EXPECT_EQ(msg(std::string(128, 'a') + "=1"), "Parameter '" + std::string(128, 'a') + "' is too long");
+  EXPECT_EQ(msg("f." + std::string(128, 'a') + "=1"), "Parameter fragment '" + std::string(128, 'a') + "' is too long");
+  std::string deep;
+  for (int i = 0; i < 1024; ++i) deep += i ? ".a" : "a";
+  EXPECT_EQ(msg(deep + "=1"), "ok");
+  EXPECT_EQ(msg(deep + ".a=1").find("nests deeper than 1024 levels") != std::string::npos, true);
+}
+
 TEST(TakeOptions, AcceptStringsAndTypedValues) {
   Json o = {{"a", "on"}, {"b", false}, {"c", "4k"}, {"d", 512}, {"e", "maybe"}};
   EXPECT_EQ(**take_bool(o, "a"), true);
