@@ -16,7 +16,9 @@
   latency.
 
 At the end, every region is read back through the exports and compared
-with what its client wrote; the samples must be flat: RSS in the last
+with what its client wrote; the samples must be flat: RSS over the second
+half climbing less than 8 MiB an hour (least squares; judged on runs of
+10 minutes or more) and in the last
 quarter at most 25% + 32 MiB above the second quarter's median, no more
 descriptors at the end than the most seen in the first half + 16, QMP's
 99th percentile round trip under 2 s. A node a job used is deleted as
@@ -350,7 +352,7 @@ class Soak:
                                 "qmp_rtt": rtt})
                 next_sample = time.monotonic() + 1
                 self.q.events.clear()
-            action = self.rng.choice(("backup", "mirror", "churn", "idle"))
+            action = self.rng.choice(self.args.actions.split(","))
             export = self.rng.choice(exports)
             if os.environ.get("VBLK_SOAK_DEBUG"):
                 print(round(time.monotonic() - t_end + a.seconds, 1), action, export,
@@ -401,11 +403,33 @@ class Soak:
             lat = sorted(x for c in clients for x in c.latencies)
             out.update({
                 "rss_mib_q2_median": round(q2 / MiB, 1), "rss_mib_q4_max": round(max(q4) / MiB, 1),
+                "rss_mib_q2_max": round(max(s["rss"] for s in samples[n // 4:n // 2]) / MiB, 1),
+                "rss_mib_q4_median": round(statistics.median(q4) / MiB, 1),
+                # The largest RSS of each tenth of the run: a leak climbs
+                # through them, a pool or cache filling up levels off.
+                "rss_mib_max_per_tenth": [round(max(s["rss"] for s in samples[i * n // 10:(i + 1) * n // 10]) / MiB, 1)
+                                          for i in range(10)],
                 "fds_first_half_max": fds_first, "fds_end": final_fds,
                 "qmp_rtt_ms_p50": round(rtts[n // 2] * 1000, 2), "qmp_rtt_ms_p99": round(rtts[int(n * 0.99)] * 1000, 2),
                 "nbd_batch_ms_p50": round(lat[len(lat) // 2] * 1000, 2) if lat else None,
                 "nbd_batch_ms_p99": round(lat[int(len(lat) * 0.99)] * 1000, 2) if lat else None,
             })
+            # The trend of the second half (after pools and caches have
+            # filled): least squares over the per-second samples, as MiB
+            # per hour. A node's memory kept after blockdev-del grew 0.65
+            # MiB a minute under export churn (39 MiB an hour); flat is
+            # under 8 MiB an hour.
+            half = samples[n // 2:]
+            ts = [x["t"] for x in half]
+            rs = [x["rss"] / MiB for x in half]
+            tm, rm = statistics.fmean(ts), statistics.fmean(rs)
+            var = sum((t - tm) ** 2 for t in ts)
+            slope = sum((t - tm) * (r - rm) for t, r in zip(ts, rs)) / var if var else 0.0
+            out["rss_mib_per_hour_second_half"] = round(slope * 3600, 1)
+            # Judged on runs of 10 minutes or more: over the half of a
+            # 2-minute run, a jitter of 1 MiB is 120 MiB an hour.
+            if self.args.seconds >= 600 and slope * 3600 > 8:
+                self.problems.append("RSS climbs: %.1f MiB an hour over the second half" % (slope * 3600))
             if max(q4) > q2 * 1.25 + 32 * MiB:
                 self.problems.append("RSS grew: second quarter median %.1f MiB, last quarter max %.1f MiB" %
                                      (q2 / MiB, max(q4) / MiB))
@@ -430,6 +454,8 @@ def main():
     ap.add_argument("--vblk", default=os.environ.get("VBLK", os.path.join(os.path.dirname(__file__), "..", "build",
                                                                           "vblk")))
     ap.add_argument("--out", help="also write the summary (JSON) here")
+    ap.add_argument("--actions", default="backup,mirror,churn,idle",
+                    help="what the control loop picks from (to tell which one a trend follows)")
     args = ap.parse_args()
     soak = Soak(args)
     try:

@@ -341,6 +341,7 @@ Result<std::shared_ptr<Node>> Daemon::blockdev_add(const Json& in) {
     return n;
   }
   monitor_owned.insert((*n)->node_name());
+  forget_dead_nodes();  // so that `before` still counts after note_new_nodes' own
   size_t before = node_order.size();
   note_new_nodes(*n);
   // Cache modes are inherited by implicit children; detect-zeroes is not.

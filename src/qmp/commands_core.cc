@@ -49,7 +49,16 @@ Daemon::Daemon(Loop& l)
 
 Daemon::~Daemon() = default;
 
+void Daemon::forget_dead_nodes() {
+  std::erase_if(node_order, [](const std::weak_ptr<Node>& w) { return w.expired(); });
+  std::set<const Node*> live;
+  for (auto& w : node_order)
+    if (auto n = w.lock()) live.insert(n.get());
+  std::erase_if(settings, [&](const auto& kv) { return !live.count(kv.first); });
+}
+
 void Daemon::note_new_nodes(const std::shared_ptr<Node>& top) {
+  forget_dead_nodes();
   // QEMU's creation order: a format node's file child is named before it;
   // a protocol-level filter's children (blkdebug's image) and a backing
   // chain after it (they are opened once the node has its name).

@@ -96,6 +96,11 @@ struct Daemon {
 
   // Adds a node tree opened from blockdev options to the bookkeeping.
   void note_new_nodes(const std::shared_ptr<Node>& top);
+  // Drops node_order's entries of nodes that are gone: each weak_ptr keeps
+  // its node's whole allocation (make_shared: one block with the control
+  // block), so a daemon that adds and deletes nodes for days would keep
+  // every node it ever had. Also drops their settings.
+  void forget_dead_nodes();
   // Opens blockdev options (QMP blockdev-add, --blockdev) into the graph.
   Result<std::shared_ptr<Node>> blockdev_add(const nlohmann::json& opts);
   // Closes and forgets a node nobody else holds (a transaction's overlay
