@@ -40,6 +40,9 @@ class FilterNode : public Node {
   Task<Status> do_flush() override;
   Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_truncate(uint64_t length, bool exact) override;
+  // Makes `n` the filtered child in place of the old one (which loses this
+  // parent at once).
+  void set_filtered(std::shared_ptr<Node> n);
 
  private:
   Node* filtered_;

@@ -95,6 +95,7 @@ class MirrorJob : public BlockJob {
   Status prepare() override;
   void abort() override;
   void clean() override;
+  Task<void> before_exit() override;
 
  private:
   friend Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& graph,
@@ -137,6 +138,7 @@ class MirrorJob : public BlockJob {
   std::shared_ptr<BlockCopyCall> call_;
   bool should_complete_ = false;
   bool exited_ = false, cleaned_ = false;
+  bool quiesced_ = false;  // before_exit held every request at the filter
   Status active_error_;  // a write-blocking target write failed under report
   Status ignored_error_; // a stream's first error under `ignore`: it ends with it
   uint64_t len_ = 0;

@@ -85,6 +85,13 @@ class MirrorTop : public FilterNode {
   Task<void> drain_source();
   // New writes wait at the entry; returns once no write is inside.
   Task<void> hold();
+  // Reads too: returns once no request at all is inside (the job's end,
+  // so that the filter can let go of its child at once).
+  Task<void> hold_all();
+  // While held: the filter's child becomes `n` (the mirror's target after
+  // the switch), so the old one (the source) has no parent left. Held and
+  // later requests go to `n` once released.
+  void refilter(std::shared_ptr<Node> n) { set_filtered(std::move(n)); }
   // Lets held (and later) writes go to `dest` (nullptr: the source).
   void release(std::shared_ptr<Node> dest);
 
@@ -131,6 +138,7 @@ class MirrorTop : public FilterNode {
   bool hold_reads_ = false;  // drain_source(): reads wait at the entry too
   CoEvent unheld_;
   WaitGroup inside_;
+  WaitGroup reads_inside_;      // for hold_all()
   std::shared_ptr<Node> dest_;  // after release(target)
 };
 

@@ -15,6 +15,11 @@ FilterNode::FilterNode(Loop& loop, std::string driver, std::shared_ptr<Node> fil
   add_child("file", std::move(file));
 }
 
+void FilterNode::set_filtered(std::shared_ptr<Node> n) {
+  filtered_ = n.get();
+  replace_child("file", std::move(n));
+}
+
 Task<Status> FilterNode::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) {
   co_return co_await filtered_->read(offset, buf, flags);
 }

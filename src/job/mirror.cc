@@ -323,7 +323,14 @@ void MirrorJob::exit_common(bool switch_to_target) {
   }
   filter_->detach();
   graph_->remove_filter(filter_, switch_to_target ? target_ : source_);
-  filter_->release(switch_to_target ? target_ : nullptr);
+  if (quiesced_ && switch_to_target && target_.get() != &filter_->filtered()) {
+    // Nothing is inside the filter: it can sit over the target from now
+    // on, and the source is free the moment the job has ended.
+    filter_->refilter(target_);
+    filter_->release(nullptr);
+  } else {
+    filter_->release(switch_to_target ? target_ : nullptr);
+  }
   manager().unblock(source_.get());
   manager().unblock(target_.get());  // (the same node for a stream: no-op)
 }
@@ -334,6 +341,17 @@ Status MirrorJob::prepare() {
 }
 
 void MirrorJob::abort() { exit_common(false); }
+
+// A job that concludes as soon as it completes (auto-finalize, alone)
+// holds every request at its filter and lets those inside end, so that its
+// end can let go of the source (completed) at once: blockdev-del of the old
+// image right after BLOCK_JOB_COMPLETED works, as in QEMU, whose job ends
+// drained. (Not for a job that waits in pending: the guest would wait.)
+Task<void> MirrorJob::before_exit() {
+  if (!auto_finalize() || in_group()) co_return;
+  co_await filter_->hold_all();
+  quiesced_ = true;
+}
 
 void MirrorJob::clean() {
   if (cleaned_) return;

@@ -8,7 +8,7 @@
 namespace vblk {
 
 MirrorTop::MirrorTop(Loop& loop, std::shared_ptr<Node> source, std::string driver)
-    : FilterNode(loop, std::move(driver), std::move(source)), unheld_(loop), inside_(loop) {}
+    : FilterNode(loop, std::move(driver), std::move(source)), unheld_(loop), inside_(loop), reads_inside_(loop) {}
 
 MirrorTop::~MirrorTop() = default;
 
@@ -55,12 +55,22 @@ Task<void> MirrorTop::drain_source() {
 void MirrorTop::release(std::shared_ptr<Node> dest) {
   if (dest && dest.get() != &filtered()) dest_ = std::move(dest);
   held_ = false;
+  hold_reads_ = false;
   unheld_.set();
 }
 
 Task<Status> MirrorTop::do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) {
   while (held_ && hold_reads_) co_await unheld_.wait();
-  co_return co_await dest().read(offset, buf, flags);
+  reads_inside_.add();
+  Status st = co_await dest().read(offset, buf, flags);
+  reads_inside_.done();
+  co_return st;
+}
+
+Task<void> MirrorTop::hold_all() {
+  hold_reads_ = true;
+  co_await hold();
+  co_await reads_inside_.wait();
 }
 
 Task<Status> MirrorTop::do_flush() { co_return co_await dest().flush(); }

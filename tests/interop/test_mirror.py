@@ -201,6 +201,59 @@ class MirrorInteropTest(BothDaemons, InteropTestCase):
         self.assertIn("error", del_tgt)
         self.assertEqual(statuses, ["created", "running", "ready", "waiting", "pending", "concluded", "null"])
 
+    def test_source_free_when_job_ends_under_io(self):
+        """A guest writes and reads back through an NBD export the whole
+        time; each mirror is completed and, as soon as BLOCK_JOB_COMPLETED
+        has come, blockdev-del of the old image succeeds (QEMU's job ends
+        drained). vblk's mirror filter kept the source as its child until
+        the requests inside it ended: "Block device x is in use", 2 in 750
+        mirrors of a 10-minute scripts/soak_serve.py run.
+
+        Every block the clients read back must hold what they wrote, in
+        vblk. qemu-storage-daemon 7.2 is held to the deletion only: in 1
+        of 6 runs on a loaded machine its clients read back other data than
+        they wrote in 16 blocks (not investigated here)."""
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+        import threading
+        import soak_serve
+
+        def run(q, d):
+            src = os.path.join(d, "m0.qcow2")
+            subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", src, str(16 * MiB)], check=True)
+            q.ok("blockdev-add", **file_node("m0", src, "qcow2"))
+            sock = os.path.join(d, "nbd.sock")
+            q.ok("nbd-server-start", addr={"type": "unix", "data": {"path": sock}})
+            q.ok("block-export-add", {"type": "nbd", "id": "e", "name": "e", "node-name": "m0", "writable": True})
+            stop = threading.Event()
+            clients = [soak_serve.Client(k, sock, b"e", k * 8 * MiB, 8 * MiB, stop, k) for k in range(2)]
+            for c in clients:
+                c.start()
+            refused = []
+            for i in range(1, 13):
+                tgt = os.path.join(d, "m%d.qcow2" % i)
+                subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", tgt, str(16 * MiB)], check=True)
+                q.ok("blockdev-add", **file_node("m%d" % i, tgt, "qcow2"))
+                q.ok("blockdev-mirror", **{"job-id": "j%d" % i, "device": "m%d" % (i - 1), "target": "m%d" % i,
+                                           "sync": "full"})
+                q.event("BLOCK_JOB_READY", 120)
+                q.ok("block-job-complete", device="j%d" % i)
+                q.event("BLOCK_JOB_COMPLETED", 120)  # and at once:
+                r = q.cmd("blockdev-del", **{"node-name": "m%d" % (i - 1)})
+                if "error" in r:
+                    refused.append(r["error"]["desc"])
+                    time.sleep(1)
+                    q.cmd("blockdev-del", **{"node-name": "m%d" % (i - 1)})
+            stop.set()
+            for c in clients:
+                c.join(30)
+            return refused, [e for c in clients for e in c.errors], all(c.requests for c in clients)
+        seen = self.each_daemon(run)
+        for name, (refused, errors, worked) in seen.items():
+            self.assertEqual(refused, [], name)
+            if name != "qemu-storage-daemon":
+                self.assertEqual(errors, [], name)
+            self.assertTrue(worked, name)
+
     def test_cancel_after_ready(self):
         """A soft cancel once ready finishes the copy without switching
         (BLOCK_JOB_COMPLETED, target == source, export still on the source);
