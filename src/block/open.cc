@@ -139,6 +139,12 @@ Result<std::shared_ptr<Node>> open_child(OpenContext& ctx, Json& parent_opts, co
   return open_node(ctx, std::move(spec));
 }
 
+std::string child_filename_json(const Node& child) {
+  std::string f = child.filename();
+  if (f.rfind("json:", 0) == 0) return f.substr(5);
+  return "{\"driver\": " + nlohmann::json(child.driver()).dump() + ", \"filename\": " + nlohmann::json(f).dump() + "}";
+}
+
 std::string path_combine(const std::string& base, const std::string& name) {
   if (name.empty() || name[0] == '/' || name.find("://") != std::string::npos || name.rfind("json:", 0) == 0)
     return name;

@@ -95,6 +95,11 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
 // part of `base` ("dir/img" + "b" -> "dir/b"; "img" + "b" -> "b").
 std::string path_combine(const std::string& base, const std::string& name);
 
+// A child node as a member of its parent's json: filename (QEMU's
+// bdrv_refresh_filename): its own json:{...} object, or {"driver": ...,
+// "filename": ...} for a plain filename.
+std::string child_filename_json(const Node& child);
+
 // Probes the format of an already open protocol node.
 Task<Result<std::string>> probe_format(Node& file);
 

@@ -76,13 +76,24 @@ Result<std::optional<std::string>> take_string(Json& opts, const std::string& ke
 }
 
 std::optional<Json> take_dict(Json& opts, const std::string& key) {
+  std::optional<Json> out;
   auto it = opts.find(key);
   if (it != opts.end() && it->is_object()) {
-    Json v = *it;
+    out = *it;
     opts.erase(it);
-    return v;
   }
-  return std::nullopt;
+  // Flattened members ("key.x": json:{} filenames as QEMU writes them).
+  const std::string prefix = key + ".";
+  for (auto m = opts.begin(); m != opts.end();) {
+    if (m.key().size() > prefix.size() && m.key().compare(0, prefix.size(), prefix) == 0) {
+      if (!out) out = Json::object();
+      (*out)[m.key().substr(prefix.size())] = m.value();
+      m = opts.erase(m);
+    } else {
+      ++m;
+    }
+  }
+  return out;
 }
 
 namespace {

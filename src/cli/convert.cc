@@ -28,6 +28,28 @@ namespace vblk::cli {
 
 namespace {
 
+// The value of `key` in a -o option list ("a=1,key=v"; ",," is a comma),
+// the last one given; nullopt if absent.
+std::optional<std::string> option_value(const std::string& options, const std::string& key) {
+  std::optional<std::string> v;
+  std::string item;
+  for (size_t i = 0; i <= options.size(); ++i) {
+    if (i < options.size() && options[i] == ',' && i + 1 < options.size() && options[i + 1] == ',') {
+      item += ',';
+      ++i;
+      continue;
+    }
+    if (i == options.size() || options[i] == ',') {
+      size_t eq = item.find('=');
+      if (item.substr(0, eq) == key) v = eq == std::string::npos ? "on" : item.substr(eq + 1);
+      item.clear();
+      continue;
+    }
+    item += options[i];
+  }
+  return v;
+}
+
 constexpr uint64_t kMaxSparse = 16 << 20;
 
 // Whether `path` is a regular file that opens with O_DIRECT (not a URI,
@@ -179,6 +201,10 @@ int cmd_convert(int argc, char** argv) {
     error_report("Compression not supported for this file format");
     return 1;
   }
+  if (compress && !skip_create && (option_value(options, "encrypt") || option_value(options, "encrypt.format"))) {
+    error_report("Compression and encryption not supported at the same time");
+    return 1;
+  }
   if (!backing.empty()) {
     if (out_fmt != "qcow2") {
       error_report("Backing file not supported for file format '" + out_fmt + "'");
@@ -226,20 +252,21 @@ int cmd_convert(int argc, char** argv) {
   // write for later; on io_uring they are also handed to kernel workers.
   // -t writeback or -t unsafe given explicitly keep the page cache.
   if (!cache_given && supports_direct(out_name)) ta.cache.direct = true;
-  // A luks target is opened with the key-secret it was created with
-  // (qemu-img's img_add_key_secrets copies -o key-secret to the open).
-  if (out_fmt == "luks" && !skip_create) {
-    Json o = {{"driver", "luks"}, {"file", {{"driver", "file"}, {"filename", out_name}}}};
-    for (size_t pos = 0; pos <= options.size();) {
-      size_t end = options.find(',', pos);
-      if (end == std::string::npos) end = options.size();
-      std::string item = options.substr(pos, end - pos);
-      if (item.rfind("key-secret=", 0) == 0) o["key-secret"] = item.substr(11);
-      pos = end + 1;
+  // An encrypted target is opened with the key-secret it was created with
+  // (qemu-img's img_add_key_secrets copies -o key-secret and
+  // encrypt.key-secret to the open).
+  if ((out_fmt == "luks" || out_fmt == "qcow2") && !skip_create) {
+    const std::string key = out_fmt == "luks" ? "key-secret" : "encrypt.key-secret";
+    if (auto secret = option_value(options, key)) {
+      Json o = {{"driver", out_fmt}, {"file", {{"driver", "file"}, {"filename", out_name}}}};
+      if (out_fmt == "luks")
+        o["key-secret"] = *secret;
+      else
+        o["encrypt"] = {{"key-secret", *secret}};
+      ta.filename = "json:" + o.dump();
+      ta.format.clear();
+      ta.open_error_prefix = "Could not open '" + out_name + "': ";
     }
-    ta.filename = "json:" + o.dump();
-    ta.format.clear();
-    ta.open_error_prefix = "Could not open '" + out_name + "': ";
   }
   auto dst = open_cli_image(loop, ta);
   if (!dst) return 1;

@@ -50,6 +50,14 @@ const OptSpec kRawRbdOptions[] = {
 };
 const OptSpec kQcow2Options[] = {
     {"encrypt", OptKind::Bool, nullptr},
+    {"encrypt.format", OptKind::String, nullptr},
+    {"encrypt.key-secret", OptKind::String, nullptr},
+    {"encrypt.cipher-alg", OptKind::String, nullptr},
+    {"encrypt.cipher-mode", OptKind::String, nullptr},
+    {"encrypt.ivgen-alg", OptKind::String, nullptr},
+    {"encrypt.ivgen-hash-alg", OptKind::String, nullptr},
+    {"encrypt.hash-alg", OptKind::String, nullptr},
+    {"encrypt.iter-time", OptKind::Number, nullptr},
     {"cluster_size", OptKind::Size, "65536"},
     {"extended_l2", OptKind::Bool, "off"},
     {"preallocation", OptKind::String, nullptr},
@@ -129,31 +137,7 @@ template <class Fail>
 int create_luks(const std::string& filename, uint64_t size, std::map<std::string, std::string>& opts, Fail fail) {
   luks::CreateOptions o;
   o.size = size;
-  auto pick = [&](const char* key, const char* const* allowed, size_t n, std::string& out) -> bool {
-    if (!opts.count(key)) return true;
-    for (size_t i = 0; i < n; ++i)
-      if (opts[key] == allowed[i]) {
-        out = opts[key];
-        return true;
-      }
-    fail(std::string("Parameter '") + key + "' does not accept value '" + opts[key] + "'");
-    return false;
-  };
-  if (opts.count("key-secret")) o.key_secret = opts["key-secret"];
-  if (!pick("cipher-alg", luks::kCipherAlgs, luks::kNumCipherAlgs, o.cipher_alg)) return 1;
-  if (!pick("cipher-mode", luks::kCipherModes, luks::kNumCipherModes, o.cipher_mode)) return 1;
-  if (!pick("ivgen-alg", luks::kIvgenAlgs, luks::kNumIvgenAlgs, o.ivgen_alg)) return 1;
-  std::string ivhash;
-  if (!pick("ivgen-hash-alg", luks::kHashAlgs, luks::kNumHashAlgs, ivhash)) return 1;
-  if (!ivhash.empty()) o.ivgen_hash_alg = ivhash;
-  if (!pick("hash-alg", luks::kHashAlgs, luks::kNumHashAlgs, o.hash_alg)) return 1;
-  if (opts.count("iter-time")) {
-    errno = 0;
-    char* end = nullptr;
-    long long t = std::strtoll(opts["iter-time"].c_str(), &end, 0);
-    if (errno || opts["iter-time"].empty() || *end) return fail("Parameter 'iter-time' expects a number");
-    o.iter_time = t;
-  }
+  if (auto st = luks::parse_create_options(opts, "", o); !st) return fail(st.error().what());
   std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
   auto pm = parse_prealloc(prealloc);
   // block/crypto.c parses it with qapi_enum_parse: its own words.
@@ -191,7 +175,19 @@ int create_qcow2(const std::string& filename, uint64_t size, std::map<std::strin
   } else {
     return fail("Parameter 'version' does not accept value '" + compat + "'");
   }
-  if (opts.count("encrypt") && opts["encrypt"] == "on") return fail("Encrypted images are not supported by vblk");
+  // encrypt.*: QCryptoBlockCreateOptions, format first.
+  std::optional<luks::CreateOptions> enc;
+  bool any_encrypt = false;
+  for (const auto& [k, v] : opts) any_encrypt |= k.rfind("encrypt.", 0) == 0;
+  if (any_encrypt) {
+    if (!opts.count("encrypt.format")) return fail("Parameter 'encrypt.format' is missing");
+    const std::string& ef = opts["encrypt.format"];
+    if (ef == "aes" || ef == "qcow")
+      return fail("AES-encrypted qcow2 images (encrypt.format=" + ef + ") are not supported by vblk");
+    if (ef != "luks") return fail("Parameter 'format' does not accept value '" + ef + "'");
+    enc.emplace();
+    if (auto st = luks::parse_create_options(opts, "encrypt.", *enc); !st) return fail(st.error().what());
+  }
   if (opts.count("data_file")) return fail("External data files are not supported by vblk");
   // Option values are parsed first (QEMU's QAPI visitor, in the schema's
   // member order), then qcow2_co_create's checks run on the whole set.
@@ -219,6 +215,16 @@ int create_qcow2(const std::string& filename, uint64_t size, std::map<std::strin
   o.refcount_bits = static_cast<uint32_t>(*bits);
   if (auto st = qcow2::Qcow2Node::check_create_size(o.size, o.cluster_size, o.extended_l2); !st)
     return fail(st.error().what());
+  if (enc) {
+    // The volume (secret, algorithms, PBKDF2) before the file is touched;
+    // QEMU fails after creating it, and removes the file then.
+    auto f = luks::format(*enc, "encrypt.");
+    if (!f) {
+      ::unlink(filename.c_str());
+      return fail(f.error().what());
+    }
+    o.encrypt = std::make_shared<const luks::Formatted>(std::move(*f));
+  }
   auto st = drivers::create_file(filename, 0, "off");
   if (!st) return fail(with_hint(st.error()));
   Loop loop;
@@ -349,6 +355,15 @@ int cmd_create(int argc, char** argv) {
         continue;
       }
       item += options[i];
+    }
+  }
+  if (fmt == "qcow2") {
+    // Refused while qemu-img parses the options, before "Formatting".
+    if (opts.count("encrypt")) return fail("Invalid parameter 'encrypt'");
+    if (opts.count("encrypt.iter-time")) {
+      luks::CreateOptions probe;
+      if (auto st = luks::parse_create_options({{"iter-time", opts["encrypt.iter-time"]}}, "", probe); !st)
+        return fail("Parameter 'encrypt.iter-time' expects a number");
     }
   }
   if (backing_given) {

@@ -74,8 +74,8 @@ void info_human(Node& top) {
               static_cast<unsigned long long>(top.length()));
   auto sz = top.allocated_size();
   std::printf("disk size: %s\n", sz ? size_to_str(*sz).c_str() : "unavailable");
-  if (top.cluster_size()) std::printf("cluster_size: %llu\n", static_cast<unsigned long long>(top.cluster_size()));
   if (top.encrypted()) std::printf("encrypted: yes\n");
+  if (top.cluster_size()) std::printf("cluster_size: %llu\n", static_cast<unsigned long long>(top.cluster_size()));
   if (top.dirty_flag()) std::printf("cleanly shut down: no\n");
   std::string bf = top.backing_file_name();
   if (!bf.empty()) {

@@ -76,6 +76,32 @@ const std::vector<Arg> kLuksCreate = {
     {"size", ArgType::UInt64, true},
     {"preallocation", ArgType::Enum, false, kPrealloc}};
 
+// QCryptoBlockCreateOptions (qcow2's `encrypt`): the format, then the
+// luks branch's members (QCryptoBlockCreateOptionsLUKS, the first seven of
+// kLuksCreate; qcow's only member is key-secret).
+std::vector<Arg> encrypt_members(const OJson& enc) {
+  std::vector<Arg> m = {{"format", ArgType::Enum, true, {"qcow", "luks"}}};
+  if (enc.is_object() && enc.contains("format") && enc["format"] == "luks")
+    m.insert(m.end(), kLuksCreate.begin(), kLuksCreate.begin() + 7);
+  else
+    m.push_back({"key-secret", ArgType::Str});
+  return m;
+}
+
+// The luks creation options of a checked QCryptoBlockCreateOptionsLUKS (or
+// BlockdevCreateOptionsLUKS) object.
+luks::CreateOptions luks_options(const OJson& o) {
+  luks::CreateOptions c;
+  if (o.contains("key-secret")) c.key_secret = o["key-secret"].get<std::string>();
+  c.cipher_alg = str_or(o, "cipher-alg", c.cipher_alg);
+  c.cipher_mode = str_or(o, "cipher-mode", c.cipher_mode);
+  c.ivgen_alg = str_or(o, "ivgen-alg", c.ivgen_alg);
+  if (o.contains("ivgen-hash-alg")) c.ivgen_hash_alg = o["ivgen-hash-alg"].get<std::string>();
+  c.hash_alg = str_or(o, "hash-alg", c.hash_alg);
+  if (o.contains("iter-time")) c.iter_time = o["iter-time"].get<int64_t>();
+  return c;
+}
+
 uint64_t u64(const OJson& v) { return v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(v.get<int64_t>()); }
 
 // A BlockdevRef (alternate of a node name and inline blockdev options).
@@ -108,12 +134,19 @@ Result<std::shared_ptr<Node>> open_ref(Daemon& d, const OJson& ref) {
 }
 
 Task<Status> create_qcow2_body(Daemon& d, OJson file_ref, qcow2::Qcow2Node::CreateOptions o, int64_t refcount_bits,
-                               bool data_file, bool encrypt) {
+                               bool data_file, std::optional<OJson> encrypt) {
   auto file = open_ref(d, file_ref);
   if (!file) co_return file.take_error();
   VBLK_CO_TRY(qcow2::Qcow2Node::check_create_options(o, refcount_bits));
   if (data_file) co_return Error(ENOTSUP, "External data files are not supported by vblk");
-  if (encrypt) co_return Error(ENOTSUP, "Encrypted images are not supported by vblk");
+  if (encrypt) {
+    if ((*encrypt)["format"] != "luks")
+      co_return Error(ENOTSUP, "AES-encrypted qcow2 images (format qcow) are not supported by vblk");
+    // QEMU's qcow2_set_up_encryption names its options "encrypt.".
+    auto f = luks::format(luks_options(*encrypt), "encrypt.");
+    if (!f) co_return f.take_error();
+    o.encrypt = std::make_shared<const luks::Formatted>(std::move(*f));
+  }
   o.refcount_bits = static_cast<uint32_t>(refcount_bits);
   o.truncate_file = false;
   if (!qcow2::Qcow2Node::check_create_size(o.size, o.cluster_size, o.extended_l2))
@@ -187,15 +220,8 @@ Task<Reply> blockdev_create(Daemon& d, const OJson& a) {
       return create_rbd_body(d.loop, loc, size, cs, enc);
     };
   } else if (drv == "luks") {
-    luks::CreateOptions c;
+    luks::CreateOptions c = luks_options(o);
     c.size = u64(o["size"]);
-    if (o.contains("key-secret")) c.key_secret = o["key-secret"].get<std::string>();
-    c.cipher_alg = str_or(o, "cipher-alg", c.cipher_alg);
-    c.cipher_mode = str_or(o, "cipher-mode", c.cipher_mode);
-    c.ivgen_alg = str_or(o, "ivgen-alg", c.ivgen_alg);
-    if (o.contains("ivgen-hash-alg")) c.ivgen_hash_alg = o["ivgen-hash-alg"].get<std::string>();
-    c.hash_alg = str_or(o, "hash-alg", c.hash_alg);
-    if (o.contains("iter-time")) c.iter_time = o["iter-time"].get<int64_t>();
     c.preallocation = *parse_prealloc(str_or(o, "preallocation", "off"));
     body = [&d, ref = o["file"], c] { return create_luks_body(d, ref, c); };
   } else if (drv == "file") {
@@ -220,7 +246,14 @@ Task<Reply> blockdev_create(Daemon& d, const OJson& a) {
     if (o.contains("lazy-refcounts")) c.lazy_refcounts = o["lazy-refcounts"].get<bool>();
     if (o.contains("compression-type") && o["compression-type"] == "zstd") c.compression_type = qcow2::kCompressionZstd;
     int64_t bits = o.contains("refcount-bits") ? o["refcount-bits"].get<int64_t>() : 16;
-    bool data_file = o.contains("data-file"), encrypt = o.contains("encrypt");
+    bool data_file = o.contains("data-file");
+    std::optional<OJson> encrypt;
+    if (o.contains("encrypt")) {
+      // QMP checks the union's schema before the job starts.
+      if (auto e = check_args(encrypt_members(o["encrypt"]), false, o["encrypt"], "options.encrypt"))
+        co_return Reply::fail(*e);
+      encrypt = o["encrypt"];
+    }
     body = [&d, ref = o["file"], c, bits, data_file, encrypt] {
       return create_qcow2_body(d, ref, c, bits, data_file, encrypt);
     };

@@ -6,7 +6,10 @@
 
 #include <functional>
 
+#include "block/drivers/luks/create.h"
 #include "block/drivers/luks/luks.h"
+#include "util/secret_store.h"
+#include "vblk/loop.h"
 
 namespace vblk::luks {
 namespace {
@@ -218,6 +221,63 @@ TEST(LuksCrypto, SlotUnlocksOnlyWithItsPassword) {
   auto bad = unlock(h, *a, bytes("pW"), material);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.error().what(), "Invalid password, cannot unlock any keyslot");
+}
+
+// What qcow2's encryption relies on: a volume formatted in memory opens
+// again through parse_volume and unlock_volume from wherever its bytes are
+// kept (here a vector, as clusters of an image), with its password only, and
+// its cipher is the payload cipher format made.
+TEST(LuksVolume, FormatThenOpenFromAnyPlace) {
+  ASSERT_TRUE(SecretStore::process().add("luks-vol-test", SecretSpec{.data = "pw"}).ok());
+  CreateOptions o;
+  o.key_secret = "luks-vol-test";
+  o.iter_time = 10;
+  auto f = format(o, "encrypt.");
+  ASSERT_TRUE(f) << f.error().what();
+  std::vector<uint8_t> area(f->area(), 0);
+  std::copy(f->header.begin(), f->header.end(), area.begin());
+  std::copy(f->material.begin(), f->material.end(),
+            area.begin() + uint64_t{f->v.h.slots[0].key_offset_sector} * kSectorSize);
+  Loop loop;
+  ReadAt read = [&](uint64_t off, std::span<uint8_t> buf) -> Task<Status> {
+    std::copy(area.begin() + static_cast<ptrdiff_t>(off), area.begin() + static_cast<ptrdiff_t>(off + buf.size()),
+              buf.begin());
+    co_return Status{};
+  };
+  auto v = parse_volume(area);
+  ASSERT_TRUE(v) << v.error().what();
+  EXPECT_FALSE(v->cipher);
+  EXPECT_FALSE(loop.run(unlock_volume(*v, read, "wrong")).ok());
+  auto st = loop.run(unlock_volume(*v, read, "pw"));
+  ASSERT_TRUE(st.ok()) << st.error().what();
+  std::vector<uint8_t> a(1024, 0x5a), b = a;
+  ASSERT_TRUE(f->v.cipher->encrypt(4096, a).ok());
+  ASSERT_TRUE(v->cipher->encrypt(4096, b).ok());
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, std::vector<uint8_t>(1024, 0x5a));
+  ASSERT_TRUE(v->cipher->decrypt(4096, b).ok());
+  EXPECT_EQ(b, std::vector<uint8_t>(1024, 0x5a));
+  SecretStore::process().remove("luks-vol-test");
+  // Without a key-secret the error names the caller's option prefix.
+  auto none = format(CreateOptions{}, "encrypt.");
+  ASSERT_FALSE(none);
+  EXPECT_EQ(none.error().what(), "Parameter 'encrypt.key-secret' is required for cipher");
+}
+
+TEST(LuksVolume, CreateOptionsFromStrings) {
+  CreateOptions o;
+  ASSERT_TRUE(parse_create_options({{"encrypt.cipher-alg", "aes-128"}, {"encrypt.iter-time", "0x10"},
+                                    {"encrypt.ivgen-alg", "essiv"}, {"cipher-mode", "ecb"}},
+                                   "encrypt.", o)
+                  .ok());
+  EXPECT_EQ(o.cipher_alg, "aes-128");
+  EXPECT_EQ(o.iter_time, 16);
+  EXPECT_EQ(o.ivgen_alg, "essiv");
+  EXPECT_EQ(o.cipher_mode, "xts");  // unprefixed: not this caller's option
+  auto st = parse_create_options({{"encrypt.hash-alg", "md4"}}, "encrypt.", o);
+  EXPECT_EQ(st.error().what(), "Parameter 'hash-alg' does not accept value 'md4'");
+  st = parse_create_options({{"encrypt.iter-time", "x"}}, "encrypt.", o);
+  EXPECT_EQ(st.error().what(), "Parameter 'encrypt.iter-time' expects a number");
 }
 
 }  // namespace

@@ -5,7 +5,9 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 
 #include "block/drivers/luks/luks.h"
@@ -89,17 +91,52 @@ Task<Status> write_at(Node& file, uint64_t offset, std::span<const uint8_t> data
 
 }  // namespace
 
-Task<Status> create(Node& file, const CreateOptions& o) {
-  if (!o.key_secret) co_return Error(EINVAL, "Parameter 'key-secret' is required for cipher");
+Status parse_create_options(const std::map<std::string, std::string>& opts, const std::string& prefix,
+                            CreateOptions& o) {
+  auto get = [&](const char* key) -> const std::string* {
+    auto it = opts.find(prefix + key);
+    return it == opts.end() ? nullptr : &it->second;
+  };
+  auto pick = [&](const char* key, const char* const* allowed, size_t n, std::string& out) -> Status {
+    const std::string* v = get(key);
+    if (!v) return {};
+    for (size_t i = 0; i < n; ++i)
+      if (*v == allowed[i]) {
+        out = *v;
+        return {};
+      }
+    return Error(EINVAL, std::string("Parameter '") + key + "' does not accept value '" + *v + "'");
+  };
+  if (const std::string* v = get("key-secret")) o.key_secret = *v;
+  VBLK_TRY(pick("cipher-alg", kCipherAlgs, kNumCipherAlgs, o.cipher_alg));
+  VBLK_TRY(pick("cipher-mode", kCipherModes, kNumCipherModes, o.cipher_mode));
+  VBLK_TRY(pick("ivgen-alg", kIvgenAlgs, kNumIvgenAlgs, o.ivgen_alg));
+  std::string ivhash;
+  VBLK_TRY(pick("ivgen-hash-alg", kHashAlgs, kNumHashAlgs, ivhash));
+  if (!ivhash.empty()) o.ivgen_hash_alg = ivhash;
+  VBLK_TRY(pick("hash-alg", kHashAlgs, kNumHashAlgs, o.hash_alg));
+  if (const std::string* v = get("iter-time")) {
+    errno = 0;
+    char* end = nullptr;
+    long long t = std::strtoll(v->c_str(), &end, 0);
+    if (errno || v->empty() || *end) return Error(EINVAL, "Parameter '" + prefix + "iter-time' expects a number");
+    o.iter_time = t;
+  }
+  return {};
+}
+
+Result<Formatted> format(const CreateOptions& o, const std::string& prefix) {
+  if (!o.key_secret) return Error(EINVAL, "Parameter '" + prefix + "key-secret' is required for cipher");
   auto password = lookup_password(*o.key_secret);
-  if (!password) co_return password.take_error();
+  if (!password) return password.take_error();
   KeyBuffer pw(password->size());
   std::memcpy(pw.data(), password->data(), pw.size());
   explicit_bzero(password->data(), password->size());
 
   uint32_t alg_key = cipher_key_len(o.cipher_alg);
-  if (!alg_key) co_return Error(ENOTSUP, "Algorithm '" + o.cipher_alg + "' not supported");
-  Algorithms a;
+  if (!alg_key) return Error(ENOTSUP, "Algorithm '" + o.cipher_alg + "' not supported");
+  Formatted f;
+  Algorithms& a = f.v.algs;
   a.cipher_alg = o.cipher_alg;
   a.cipher_mode = o.cipher_mode;
   a.ivgen_alg = o.ivgen_alg;
@@ -107,27 +144,28 @@ Task<Status> create(Node& file, const CreateOptions& o) {
   a.ivgen_hash_alg = o.ivgen_hash_alg.value_or(o.ivgen_alg == "essiv" ? "sha256" : "");
   a.key_bytes = o.cipher_mode == "xts" ? alg_key * 2 : alg_key;
 
-  Header h;
+  Header& h = f.v.h;
   h.cipher_name = cipher_family(o.cipher_alg);
   h.cipher_mode = a.cipher_mode + "-" + a.ivgen_alg + (a.ivgen_hash_alg.empty() ? "" : ":" + a.ivgen_hash_alg);
   h.hash_spec = a.hash_alg;
   h.master_key_len = a.key_bytes;
   h.uuid = random_uuid();
   if (RAND_bytes(h.master_key_salt.data(), static_cast<int>(kSaltLen)) != 1)
-    co_return Error(EIO, "Unable to read random bytes");
+    return Error(EIO, "Unable to read random bytes");
   KeyBuffer master(a.key_bytes);
-  if (RAND_bytes(master.data(), static_cast<int>(master.size())) != 1) co_return Error(EIO, "Unable to read random bytes");
+  if (RAND_bytes(master.data(), static_cast<int>(master.size())) != 1) return Error(EIO, "Unable to read random bytes");
   // The payload cipher, built now so an algorithm vblk cannot run is
   // refused before anything is written.
   auto payload_cipher = SectorCipher::create(a, master.span());
-  if (!payload_cipher) co_return payload_cipher.take_error();
+  if (!payload_cipher) return payload_cipher.take_error();
+  f.v.cipher = std::move(*payload_cipher);
 
   auto mk_rate = count_iters(a.hash_alg, master.span(), h.master_key_salt, kDigestLen, o.iter_time);
-  if (!mk_rate) co_return mk_rate.take_error();
+  if (!mk_rate) return mk_rate.take_error();
   auto mk_iters = scale_iters(*mk_rate, o.iter_time, 8, 1000);
-  if (!mk_iters) co_return mk_iters.take_error();
+  if (!mk_iters) return mk_iters.take_error();
   h.master_key_iterations = *mk_iters;
-  VBLK_CO_TRY(pbkdf2(a.hash_alg, master.span(), h.master_key_salt, h.master_key_iterations, h.master_key_digest));
+  VBLK_TRY(pbkdf2(a.hash_alg, master.span(), h.master_key_salt, h.master_key_iterations, h.master_key_digest));
 
   // Slot areas follow the 4 KiB header, each rounded to 4 KiB (cryptsetup's
   // layout); only slot 0 is used.
@@ -139,19 +177,29 @@ Task<Status> create(Node& file, const CreateOptions& o) {
   }
   h.payload_offset_sector = static_cast<uint32_t>(kKeySlotOffset / kSectorSize + slot_sectors * kNumKeySlots);
   KeySlot& s0 = h.slots[0];
-  if (RAND_bytes(s0.salt.data(), static_cast<int>(kSaltLen)) != 1) co_return Error(EIO, "Unable to read random bytes");
+  if (RAND_bytes(s0.salt.data(), static_cast<int>(kSaltLen)) != 1) return Error(EIO, "Unable to read random bytes");
   auto slot_rate = count_iters(a.hash_alg, pw.span(), s0.salt, a.key_bytes, o.iter_time);
-  if (!slot_rate) co_return slot_rate.take_error();
+  if (!slot_rate) return slot_rate.take_error();
   auto slot_iters = scale_iters(*slot_rate, o.iter_time, 1, 1000);
-  if (!slot_iters) co_return slot_iters.take_error();
+  if (!slot_iters) return slot_iters.take_error();
   auto material = make_slot(h, a, s0, pw.span(), *slot_iters, master.span());
-  if (!material) co_return material.take_error();
+  if (!material) return material.take_error();
+  f.material = std::move(*material);
+  f.header = serialize_header(h);
+  return f;
+}
 
+Task<Status> write_volume(Node& file, uint64_t base, const Formatted& f) {
+  VBLK_CO_TRY(co_await write_at(file, base, f.header));
+  co_return co_await write_at(file, base + uint64_t{f.v.h.slots[0].key_offset_sector} * kSectorSize, f.material);
+}
+
+Task<Status> create(Node& file, const CreateOptions& o) {
+  auto f = format(o);
+  if (!f) co_return f.take_error();
   // Room for the header and the payload, then the header and key material.
-  const uint64_t payload = h.payload_offset();
-  VBLK_CO_TRY(co_await file.truncate(payload + o.size, false, o.preallocation));
-  VBLK_CO_TRY(co_await write_at(file, 0, serialize_header(h)));
-  VBLK_CO_TRY(co_await write_at(file, uint64_t{s0.key_offset_sector} * kSectorSize, *material));
+  VBLK_CO_TRY(co_await file.truncate(f->area() + o.size, false, o.preallocation));
+  VBLK_CO_TRY(co_await write_volume(file, 0, *f));
   co_return co_await file.flush();
 }
 

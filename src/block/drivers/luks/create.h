@@ -2,9 +2,11 @@
 // block/crypto.c's create): QEMU's options, defaults and error words.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 
+#include "block/drivers/luks/luks.h"
 #include "vblk/node.h"
 #include "vblk/task.h"
 
@@ -34,10 +36,33 @@ extern const size_t kNumIvgenAlgs;
 extern const char* const kHashAlgs[];
 extern const size_t kNumHashAlgs;
 
-// Writes the header and slot 0 to `file` (which the caller holds for write
-// and resize) and sizes it to the payload offset + o.size. The master key
-// is random; iterations are measured so PBKDF2 takes o.iter_time ms for
-// the slot and an eighth of it for the master key digest, as QEMU does.
+// Creation options given as QemuOpts strings (qemu-img create -o), each
+// named `prefix` + its QAPI name ("encrypt.cipher-alg" for qcow2): QEMU's
+// "Parameter 'cipher-alg' does not accept value 'x'", "Parameter
+// '<prefix>iter-time' expects a number". Size and preallocation are the
+// caller's.
+Status parse_create_options(const std::map<std::string, std::string>& opts, const std::string& prefix,
+                            CreateOptions& o);
+
+// A new volume in memory (QEMU's qcrypto_block_luks_create up to its
+// writes): the header and slot 0 of a random master key, PBKDF2 iterations
+// measured so the slot takes o.iter_time ms and the master key digest an
+// eighth of it, as QEMU does. `prefix` names key-secret in "Parameter
+// '<prefix>key-secret' is required for cipher".
+struct Formatted {
+  Volume v;                       // with the payload cipher
+  std::vector<uint8_t> header;    // kHeaderSize bytes
+  std::vector<uint8_t> material;  // slot 0's key material
+  uint64_t area() const { return v.h.payload_offset(); }  // header and key slots
+};
+Result<Formatted> format(const CreateOptions& o, const std::string& prefix = {});
+
+// Writes f's header and key material to `file` at `base` (the rest of the
+// area is left as it is: zeroes in a new file or cluster).
+Task<Status> write_volume(Node& file, uint64_t base, const Formatted& f);
+
+// Formats `file` (which the caller holds for write and resize) as a luks
+// image: sized to the payload offset + o.size, then the header and slot 0.
 Task<Status> create(Node& file, const CreateOptions& o);
 
 }  // namespace vblk::luks

@@ -42,34 +42,31 @@ class LuksNode final : public Node {
   std::string filename() const override {
     std::string f = file_->filename();
     if (key_secret_.empty()) return f;
-    std::string file_json = f.rfind("json:", 0) == 0 ? f.substr(5)
-                                                     : "{\"driver\": " + nlohmann::json(file_->driver()).dump() +
-                                                           ", \"filename\": " + nlohmann::json(f).dump() + "}";
-    return "json:{\"driver\": \"luks\", \"file\": " + file_json +
+    return "json:{\"driver\": \"luks\", \"file\": " + child_filename_json(*file_) +
            ", \"key-secret\": " + nlohmann::json(key_secret_).dump() + "}";
   }
   PermPair child_perm(const Child&, PermPair self) const override {
     return perm_rules::storage(self, true, true, !read_only(), no_io_);
   }
-  nlohmann::ordered_json format_specific() const override { return luks::info_json(h_, algs_); }
+  nlohmann::ordered_json format_specific() const override { return luks::info_json(vol_.h, vol_.algs); }
 
   bool no_io_ = false;
   std::string key_secret_;
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override {
-    if (!cipher_) co_return Error(EIO, "The LUKS image was opened without its key");
+    if (!vol_.cipher) co_return Error(EIO, "The LUKS image was opened without its key");
     VBLK_CO_TRY(co_await file_->read(payload_ + offset, buf, flags));
-    co_return cipher_->decrypt(offset / kSectorSize, buf);
+    co_return vol_.cipher->decrypt(offset / kSectorSize, buf);
   }
   Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) override {
-    if (!cipher_) co_return Error(EIO, "The LUKS image was opened without its key");
+    if (!vol_.cipher) co_return Error(EIO, "The LUKS image was opened without its key");
     AlignedBuffer bounce(std::min<uint64_t>(buf.size(), kMaxBounce), std::max<size_t>(limits_.buffer_alignment, 64));
     for (uint64_t done = 0; done < buf.size();) {
       uint64_t n = std::min<uint64_t>(bounce.size(), buf.size() - done);
       auto chunk = bounce.span().subspan(0, n);
       std::memcpy(chunk.data(), buf.data() + done, n);
-      VBLK_CO_TRY(cipher_->encrypt((offset + done) / kSectorSize, chunk));
+      VBLK_CO_TRY(vol_.cipher->encrypt((offset + done) / kSectorSize, chunk));
       VBLK_CO_TRY(co_await file_->write(payload_ + offset + done, chunk, flags));
       done += n;
     }
@@ -93,10 +90,8 @@ class LuksNode final : public Node {
 
  private:
   Node* file_;
-  luks::Header h_;
-  luks::Algorithms algs_;
+  luks::Volume vol_;
   uint64_t payload_ = 0;
-  std::unique_ptr<luks::SectorCipher> cipher_;
 };
 
 Task<Status> LuksNode::load(const std::string* password) {
@@ -107,13 +102,10 @@ Task<Status> LuksNode::load(const std::string* password) {
     VBLK_CO_TRY(co_await file_->read(0, head.span().subspan(0, n)));
   else if (flen)
     co_return Error(EINVAL, "Volume is not in LUKS format");
-  auto h = luks::parse_header(head.span());
-  if (!h) co_return h.take_error();
-  h_ = std::move(*h);
-  auto a = luks::parse_algorithms(h_);
-  if (!a) co_return a.take_error();
-  algs_ = std::move(*a);
-  payload_ = h_.payload_offset();
+  auto v = luks::parse_volume(head.span());
+  if (!v) co_return v.take_error();
+  vol_ = std::move(*v);
+  payload_ = vol_.h.payload_offset();
   // The header may promise more than the file holds (a truncated or
   // hostile image): nothing is read past the end.
   if (payload_ > flen)
@@ -121,24 +113,9 @@ Task<Status> LuksNode::load(const std::string* password) {
                                 std::to_string(flen) + " bytes)");
   set_length(flen - payload_);
   if (!password) co_return Status{};
-  // The key material of every active slot (it lies below the payload
-  // offset, which parse_header checked, so inside the file).
-  std::vector<std::vector<uint8_t>> material(luks::kNumKeySlots);
-  for (size_t i = 0; i < luks::kNumKeySlots; ++i) {
-    const auto& s = h_.slots[i];
-    if (s.active != luks::kSlotEnabled) continue;
-    uint64_t bytes = luks::key_material_bytes(h_, s);
-    AlignedBuffer buf(align_up(bytes, kSectorSize), 4096);
-    VBLK_CO_TRY(co_await file_->read(uint64_t{s.key_offset_sector} * kSectorSize, buf.span()));
-    material[i].assign(buf.data(), buf.data() + bytes);
-  }
-  std::span<const uint8_t> pw(reinterpret_cast<const uint8_t*>(password->data()), password->size());
-  auto master = luks::unlock(h_, algs_, pw, material);
-  if (!master) co_return master.take_error();
-  auto c = luks::SectorCipher::create(algs_, master->span());
-  if (!c) co_return c.take_error();
-  cipher_ = std::move(*c);
-  co_return Status{};
+  // The key material lies below the payload offset, so inside the file.
+  luks::ReadAt read = [this](uint64_t offset, std::span<uint8_t> buf) { return luks::read_bytes(*file_, offset, buf); };
+  co_return co_await luks::unlock_volume(vol_, read, *password);
 }
 
 }  // namespace

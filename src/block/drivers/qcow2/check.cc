@@ -654,6 +654,9 @@ struct Qcow2Checker {
     }
     VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(snapshots_offset), static_cast<int64_t>(snapshots_size)));
     VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(q.h_.refcount_table_offset), static_cast<int64_t>(q.rt_.size() * 8)));
+    // The LUKS header and key slots of an encrypted image.
+    if (q.h_.crypto_length)
+      VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(q.h_.crypto_offset), static_cast<int64_t>(q.h_.crypto_length)));
     VBLK_CO_TRY(co_await check_bitmaps(res, t, fix));
     co_return co_await check_refblocks(res, fix, rebuild, t);
   }

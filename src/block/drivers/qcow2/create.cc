@@ -164,6 +164,9 @@ Task<Status> Qcow2Node::create(Loop& loop, std::shared_ptr<Node> file, const Cre
     tmp.h_.backing_format = o.backing_format;
     VBLK_CO_TRY(co_await tmp.write_header());
   }
+  // Encryption last, as QEMU's qcow2_co_create: the volume's clusters
+  // follow the L1 table and any preallocated data.
+  if (o.encrypt) VBLK_CO_TRY(co_await tmp.set_up_encryption(*o.encrypt));
   co_return co_await tmp.flush();
 }
 

@@ -106,7 +106,17 @@ Result<Header> parse_header(std::span<const uint8_t> head, uint64_t file_size) {
         h.feature_table = data;
         break;
       case kExtCrypto:
-        return Error(ENOTSUP, "Encrypted qcow2 images are not supported by vblk");
+        if (h.crypt_method > kCryptLuks) return invalid(fmt::format("Unsupported encryption method {}", h.crypt_method));
+        if (h.crypt_method != kCryptLuks) return invalid("CRYPTO header extension only expected with LUKS encryption method");
+        if (len != kCryptoExtSize)
+          return invalid(fmt::format("CRYPTO header extension size {}, but expected size {}", len, kCryptoExtSize));
+        h.has_crypto_header = true;
+        h.crypto_offset = be64(data.data());
+        h.crypto_length = be64(data.data() + 8);
+        if (h.crypto_offset % cs)
+          return invalid(fmt::format("Encryption header offset '{}' is not a multiple of cluster size '{}'",
+                                     h.crypto_offset, cs));
+        break;
       case kExtBitmaps:
         h.has_bitmaps_extension = true;
         h.bitmaps_extension = std::move(data);
@@ -135,7 +145,8 @@ Result<Header> parse_header(std::span<const uint8_t> head, uint64_t file_size) {
     return invalid(fmt::format("Unsupported subcluster size: {}", cs / kSubclusters));
   if (h.refcount_order > 6) return invalid("Reference count entry width too large; may not exceed 64 bits");
   if (h.crypt_method > 2) return invalid(fmt::format("Unsupported encryption method {}", h.crypt_method));
-  if (h.crypt_method) return Error(ENOTSUP, "Encrypted qcow2 images are not supported by vblk");
+  if (h.crypt_method == kCryptAes)
+    return Error(ENOTSUP, "AES-encrypted qcow2 images (encrypt.format=aes) are not supported by vblk");
   if (h.backing_file_offset) {
     if (h.backing_file_size > 1023 || h.backing_file_size > cs - h.backing_file_offset)
       return invalid("Backing file name too long");
@@ -185,6 +196,12 @@ Result<std::vector<uint8_t>> serialize_header(const Header& h) {
   bool ok = true;
   if (!h.backing_format.empty())
     ok &= ext(kExtBackingFormat, reinterpret_cast<const uint8_t*>(h.backing_format.data()), h.backing_format.size());
+  if (h.has_crypto_header) {
+    uint8_t e[kCryptoExtSize];
+    put64(e, h.crypto_offset);
+    put64(e + 8, h.crypto_length);
+    ok &= ext(kExtCrypto, e, sizeof e);
+  }
   // QEMU 7.2 writes the feature name table only with clusters above 4 KiB
   // (observed: 512 B to 4 KiB images never carry it), where it cannot crowd
   // out the other extensions; an image of ours looks the same.

@@ -51,6 +51,12 @@ constexpr uint32_t kExtCrypto = 0x0537be77;
 constexpr uint32_t kExtBitmaps = 0x23852875;
 constexpr uint32_t kExtDataFile = 0x44415441;
 
+// Encryption methods (the header's crypt_method).
+constexpr uint32_t kCryptNone = 0;
+constexpr uint32_t kCryptAes = 1;
+constexpr uint32_t kCryptLuks = 2;
+constexpr uint32_t kCryptoExtSize = 16;  // Qcow2CryptoHeaderExtension: offset, length
+
 // Compression types.
 constexpr uint8_t kCompressionZlib = 0;
 constexpr uint8_t kCompressionZstd = 1;
@@ -116,6 +122,10 @@ struct Header {
   std::string backing_file;
   std::string backing_format;
   std::string data_file;
+  // The "full disk encryption header pointer" extension (LUKS): the
+  // clusters holding the LUKS header and key material.
+  bool has_crypto_header = false;
+  uint64_t crypto_offset = 0, crypto_length = 0;
   std::vector<HeaderExtension> unknown_extensions;  // kept and written back
   bool has_bitmaps_extension = false;
   std::vector<uint8_t> bitmaps_extension;

@@ -79,7 +79,7 @@ Task<Status> Qcow2Node::read_compressed_run(CompressedRun run) {
 Task<Status> Qcow2Node::read_mapping(uint64_t offset, const Mapping& m, std::span<uint8_t> out) {
   switch (m.type) {
     case ClusterType::Normal:
-      co_return co_await file_->read(m.host, out);
+      co_return co_await read_data(m.host, out);
     case ClusterType::Compressed:
       co_return co_await read_compressed(m.host, offset & (cs_ - 1), out);
     case ClusterType::ZeroPlain:
@@ -215,7 +215,7 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
     guard.unlock();
     // The hot path: a sorted-index lookup, no allocation.
     if (uint32_t ol = overlaps(0, m.host, n)) co_return co_await refuse_overlap(ol, m.host, n);
-    VBLK_CO_TRY(co_await file_->write(m.host, buf.subspan(0, n)));
+    VBLK_CO_TRY(co_await write_data(m.host, buf.subspan(0, n)));
     *done = n;
     co_return Status{};
   }
@@ -233,14 +233,15 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
   }
   // Whether the old contents around the new data read as zeroes (no backing
   // data, zero clusters): then the new clusters are zeroed by the file
-  // (fallocate) instead of writing zero buffers, as QEMU's handle_alloc_space.
+  // (fallocate) instead of writing zero buffers, as QEMU's handle_alloc_space
+  // (not when encrypted: zeroes in the file are not zeroes in the image).
   const uint64_t run_start = first * cs_;
   const uint64_t count = last - first + 1;
   const uint64_t total = count * cs_;
   const uint64_t head = offset - run_start;
   const uint64_t tail = total - head - n;
   bool zero_cow = false;
-  if (head || tail) {
+  if ((head || tail) && !encrypted()) {
     auto z = co_await reads_as_zero(run_start, head);
     if (!z) co_return z.take_error();
     zero_cow = *z;
@@ -267,7 +268,7 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
     data_only = static_cast<bool>(co_await file_->write_zeroes(*host, total, kReqNoFallback));
     if (data_only) st = co_await file_->write(*host + head, buf.subspan(0, n));
   } else if (data_only) {
-    st = co_await file_->write(*host, buf.subspan(0, n));
+    st = co_await write_data(*host, buf.subspan(0, n));
   }
   if (st && !data_only) {
     // Copy-on-write: only the uncovered edges are read from the old place
@@ -283,7 +284,8 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
     }
     if (st) {
       std::memcpy(cow.data() + head, buf.data(), n);
-      st = co_await file_->write(*host, cow.span());
+      st = encrypt_for(*host, cow.span());
+      if (st) st = co_await file_->write(*host, cow.span());
     }
   }
   if (!st) {
@@ -317,7 +319,12 @@ Task<Status> Qcow2Node::write_cluster_run(uint64_t offset, std::span<const uint8
 Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t flags) {
   // After a fatal corruption QEMU drops the driver: ENOMEDIUM ("No medium found").
   if (corrupt()) co_return Error(ENOMEDIUM);
-  if (flags & kReqCompressed) co_return co_await write_compressed(offset, buf);
+  if (flags & kReqCompressed) {
+    // QEMU would store the cluster in the clear; vblk refuses, in the words
+    // qemu-img convert uses for -c with encryption.
+    if (encrypted()) co_return Error(ENOTSUP, "Compression and encryption not supported at the same time");
+    co_return co_await write_compressed(offset, buf);
+  }
   uint64_t done = 0;
   while (done < buf.size()) {
     uint64_t n = 0;
@@ -385,14 +392,15 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
   if (uint32_t ol = overlaps(0, target + from, to - from)) co_return co_await refuse_overlap(ol, target + from, to - from);
   Status st{};
   if (from == in && to == in + n) {
-    st = co_await file_->write(target + in, buf.subspan(0, n));
+    st = co_await write_data(target + in, buf.subspan(0, n));
   } else {
     AlignedBuffer cow(to - from, std::max<size_t>(limits_.buffer_alignment, 512));
     if (in > from) st = co_await do_read(guest + from, cow.span().subspan(0, in - from), 0);
     if (st && to > in + n) st = co_await do_read(guest + in + n, cow.span().subspan(in + n - from, to - in - n), 0);
     if (st) {
       std::memcpy(cow.data() + (in - from), buf.data(), n);
-      st = co_await file_->write(target + from, cow.span());
+      st = encrypt_for(target + from, cow.span());
+      if (st) st = co_await file_->write(target + from, cow.span());
     }
   }
   if (!st) {
@@ -469,6 +477,14 @@ Task<Result<BlockStatus>> Qcow2Node::do_block_status(uint64_t offset, uint64_t b
   if (!r) co_return r.take_error();
   BlockStatus s;
   s.bytes = std::min(r->bytes, bytes);
+  // Encrypted data has no offset in the file that reads as the image's
+  // (QEMU's qcow2_co_block_status with s->crypto).
+  if (encrypted()) {
+    const bool zero = r->type == ClusterType::ZeroPlain || r->type == ClusterType::ZeroAlloc;
+    const bool unalloc = r->type == ClusterType::Unallocated || r->type == ClusterType::UnallocatedAlloc;
+    s.flags = zero ? kStatusZero : unalloc ? 0u : kStatusData;
+    co_return s;
+  }
   switch (r->type) {
     case ClusterType::Normal:
       s.flags = kStatusData | kStatusOffsetValid | (metadata_prealloc_ ? kStatusRecurse : 0u);

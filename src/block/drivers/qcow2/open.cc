@@ -265,6 +265,7 @@ Task<Status> Qcow2Node::load(OpenContext& ctx, bool ro) {
 
   set_length(h_.size / 512 * 512);  // QEMU counts whole sectors
   set_read_only(ro);
+  VBLK_CO_TRY(co_await open_crypto(ctx));
   if (!ctx.check) VBLK_CO_TRY(co_await read_snapshots());
 
   co_return Status{};
@@ -295,6 +296,18 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   auto clean = take_number(opts, "cache-clean-interval");
   VBLK_TRY(clean);
   if (clean->value_or(0) > UINT32_MAX) return Error(EINVAL, "Cache clean interval too big");
+  // encrypt.format and encrypt.key-secret (QEMU's QCryptoBlockOpenOptions
+  // for qcow2), nested or flat; checked against the header in load.
+  std::optional<std::string> encrypt_format, key_secret;
+  if (auto enc = take_dict(opts, "encrypt")) {
+    auto f = take_string(*enc, "format");
+    VBLK_TRY(f);
+    auto k = take_string(*enc, "key-secret");
+    VBLK_TRY(k);
+    if (!enc->empty()) return Error(EINVAL, "Invalid parameter 'encrypt." + enc->begin().key() + "'");
+    encrypt_format = *f;
+    key_secret = *k;
+  }
   bool no_backing = false;
   if (opts.contains("backing") && opts["backing"].is_null()) {
     opts.erase("backing");
@@ -318,6 +331,8 @@ Result<std::shared_ptr<Node>> Qcow2Node::open(OpenContext& ctx, Json& opts) {
   // its users turn out to be.
   node->set_read_only(read_only);
   node->no_io_ = ctx.no_io;
+  node->encrypt_format_ = std::move(encrypt_format);
+  node->key_secret_ = std::move(key_secret);
   VBLK_TRY(node->refresh_perms());
   node->overlap_check_ = *overlap;
   auto st = ctx.loop.run(node->load(cctx, read_only));
@@ -424,6 +439,7 @@ nlohmann::ordered_json Qcow2Node::format_specific() const {
     d["corrupt"] = corrupt();
   }
   d["refcount-bits"] = refcount_bits_;
+  if (auto e = encrypt_info(); !e.is_null()) d["encrypt"] = std::move(e);
   if (!stored_bitmaps_.empty()) d["bitmaps"] = bitmaps_info();
   d["compression-type"] = h_.compression_type == kCompressionZstd ? "zstd" : "zlib";
   if (h_.version >= 3) d["extended-l2"] = h_.extended_l2();

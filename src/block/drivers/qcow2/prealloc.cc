@@ -42,11 +42,13 @@ Task<Result<uint64_t>> Qcow2Node::link_run(uint64_t first, uint64_t n, uint64_t 
       VBLK_CO_TRY(co_await read_mapping(first * cs_ + done, *m, b.span().subspan(done, len)));
       done += len;
     }
+    VBLK_CO_TRY(encrypt_for(host, b.span()));
     VBLK_CO_TRY(co_await checked_write(0, host, b.span()));
   }
   if (tail_from % cs_ && tail_from / cs_ == first + n - 1) {
     AlignedBuffer z(cs_ - tail_from % cs_, std::max<size_t>(limits_.buffer_alignment, 512));
     z.zero();
+    VBLK_CO_TRY(encrypt_for(host + (n - 1) * cs_ + tail_from % cs_, z.span()));
     VBLK_CO_TRY(co_await checked_write(0, host + (n - 1) * cs_ + tail_from % cs_, z.span()));
   }
   // The entries reach the disk after the refcounts of their clusters and

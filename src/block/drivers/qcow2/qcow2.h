@@ -18,6 +18,8 @@
 //   snapshot.cc      internal snapshots: table, create, apply, delete
 //   bitmap.cc        persistent dirty bitmaps (the `bitmaps` extension)
 //   shrink.cc        resize --shrink: freeing, punching, truncating the file
+//   crypt.cc         LUKS encryption (crypt_method 2): the volume in the
+//                    image's clusters, data encrypted by host offset
 //
 // Metadata (L1, L2 and refcount caches, the allocation state) is guarded by
 // `lock_`, a coroutine mutex held across metadata I/O but never across guest
@@ -37,6 +39,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "block/drivers/luks/create.h"
 #include "block/drivers/qcow2/cache.h"
 #include "block/drivers/qcow2/format.h"
 #include "block/drivers/qcow2/overlap.h"
@@ -107,6 +110,8 @@ class Qcow2Node final : public Node {
     // The file is emptied first (qemu-img create). blockdev-create writes
     // over what the node holds without shrinking it, as QEMU does.
     bool truncate_file = true;
+    // encrypt.format=luks: the volume (luks::format) stored in the image.
+    std::shared_ptr<const luks::Formatted> encrypt;
   };
   static Task<Status> create(Loop& loop, std::shared_ptr<Node> file, const CreateOptions& o);
 
@@ -123,6 +128,9 @@ class Qcow2Node final : public Node {
   Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) override;
   nlohmann::ordered_json format_specific() const override;
   bool dirty_flag() const override { return h_.incompatible_features & kIncompatDirty; }
+  bool encrypted() const override { return h_.crypt_method != kCryptNone; }
+  // With encrypt.key-secret, QEMU names the node by its options.
+  std::string filename() const override;
 
   // For tests and check: the refcount of a host cluster.
   Task<Result<uint64_t>> refcount_of(uint64_t cluster_index);
@@ -265,6 +273,28 @@ class Qcow2Node final : public Node {
   mutable ClusterSet ol_l2_, ol_rb_;
   ClusterSet ol_inactive_l2_;
   RangeSet ol_inactive_l1_;
+
+  // ---- crypt.cc: LUKS encryption (QEMU's qcow2 crypto header and
+  // qcow2_co_encrypt/decrypt with crypt_physical_offset): each 512-byte
+  // sector of a data cluster is encrypted with its host offset / 512 as the
+  // IV's sector number. Zero, unallocated and compressed clusters are not
+  // encrypted (QEMU reads compressed ones as they are).
+  // The `encrypt` options: the format check and, unless only described
+  // (no_io), the key unlocked (load, after the tables).
+  Task<Status> open_crypto(OpenContext& ctx);
+  // Stores `f` in new clusters and points the header at them (create).
+  Task<Status> set_up_encryption(const luks::Formatted& f);
+  // Data cluster bytes at `host` into `out` (decrypted if encrypted).
+  Task<Status> read_data(uint64_t host, std::span<uint8_t> out);
+  // `data` written to data clusters at `host` (encrypted through a bounce
+  // buffer if encrypted; the caller's buffer stays as it is).
+  Task<Status> write_data(uint64_t host, std::span<const uint8_t> data, uint32_t flags = 0);
+  // Encrypts `buf`, bound for `host`, in place (a buffer of our own).
+  Status encrypt_for(uint64_t host, std::span<uint8_t> buf);
+  nlohmann::ordered_json encrypt_info() const;
+  std::optional<std::string> encrypt_format_;  // the open options' encrypt.format
+  std::optional<std::string> key_secret_;      // encrypt.key-secret
+  std::unique_ptr<luks::Volume> crypt_;       // the LUKS header; its cipher once unlocked
 
   // ---- io.cc
   Task<Result<bool>> detect_metadata_preallocation();
