@@ -104,12 +104,12 @@ TEST_P(DriverConformance, RandomWorkloadMatchesModel) {
     switch (rng() % 4) {
       case 0: {
         auto b = bytes(len, static_cast<uint32_t>(i));
-        ASSERT_TRUE(loop.run(n->write(off, b, i % 7 == 0 ? kReqFua : 0)).ok()) << i;
+        ASSERT_TRUE(loop.run(n->write(off, b, i % 7 == 0 ? uint32_t{kReqFua} : 0u)).ok()) << i;
         std::copy(b.begin(), b.end(), model.begin() + static_cast<long>(off));
         break;
       }
       case 1:
-        ASSERT_TRUE(loop.run(n->write_zeroes(off, len, i % 2 ? kReqMayUnmap : 0)).ok()) << i;
+        ASSERT_TRUE(loop.run(n->write_zeroes(off, len, i % 2 ? uint32_t{kReqMayUnmap} : 0u)).ok()) << i;
         std::fill_n(model.begin() + static_cast<long>(off), len, 0);
         break;
       case 2: {

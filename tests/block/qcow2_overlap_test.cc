@@ -18,7 +18,9 @@ Result<uint32_t> parse(const std::string& keyval) {
   EXPECT_TRUE(j.ok());
   Json o = *j;
   auto r = take_overlap_options(o);
-  if (r) EXPECT_TRUE(o.empty()) << o.dump();
+  if (r) {
+    EXPECT_TRUE(o.empty()) << o.dump();
+  }
   return r;
 }
 

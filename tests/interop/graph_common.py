@@ -83,6 +83,38 @@ def create_job(c, job, options):
     c.ev()
 
 
+class QsdTimingFlake(Exception):
+    """qemu-storage-daemon's PBKDF timing failed ("Unable to get accurate CPU
+    usage"), as it does now and then on a busy machine: the run is done
+    again (run_retrying_flakes)."""
+
+
+def create_luks_job(c, job, options):
+    """blockdev-create of a LUKS volume (luks, or qcow2 with encrypt) as a
+    job, waited for and dismissed; the reply of the command (an error
+    reply: no job). Raises QsdTimingFlake on qemu-storage-daemon's
+    timing failure."""
+    r = c("blockdev-create", **{"job-id": job, "options": options})
+    if "error" in r:
+        return r
+    c.wait_job(job)
+    if "Unable to get accurate CPU usage" in json.dumps(c("query-jobs")):
+        raise QsdTimingFlake()
+    c("job-dismiss", id=job)
+    c.ev()
+    return r
+
+
+def run_retrying_flakes(run, attempts=5):
+    """run() again while qemu-storage-daemon's timing fails, up to attempts."""
+    for attempt in range(attempts):
+        try:
+            return run()
+        except QsdTimingFlake:
+            if attempt == attempts - 1:
+                raise
+
+
 def new_qcow2(c, path, name, size, backing=None):
     """A backup target as libvirt makes one: a file and a qcow2 image on it
     by blockdev-create (the backing file `backing`, a path, in its header),

@@ -20,7 +20,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import InteropTestCase, MiB, QEMU_IMG, both, qemu, rand_bytes, run, vblk  # noqa: E402
-from graph_common import DAEMONS, GraphTestCase  # noqa: E402
+from graph_common import DAEMONS, GraphTestCase, create_luks_job, run_retrying_flakes  # noqa: E402
 
 QEMU_IO = shutil.which("qemu-io")
 CRYPTSETUP = shutil.which("cryptsetup")
@@ -348,33 +348,15 @@ class LuksTest(InteropTestCase):
         self.assertSameResult(v, q)
 
 
-class QsdTimingFlake(Exception):
-    pass
-
-
 class LuksQmpTest(GraphTestCase):
     """blockdev-create driver luks in vblk serve beside qemu-storage-daemon."""
-
-    def create(self, c, job, options):
-        r = c("blockdev-create", **{"job-id": job, "options": options})
-        if "error" in r:
-            return r
-        c.wait_job(job)
-        jobs = c("query-jobs")
-        # qemu-storage-daemon's PBKDF timing fails now and then on a busy
-        # machine: that run is done again.
-        if "Unable to get accurate CPU usage" in json.dumps(jobs):
-            raise QsdTimingFlake()
-        c("job-dismiss", id=job)
-        c.ev()
-        return r
 
     def test_blockdev_create(self):
         P = self.path
 
         def run_(q, c, out):
             c("object-add", **{"qom-type": "secret", "id": "s0", "data": "pw"})
-            self.create(c, "f", {"driver": "file", "filename": P("l.luks"), "size": 0})
+            create_luks_job(c, "f", {"driver": "file", "filename": P("l.luks"), "size": 0})
             c("blockdev-add", driver="file", filename=P("l.luks"), **{"node-name": "lf"})
             # Refused by the command (schema) and by the job (QEMU's words).
             c("blockdev-create", **{"job-id": "j", "options": {"driver": "luks", "file": "lf", "size": MiB,
@@ -384,8 +366,8 @@ class LuksQmpTest(GraphTestCase):
             c("blockdev-create", **{"job-id": "j", "options": {"driver": "luks", "size": MiB}})
             for bad in ({}, {"key-secret": "nope"}, {"key-secret": "s0", "cipher-alg": "des"},
                         {"key-secret": "s0", "ivgen-alg": "essiv", "ivgen-hash-alg": "sha1"}):
-                self.create(c, "e", dict({"driver": "luks", "file": "lf", "size": MiB}, **bad))
-            self.create(c, "l1", {"driver": "luks", "file": "lf", "size": 3 * MiB, "key-secret": "s0",
+                create_luks_job(c, "e", dict({"driver": "luks", "file": "lf", "size": MiB}, **bad))
+            create_luks_job(c, "l1", {"driver": "luks", "file": "lf", "size": 3 * MiB, "key-secret": "s0",
                                   "iter-time": 50, "cipher-alg": "aes-128", "cipher-mode": "cbc",
                                   "ivgen-alg": "essiv", "hash-alg": "sha1"})
             c("blockdev-del", **{"node-name": "lf"})
@@ -406,13 +388,7 @@ class LuksQmpTest(GraphTestCase):
             self.assertTrue(nodes[0]["encrypted"])
             out.append(("nodes", nodes))
 
-        for attempt in range(5):
-            try:
-                self.both(run_)
-                break
-            except QsdTimingFlake:
-                if attempt == 4:
-                    raise
+        run_retrying_flakes(lambda: self.both(run_))
         for i in range(len(DAEMONS)):
             img = self.kept(i, "l.luks")
             info = json.loads(qemu("info", "--output=json", img).stdout)

@@ -17,7 +17,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import InteropTestCase, KiB, MiB, both, qemu, rand_bytes, run, vblk  # noqa: E402
-from graph_common import DAEMONS, GraphTestCase  # noqa: E402
+from graph_common import DAEMONS, GraphTestCase, create_luks_job, run_retrying_flakes  # noqa: E402
 
 QEMU_IO = shutil.which("qemu-io")
 SECRET = "secret,id=s0,data=pw"
@@ -311,32 +311,16 @@ class Qcow2LuksTest(InteropTestCase):
             os.unlink(img)
 
 
-class QsdTimingFlake(Exception):
-    pass
-
-
 class Qcow2LuksQmpTest(GraphTestCase):
     """blockdev-create qcow2 with encrypt in vblk serve beside
     qemu-storage-daemon."""
-
-    def create(self, c, job, options):
-        r = c("blockdev-create", **{"job-id": job, "options": options})
-        if "error" in r:
-            return r
-        c.wait_job(job)
-        jobs = c("query-jobs")
-        if "Unable to get accurate CPU usage" in json.dumps(jobs):
-            raise QsdTimingFlake()
-        c("job-dismiss", id=job)
-        c.ev()
-        return r
 
     def test_blockdev_create(self):
         P = self.path
 
         def run_(q, c, out):
             c("object-add", **{"qom-type": "secret", "id": "s0", "data": "pw"})
-            self.create(c, "f", {"driver": "file", "filename": P("e.qcow2"), "size": 0})
+            create_luks_job(c, "f", {"driver": "file", "filename": P("e.qcow2"), "size": 0})
             c("blockdev-add", driver="file", filename=P("e.qcow2"), **{"node-name": "ef"})
             base = {"driver": "qcow2", "file": "ef", "size": MiB}
             # Refused by the command (schema) and by the job (QEMU's words).
@@ -345,8 +329,8 @@ class Qcow2LuksQmpTest(GraphTestCase):
             c("blockdev-create", **{"job-id": "j", "options": dict(
                 base, encrypt={"format": "luks", "cipher-alg": "aes-999"})})
             for bad in ({}, {"key-secret": "nope"}):
-                self.create(c, "e", dict(base, encrypt=dict({"format": "luks"}, **bad)))
-            self.create(c, "q", dict(base, encrypt={"format": "luks", "key-secret": "s0", "iter-time": 10,
+                create_luks_job(c, "e", dict(base, encrypt=dict({"format": "luks"}, **bad)))
+            create_luks_job(c, "q", dict(base, encrypt={"format": "luks", "key-secret": "s0", "iter-time": 10,
                                                     "cipher-alg": "aes-128"}))
             c("blockdev-add", driver="qcow2", file="ef", encrypt={"format": "luks", "key-secret": "s0"},
               **{"node-name": "q"})
@@ -361,13 +345,7 @@ class Qcow2LuksQmpTest(GraphTestCase):
             self.assertTrue(nodes[0]["encrypted"])
             out.append(("nodes", nodes))
 
-        for attempt in range(5):
-            try:
-                self.both(run_)
-                break
-            except QsdTimingFlake:
-                if attempt == 4:
-                    raise
+        run_retrying_flakes(lambda: self.both(run_))
         for i in range(len(DAEMONS)):
             img = self.kept(i, "e.qcow2")
             r = qemu("check", "--object", SECRET, "--image-opts", opts(img))
