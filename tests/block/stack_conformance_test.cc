@@ -1,7 +1,8 @@
 // One byte model over every stack of drivers and filters that runs in
 // memory: MemNode alone, raw (with and without an offset), qcow2 at every
 // cluster size (512 B to 2 MiB, subclusters, compressed clusters, v2,
-// lazy refcounts, tiny metadata caches, a backing chain), luks, the NBD
+// lazy refcounts, tiny metadata caches, a backing chain, LUKS encryption),
+// luks, the NBD
 // client talking to vblk's own server, and each filter (throttle, blkdebug,
 // copy-before-write with snapshot-access over it, mirror_top). The file
 // drivers have their own harness (driver_conformance_test.cc) because they
@@ -57,8 +58,17 @@ struct QcowShape {
   bool lazy_refcounts = false;
   uint32_t refcount_bits = 16;
   uint8_t compression_type = qcow2::kCompressionZlib;
+  bool encrypted = false;            // encrypt.format=luks, secret conf-sec
   Json open_extra = Json::object();  // cache sizes and the like
 };
+
+// The secret every encrypted stack uses.
+void add_secret() {
+  (void)SecretStore::process().remove("conf-sec");
+  SecretSpec spec;
+  spec.data = "conformance";
+  EXPECT_TRUE(SecretStore::process().add("conf-sec", spec).ok());
+}
 
 // One stack under test, and what is needed to check it afterwards.
 struct Stack {
@@ -115,8 +125,18 @@ struct Stack {
       co.backing_file = backing + ".qcow2";
       co.backing_format = "qcow2";
     }
+    if (s.encrypted) {
+      add_secret();
+      luks::CreateOptions lo;
+      lo.key_secret = "conf-sec";
+      lo.iter_time = 10;
+      auto f = luks::format(lo, "encrypt.");
+      EXPECT_TRUE(f.ok());
+      if (f) co.encrypt = std::make_shared<const luks::Formatted>(std::move(*f));
+    }
     EXPECT_TRUE(loop.run(qcow2::Qcow2Node::create(loop, m, co)).ok());
     Json o = s.open_extra;
+    if (s.encrypted) o["encrypt"] = {{"format", "luks"}, {"key-secret", "conf-sec"}};
     o["driver"] = "qcow2";
     o["node-name"] = name;
     o["file"] = file;
@@ -194,10 +214,7 @@ Builder backing_chain(QcowShape t) {
 
 Builder luks_stack() {
   return [](Stack& s) {
-    (void)SecretStore::process().remove("conf-sec");
-    SecretSpec spec;
-    spec.data = "conformance";
-    ASSERT_TRUE(SecretStore::process().add("conf-sec", spec).ok());
+    add_secret();
     auto m = s.mem("m0", 0);
     luks::CreateOptions co;
     co.key_secret = "conf-sec";
@@ -489,6 +506,11 @@ std::vector<Config> configs() {
   QcowShape lazy = shape(4096);
   lazy.lazy_refcounts = true;
   lazy.refcount_bits = 1;
+  QcowShape luks_4k = shape(4096);
+  luks_4k.encrypted = true;
+  QcowShape luks_sub = shape(65536);
+  luks_sub.encrypted = true;
+  luks_sub.extended_l2 = true;
   QcowShape tiny_caches = shape(4096);
   tiny_caches.refcount_bits = 64;
   tiny_caches.open_extra = {{"l2-cache-size", 4096}, {"refcount-cache-size", 4096}};
@@ -509,6 +531,9 @@ std::vector<Config> configs() {
       {"qcow2_4k_over_backing", backing_chain(shape(4096))},
       {"qcow2_64k_subclusters_over_backing", backing_chain(sub)},
       {"luks", luks_stack()},
+      {"qcow2_4k_luks", qcow2_stack(luks_4k)},
+      {"qcow2_64k_subclusters_luks", qcow2_stack(luks_sub)},
+      {"qcow2_luks_over_backing", backing_chain(luks_4k)},
       {"nbd_mem", nbd_stack(over_mem("mem"))},
       {"nbd_qcow2", nbd_stack(qcow2_stack(shape(65536)))},
       {"throttle", throttle_stack()},
