@@ -467,8 +467,9 @@ def main():
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write("$ scripts/soak_serve.py --seconds %d --clients %d --seed %d\n%s\n" %
-                    (args.seconds, args.clients, args.seed, text))
+            actions = "" if args.actions == "backup,mirror,churn,idle" else " --actions " + args.actions
+            f.write("$ scripts/soak_serve.py --seconds %d --clients %d --seed %d%s\n%s\n" %
+                    (args.seconds, args.clients, args.seed, actions, text))
     if not res["problems"]:
         shutil.rmtree(soak.dir)
     else:
