@@ -27,8 +27,8 @@ import tempfile
 import threading
 import time
 
-OPT_MAGIC = 0x49484156454F5054
-REQ_MAGIC = 0x25609513
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from nbd_wire import IHAVEOPT as OPT_MAGIC, REQ_MAGIC, recv_exact  # noqa: E402
 
 
 def wait_socket(path):
@@ -85,16 +85,6 @@ def proxy_once(listen_path, upstream, record):
     t = threading.Thread(target=run)
     t.start()
     return t
-
-
-def recv_exact(s, n):
-    b = b""
-    while len(b) < n:
-        d = s.recv(n - len(b))
-        if not d:
-            raise EOFError
-        b += d
-    return b
 
 
 def fuzz_client(sock, structured, record_in):

@@ -34,7 +34,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import struct
 import subprocess
@@ -46,48 +45,13 @@ import time
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
+from nbd_wire import CMD_FLUSH, CMD_READ, CMD_WRITE, REQ_MAGIC, SIMPLE_REPLY_MAGIC, recv_exact  # noqa: E402
+from nbd_wire import connect_unix as nbd_connect  # noqa: E402
 from qmp_driver import Daemon  # noqa: E402
 
 MiB = 1 << 20
 DISK = 64 * MiB
 BLOCK = 4096
-NBDMAGIC = 0x4E42444D41474943
-IHAVEOPT = 0x49484156454F5054
-OPT_REPLY_MAGIC = 0x3E889045565A9
-OPT_GO = 7
-REP_ACK = 1
-REQ_MAGIC = 0x25609513
-SIMPLE_REPLY_MAGIC = 0x67446698
-CMD_READ, CMD_WRITE, CMD_FLUSH = 0, 1, 3
-
-
-def recv_exact(s, n):
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("server closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def nbd_connect(path, name):
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(60)
-    s.connect(path)
-    magic, opt_magic, _flags = struct.unpack(">QQH", recv_exact(s, 18))
-    assert magic == NBDMAGIC and opt_magic == IHAVEOPT
-    s.sendall(struct.pack(">I", 3))
-    data = struct.pack(">I", len(name)) + name + struct.pack(">H", 0)
-    s.sendall(struct.pack(">QII", IHAVEOPT, OPT_GO, len(data)) + data)
-    while True:
-        rmagic, _opt, rtype, rlen = struct.unpack(">QIII", recv_exact(s, 20))
-        assert rmagic == OPT_REPLY_MAGIC
-        payload = recv_exact(s, rlen)
-        if rtype == REP_ACK:
-            return s
-        if rtype & 0x80000000:
-            raise ConnectionError("GO refused: %r" % payload)
 
 
 def block_data(client, offset, gen):

@@ -61,6 +61,8 @@ import unittest  # noqa: E402
 
 from common import IS_ROOT, KiB, MiB, InteropTestCase, VBLK, rand_bytes, vblk_has_serve, wait_unlocked  # noqa: E402
 from qmp_driver import Daemon  # noqa: E402  (common.py puts bench/ on the path)
+import nbd_wire  # noqa: E402
+from nbd_wire import CMD_DISC, CMD_FLUSH, CMD_READ, CMD_WRITE, FLAG_FUA, REQ_MAGIC, SIMPLE_REPLY_MAGIC  # noqa: E402
 
 QSD = shutil.which("qemu-storage-daemon")
 QEMU_IO = shutil.which("qemu-io")
@@ -214,17 +216,6 @@ def apply_writes(image, writes):
 
 # -- a small NBD client -------------------------------------------------------
 
-NBDMAGIC = 0x4e42444d41474943
-IHAVEOPT = 0x49484156454F5054
-OPT_REPLY_MAGIC = 0x3e889045565a9
-REQ_MAGIC = 0x25609513
-SIMPLE_MAGIC = 0x67446698
-OPT_GO, REP_ACK, REP_INFO = 7, 1, 3
-CMD_READ, CMD_WRITE, CMD_DISC, CMD_FLUSH = 0, 1, 2, 3
-FLAG_FUA = 1
-TFLAG_SEND_FUA = 8
-
-
 class Nbd:
     """Fixed-newstyle NBD client, one request in flight at a time."""
 
@@ -232,37 +223,17 @@ class Nbd:
         self.s = socket.socket(socket.AF_UNIX)
         self.s.settimeout(timeout)
         self.s.connect(path)
-        magic, opt, _ = struct.unpack(">QQH", self._recv(18))
-        assert (magic, opt) == (NBDMAGIC, IHAVEOPT), (magic, opt)
-        self.s.sendall(struct.pack(">I", 3))  # fixed newstyle, no zeroes
-        data = struct.pack(">I", len(name)) + name.encode() + struct.pack(">H", 0)
-        self.s.sendall(struct.pack(">QII", IHAVEOPT, OPT_GO, len(data)) + data)
-        self.size = self.flags = None
-        while True:
-            magic, _, typ, ln = struct.unpack(">QIII", self._recv(20))
-            assert magic == OPT_REPLY_MAGIC, hex(magic)
-            payload = self._recv(ln)
-            assert not typ & 2 ** 31, (typ, payload)
-            if typ == REP_INFO and struct.unpack(">H", payload[:2])[0] == 0:
-                self.size, self.flags = struct.unpack(">QH", payload[2:12])
-            if typ == REP_ACK:
-                break
+        self.size, self.flags = nbd_wire.go(self.s, name.encode())
         self.cookie = 0
 
     def _recv(self, n):
-        buf = b""
-        while len(buf) < n:
-            chunk = self.s.recv(n - len(buf))
-            if not chunk:
-                raise EOFError("NBD connection closed after %d of %d bytes" % (len(buf), n))
-            buf += chunk
-        return buf
+        return nbd_wire.recv_exact(self.s, n)
 
     def _request(self, cmd, offset, length, flags=0, payload=b"", data_len=0):
         self.cookie += 1
         self.s.sendall(struct.pack(">IHHQQI", REQ_MAGIC, flags, cmd, self.cookie, offset, length) + payload)
         magic, err, cookie = struct.unpack(">IIQ", self._recv(16))
-        assert magic == SIMPLE_MAGIC and cookie == self.cookie, (hex(magic), cookie)
+        assert magic == SIMPLE_REPLY_MAGIC and cookie == self.cookie, (hex(magic), cookie)
         return err, (self._recv(data_len) if err == 0 and data_len else b"")
 
     def write(self, offset, data, fua=False):

@@ -24,22 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import unittest  # noqa: E402
 
 from common import MiB, InteropTestCase, VBLK, both, qemu, run, wait_for_socket  # noqa: E402
+from nbd_wire import recv_exact  # noqa: E402  (common.py puts bench/ on the path)
 
 QEMU_NBD = shutil.which("qemu-nbd")
 QEMU_IO = shutil.which("qemu-io")
 NBDKIT = shutil.which("nbdkit")
-
-
-def recv_exact(s, n):
-    b = b""
-    while len(b) < n:
-        d = s.recv(n - len(b))
-        if not d:
-            raise EOFError
-        b += d
-    return b
-
-
 
 
 @unittest.skipUnless(QEMU_NBD and NBDKIT and QEMU_IO, "qemu-nbd, nbdkit and qemu-io are needed")

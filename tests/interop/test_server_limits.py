@@ -38,18 +38,10 @@ import unittest  # noqa: E402
 
 from common import MiB, InteropTestCase, VBLK, end_process  # noqa: E402
 import qmp_driver  # noqa: E402  (common.py puts bench/ on the path)
+from nbd_wire import CMD_READ, REQ_MAGIC, SIMPLE_REPLY_MAGIC, go, recv_exact  # noqa: E402
 
 QSD = shutil.which("qemu-storage-daemon")
 CONNS = max(1000, int(os.environ.get("VBLK_LIMITS_CONNS", "5000")))
-
-NBDMAGIC = 0x4E42444D41474943
-IHAVEOPT = 0x49484156454F5054
-OPT_REPLY_MAGIC = 0x3E889045565A9
-OPT_GO = 7
-REP_ACK = 1
-REQ_MAGIC = 0x25609513
-SIMPLE_REPLY_MAGIC = 0x67446698
-CMD_READ = 0
 
 
 def raise_nofile():
@@ -58,16 +50,6 @@ def raise_nofile():
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def recv_exact(s, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("server closed the connection")
-        buf += chunk
-    return buf
 
 
 def connect(addr, timeout=30.0):
@@ -82,23 +64,8 @@ def connect(addr, timeout=30.0):
 
 
 def nbd_go(s, name=b""):
-    """Fixed newstyle handshake up to NBD_OPT_GO (simple replies); returns
-    the export size."""
-    magic, opt_magic, _flags = struct.unpack(">QQH", recv_exact(s, 18))
-    assert magic == NBDMAGIC and opt_magic == IHAVEOPT
-    s.sendall(struct.pack(">I", 3))  # fixed newstyle, no zeroes
-    data = struct.pack(">I", len(name)) + name + struct.pack(">H", 0)
-    s.sendall(struct.pack(">QII", IHAVEOPT, OPT_GO, len(data)) + data)
-    size = None
-    while True:
-        rmagic, _opt, rtype, rlen = struct.unpack(">QIII", recv_exact(s, 20))
-        assert rmagic == OPT_REPLY_MAGIC
-        payload = recv_exact(s, rlen)
-        if rtype == REP_ACK:
-            return size
-        assert not rtype & 0x80000000, "GO refused: %r" % payload
-        if struct.unpack(">H", payload[:2])[0] == 0:  # NBD_INFO_EXPORT
-            size = struct.unpack(">Q", payload[2:10])[0]
+    """The handshake up to NBD_OPT_GO; returns the export size."""
+    return go(s, name)[0]
 
 
 def send_read(s, cookie, offset, length):
