@@ -26,7 +26,7 @@ trap 'rm -rf "$reports"' EXIT
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:exitcode=66:log_path=$reports/r:suppressions=$PWD/scripts/tsan.supp"
 status=0
 run() {
-  echo "== $*"
+  echo "== ${*//$PWD\//}"
   if ! "$@"; then echo "tsan.sh: FAILED: $*"; status=1; fi
 }
 run build-tsan/tests/vblk_unit_tests --gtest_brief=1

@@ -105,6 +105,19 @@ def create_luks_job(c, job, options):
     return r
 
 
+def comparable_luks_nodes(nodes, luks_info):
+    """query-named-block-nodes of a new LUKS volume without what is random
+    or timed in it (actual size, uuid, PBKDF2 iterations); luks_info(node)
+    is the node's QCryptoBlockInfoLUKS."""
+    for n in nodes:
+        n["image"].pop("actual-size", None)
+        data = luks_info(n)
+        data.pop("uuid"), data.pop("master-key-iters")
+        for sl in data["slots"]:
+            sl.pop("iters", None)
+    return nodes
+
+
 def run_retrying_flakes(run, attempts=5):
     """run() again while qemu-storage-daemon's timing fails, up to attempts."""
     for attempt in range(attempts):
