@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
-scripts/build.sh
+scripts/build.sh --vblk-only
 V=$PWD/build/vblk
 dir=$(mktemp -d /var/tmp/vblk-demo.XXXXXX)
 trap 'rm -rf "$dir"' EXIT

@@ -3,7 +3,7 @@
 # already there. Uses sudo when not root.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config python3
-      liburing-dev zlib1g-dev libzstd-dev libdeflate-dev libssl-dev nlohmann-json3-dev libcli11-dev libfmt-dev
+      liburing-dev zlib1g-dev libzstd-dev libdeflate-dev libssl-dev nlohmann-json3-dev libfmt-dev
       libgtest-dev libgmock-dev libbenchmark-dev
       qemu-utils qemu-system-common qemu-system-x86 libnbd-bin nbdkit fio  # qemu-system-x86: test_vmstate saves and restores a VM
       ceph-mon ceph-osd librbd-dev librados-dev qemu-block-extra cryptsetup-bin  # Ceph RBD: the driver, QEMU's rbd, a test cluster, LUKS images for its encryption
