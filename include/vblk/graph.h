@@ -25,6 +25,8 @@ class Graph {
   // Drops the graph's reference and name whoever else holds the node.
   void forget(const std::string& name) { nodes_.erase(name); }
   std::vector<std::shared_ptr<Node>> nodes() const;
+  // The graph's reference to `n`, or nullptr when n is not a named node.
+  std::shared_ptr<Node> shared(const Node& n) const;
   std::string generate_name();
 
   // Filters above a node (QEMU's bdrv_insert_node / bdrv_drop_filter, for

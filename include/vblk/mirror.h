@@ -183,10 +183,6 @@ struct MirrorJobParams {
 Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& graph, const std::shared_ptr<Node>& src,
                                                     const std::shared_ptr<Node>& tgt, const MirrorJobParams& p);
 
-// The next node down a backing chain: the backing file, or what a filter
-// filters (QEMU's bdrv_filter_or_cow_bs).
-Node* chain_next(const Node& n);
-
 // Checks the arguments as QEMU's blockdev-mirror does (same messages, same
 // order), inserts the filter, creates and starts the job.
 Result<std::shared_ptr<MirrorJob>> start_mirror(JobManager& mgr, Graph& graph, const MirrorArgs& args);

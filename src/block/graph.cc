@@ -24,6 +24,12 @@ Status Graph::remove(const std::string& name) {
   return {};
 }
 
+std::shared_ptr<Node> Graph::shared(const Node& n) const {
+  for (const auto& [name, node] : nodes_)
+    if (node.get() == &n) return node;
+  return nullptr;
+}
+
 std::vector<std::shared_ptr<Node>> Graph::nodes() const {
   std::vector<std::shared_ptr<Node>> out;
   for (auto& [k, v] : nodes_) out.push_back(v);

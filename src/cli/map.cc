@@ -5,7 +5,7 @@
 #include <cstdio>
 
 #include "cli/common.h"
-#include "vblk/filter_node.h"
+#include "vblk/chain.h"
 
 namespace vblk::cli {
 
@@ -19,13 +19,6 @@ struct MapEntry {
   uint64_t offset = 0;
   std::string filename;  // set when has_offset
 };
-
-// Filters (blkdebug, throttle, copy-before-write) are looked through, as
-// QEMU's bdrv_skip_filters: the backing chain is the filtered image's.
-Node* skip_filters(Node* n) {
-  while (auto* f = dynamic_cast<FilterNode*>(n)) n = &f->filtered();
-  return n;
-}
 
 // qemu-img's get_block_status: walk down the backing chain until a layer
 // knows (data or zero); depth counts the layers passed.

@@ -2,39 +2,9 @@
 #include "vblk/commit.h"
 
 #include "job/chain_job_params.h"
+#include "vblk/chain.h"
 
 namespace vblk {
-
-namespace {
-
-bool chain_contains(const Node& top, const Node& n) {
-  for (const Node* p = &top; p; p = chain_next(*p))
-    if (p == &n) return true;
-  return false;
-}
-
-// QEMU's bdrv_find_backing_image: the node below `from` whose overlay
-// names it `name`, or whose file name is `name`.
-std::shared_ptr<Node> find_backing_image(Graph& graph, const Node& from, const std::string& name) {
-  for (const Node* p = &from; p; p = chain_next(*p)) {
-    Node* b = p->child("backing");
-    if (!b) continue;
-    if (p->backing_file_name() == name || b->filename() == name) {
-      for (auto& n : graph.nodes())
-        if (n.get() == b) return n;
-    }
-  }
-  return nullptr;
-}
-
-// QEMU's bdrv_find_base: the bottom of the chain.
-Node* find_base(Node& top) {
-  Node* n = &top;
-  while (Node* next = chain_next(*n)) n = next;
-  return n;
-}
-
-}  // namespace
 
 Result<std::shared_ptr<MirrorJob>> start_commit(JobManager& mgr, Graph& graph, const CommitArgs& a) {
   auto bs = graph.find(a.device);
@@ -63,13 +33,11 @@ Result<std::shared_ptr<MirrorJob>> start_commit(JobManager& mgr, Graph& graph, c
     base = find_backing_image(graph, *top, *a.base);
     if (!base) return Error(ENOENT, "Can't find '" + *a.base + "' in the backing chain");
   } else {
-    Node* b = find_base(*top);
-    for (auto& n : graph.nodes())
-      if (n.get() == b) base = n;
+    base = graph.shared(*chain_base(*top));
     if (!base) return Error(ENOENT, "There is no backimg image");
   }
   // Nodes from top down to the base are the commit's targets.
-  for (Node* n = top.get(); n && n != chain_next(*base); n = chain_next(*n))
+  for (Node* n = top.get(); n && n != filter_or_cow_child(*base); n = filter_or_cow_child(*n))
     VBLK_TRY(mgr.check_not_busy(n, n->node_name()));
   if (top == base) return Error(EINVAL, "cannot commit an image into itself");
 

@@ -7,15 +7,10 @@
 #include <climits>
 
 #include "vblk/buffer.h"
+#include "vblk/chain.h"
 #include "vblk/named_bitmap.h"
 
 namespace vblk {
-
-Node* chain_next(const Node& n) {
-  if (Node* b = n.child("backing")) return b;
-  if (dynamic_cast<const FilterNode*>(&n)) return n.file_child();
-  return nullptr;
-}
 
 namespace {
 constexpr uint64_t kDefaultBufSize = 16 << 20;  // QEMU's DEFAULT_MIRROR_BUF_SIZE
@@ -86,7 +81,7 @@ Task<Status> MirrorJob::init_bitmap() {
       }
       co_return Status{};
     };
-    for (Node* n = chain_next(*source_); n && n != new_backing_.get(); n = chain_next(*n))
+    for (Node* n = filter_or_cow_child(*source_); n && n != new_backing_.get(); n = filter_or_cow_child(*n))
       if (Status st = co_await mark(*n, true); !st.ok()) co_return st;
     if (Status st = co_await mark(*source_, false); !st.ok()) co_return st;
     filter_->clean_under_writes();
@@ -94,7 +89,7 @@ Task<Status> MirrorJob::init_bitmap() {
     // What the layers above the base allocate (QEMU's
     // bdrv_is_allocated_above up to the base's overlay); the base has the
     // rest already.
-    for (Node* n = source_.get(); n && n != target_.get(); n = chain_next(*n)) {
+    for (Node* n = source_.get(); n && n != target_.get(); n = filter_or_cow_child(*n)) {
       for (uint64_t pos = 0; pos < len_;) {
         if (is_cancelled()) co_return Status{};
         auto st = co_await n->block_status(pos, len_ - pos);
@@ -125,7 +120,7 @@ Task<Status> MirrorJob::run() {
   if (sync_ == Sync::Stream) {
     // Nothing below the source down to the new backing: nothing to do
     // (QEMU reports len 0 and changes no link).
-    if (chain_next(*source_) == new_backing_.get()) co_return Status{};
+    if (filter_or_cow_child(*source_) == new_backing_.get()) co_return Status{};
   } else if (sync_ == Sync::Commit || sync_ == Sync::CommitIntermediate) {
     // Commit grows a shorter base to the top's size.
     if (target_->length() < len_)
@@ -435,19 +430,19 @@ Result<std::vector<NodeRef>> claim_chain(const std::string& desc, Graph& graph, 
   uint32_t shared = 0;
   switch (p.sync) {
     case MirrorJob::Sync::Commit:
-      from = chain_next(*src), until = tgt.get(), shared = kPermWrite | kPermWriteUnchanged;
+      from = filter_or_cow_child(*src), until = tgt.get(), shared = kPermWrite | kPermWriteUnchanged;
       break;
     case MirrorJob::Sync::CommitIntermediate:
       from = src.get(), until = tgt.get(), shared = kPermWrite | kPermWriteUnchanged;
       break;
     case MirrorJob::Sync::Stream:
-      from = chain_next(*src), until = p.new_backing.get(), shared = kPermConsistentRead | kPermWriteUnchanged;
+      from = filter_or_cow_child(*src), until = p.new_backing.get(), shared = kPermConsistentRead | kPermWriteUnchanged;
       break;
     default:
       return claims;
   }
   const std::vector<std::shared_ptr<Node>> nodes = graph.nodes();
-  for (Node* n = from; n && n != until; n = chain_next(*n)) {
+  for (Node* n = from; n && n != until; n = filter_or_cow_child(*n)) {
     auto it = std::find_if(nodes.begin(), nodes.end(), [&](const auto& s) { return s.get() == n; });
     if (it == nodes.end()) continue;  // not in the graph: nobody else can use it
     NodeRef& r = claims.emplace_back(*it);

@@ -2,35 +2,11 @@
 #include "vblk/stream.h"
 
 #include "job/chain_job_params.h"
+#include "vblk/chain.h"
 
 #include <algorithm>
 
 namespace vblk {
-
-namespace {
-
-bool chain_contains(const Node& top, const Node& n) {
-  for (const Node* p = &top; p; p = chain_next(*p))
-    if (p == &n) return true;
-  return false;
-}
-
-std::shared_ptr<Node> shared_of(Graph& graph, const Node* n) {
-  for (auto& s : graph.nodes())
-    if (s.get() == n) return s;
-  return nullptr;
-}
-
-// QEMU's bdrv_find_backing_image (as in commit.cc).
-std::shared_ptr<Node> find_backing_image(Graph& graph, const Node& from, const std::string& name) {
-  for (const Node* p = &from; p; p = chain_next(*p)) {
-    Node* b = p->child("backing");
-    if (b && (p->backing_file_name() == name || b->filename() == name)) return shared_of(graph, b);
-  }
-  return nullptr;
-}
-
-}  // namespace
 
 Result<std::shared_ptr<MirrorJob>> start_stream(JobManager& mgr, Graph& graph, const StreamArgs& a) {
   if (a.base && a.base_node) return Error(EINVAL, "'base' and 'base-node' cannot be specified at the same time");
@@ -53,16 +29,16 @@ Result<std::shared_ptr<MirrorJob>> start_stream(JobManager& mgr, Graph& graph, c
   if (a.bottom) {
     auto bottom = graph.find(*a.bottom);
     if (!bottom) return Error(ENOENT, "Cannot find device='' nor node-name='" + *a.bottom + "'");
-    if (dynamic_cast<FilterNode*>(bottom.get()))
+    if (is_filter(*bottom))
       return Error(EINVAL, "Node '" + *a.bottom + "' is a filter, use a non-filter node as 'bottom'");
     if (!chain_contains(*bs, *bottom))
       return Error(EINVAL, "Node '" + *a.bottom + "' is not in a chain starting from '" + a.device + "'");
     // Everything down to `bottom` is streamed: its backing file stays.
-    Node* below = chain_next(*bottom);
-    base = below ? shared_of(graph, below) : nullptr;
+    Node* below = filter_or_cow_child(*bottom);
+    base = below ? graph.shared(*below) : nullptr;
   }
   // Op blockers on the chain from the device down to the base.
-  for (Node* n = bs.get(); n && n != base.get(); n = chain_next(*n))
+  for (Node* n = bs.get(); n && n != base.get(); n = filter_or_cow_child(*n))
     VBLK_TRY(mgr.check_not_busy(n, n->node_name()));
   if (!base && a.backing_file) return Error(EINVAL, "backing file specified, but streaming the entire chain");
 

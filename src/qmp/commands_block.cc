@@ -7,6 +7,7 @@
 #include "block/snapshot_info_json.h"
 #include "qmp/daemon.h"
 #include "vblk/backup.h"
+#include "vblk/chain.h"
 #include "vblk/copy_before_write.h"
 
 namespace vblk::qmp {
@@ -188,20 +189,6 @@ Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
   (void)d.graph.remove(name);
   co_await drop_orphans(d);
   co_return Reply::ok();
-}
-
-// QEMU's bdrv_filter_or_cow_child: the backing file, or what a filter
-// filters. Non-flat queries walk this chain (depth, backing-image).
-// Filter drivers are listed here (add copy-before-write, throttle, ...).
-// snapshot-access is not one: its `file` is data, not filtered (QEMU shows
-// no backing image under it).
-const char* const kFilterDrivers[] = {"blkdebug", "commit_top", "copy-before-write", "copy-on-read", "mirror_top",
-                                      "throttle"};
-
-Node* filter_or_cow_child(const Node& n) {
-  if (Node* b = n.child("backing")) return b;
-  if (in(kFilterDrivers, n.driver())) return n.file_child();
-  return nullptr;
 }
 
 Node* backing_of(const Node& n) { return n.child("backing"); }

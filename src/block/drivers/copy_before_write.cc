@@ -11,24 +11,11 @@
 
 #include "block/drivers/drivers.h"
 #include "vblk/buffer.h"
+#include "vblk/chain.h"
 
 namespace vblk {
 
 uint64_t cbw_cluster_size(const Node& target) { return std::max<uint64_t>(64 << 10, target.cluster_size()); }
-
-namespace {
-// Whether `base` is `top` or below it through backing files and filters
-// (QEMU's bdrv_chain_contains over bdrv_filter_or_cow_bs).
-bool chain_contains(const Node& top, const Node& base) {
-  for (const Node* n = &top; n;) {
-    if (n == &base) return true;
-    const Node* next = n->child("backing");
-    if (!next && dynamic_cast<const FilterNode*>(n)) next = n->file_child();
-    n = next;
-  }
-  return false;
-}
-}  // namespace
 
 CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::shared_ptr<Node> target,
                                  CbwOptions opts)

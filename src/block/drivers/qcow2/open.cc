@@ -9,7 +9,7 @@
 #include "block/drivers/qcow2/qcow2.h"
 #include "block/perm_rules.h"
 #include "vblk/buffer.h"
-#include "vblk/filter_node.h"
+#include "vblk/chain.h"
 
 namespace vblk::qcow2 {
 
@@ -17,11 +17,7 @@ Qcow2Node::Qcow2Node(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "qcow2
   // The image grows at the bottom of its file child, through any filters
   // in between (blkdebug over the file): QEMU lets every node below a
   // format be written past its end.
-  for (Node* n = file_; n;) {
-    n->set_growable(true);
-    auto* f = dynamic_cast<FilterNode*>(n);
-    n = f ? &f->filtered() : nullptr;
-  }
+  for (Node* n = file_; n; n = filtered_child(*n)) n->set_growable(true);
   limits_.request_alignment = file_->limits().request_alignment;
   limits_.buffer_alignment = file_->limits().buffer_alignment;
   caps_.zeroes = true;
