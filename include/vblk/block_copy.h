@@ -135,6 +135,10 @@ class BlockCopyCall {
   std::stop_source sleep_stop_;  // kicks the rate-limit sleep
 };
 
+// A run of clusters being copied, by a task of the engine or under a claim
+// (defined in src/copy/block_copy.cc).
+struct BlockCopyInFlight;
+
 // Clusters taken out of the engine by a copier of its own (the COW buffer,
 // see claim() below): the claimed runs, in flight until end_claim.
 class BlockCopyClaim {
@@ -149,7 +153,7 @@ class BlockCopyClaim {
   friend class BlockCopyState;
   BlockCopyClaim() = default;
   std::vector<Range> ranges_;
-  std::vector<void*> in_flight_;  // BlockCopyState::InFlight, one per range
+  std::vector<std::unique_ptr<BlockCopyInFlight>> in_flight_;  // one per range
 };
 
 class BlockCopyState {
@@ -227,7 +231,7 @@ class BlockCopyState {
   bool copy_range_active() const { return use_copy_range_; }
 
  private:
-  struct InFlight;
+  using InFlight = BlockCopyInFlight;
   struct Chunk;
   Task<void> run_call(std::shared_ptr<BlockCopyCall> call);
   Task<bool> scan(BlockCopyCall& call);  // true if it found dirty clusters

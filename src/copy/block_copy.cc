@@ -25,13 +25,13 @@ constexpr uint64_t kForegroundNs = 100'000'000;
 constexpr uint64_t kForegroundChunk = 64 << 10;
 }  // namespace
 
-struct BlockCopyState::InFlight {
+struct BlockCopyInFlight {
   uint64_t offset, bytes;
   std::vector<std::coroutine_handle<>> waiters;
   // co_await t->finished(): resumed when the task or claim ends.
   auto finished() {
     struct Wait {
-      InFlight* t;
+      BlockCopyInFlight* t;
       bool await_ready() noexcept { return false; }
       void await_suspend(std::coroutine_handle<> h) { t->waiters.push_back(h); }
       void await_resume() noexcept {}
@@ -365,29 +365,27 @@ std::unique_ptr<BlockCopyClaim> BlockCopyState::claim(uint64_t offset, uint64_t 
   while (pos < end && bitmap_.next_dirty_area(pos, end, 0, off, n)) {
     // The bitmap counts a partial last cluster as its real length.
     n = std::min(n, bitmap_.size() - off);
-    auto* t = new InFlight{off, n, {}};
+    auto t = std::make_unique<InFlight>(InFlight{off, n, {}});
     bitmap_.reset(off, n);
-    in_flight_.push_back(t);
+    in_flight_.push_back(t.get());
     in_flight_bytes_ += n;
     c->ranges_.push_back({off, n});
-    c->in_flight_.push_back(t);
+    c->in_flight_.push_back(std::move(t));
     pos = off + n;
   }
   return c;
 }
 
 void BlockCopyState::end_claim(std::unique_ptr<BlockCopyClaim> c, bool keep) {
-  for (void* p : c->in_flight_) {
-    auto* t = static_cast<InFlight*>(p);
+  for (const auto& t : c->in_flight_) {
     in_flight_bytes_ -= t->bytes;
-    std::erase(in_flight_, t);
+    std::erase(in_flight_, t.get());
     if (keep) {
       pending_bytes_ += t->bytes;
     } else {
       bitmap_.set(t->offset, t->bytes);
     }
     for (auto h : t->waiters) source_.loop().post(h);
-    delete t;
   }
   c->in_flight_.clear();
   // Bits that came back are work for the calls (a waiting call rescans).
