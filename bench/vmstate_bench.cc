@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "block/open.h"
+#include "vblk/open.h"
 #include "vblk/vmstate.h"
 
 using namespace vblk;

@@ -1,5 +1,5 @@
 // libFuzzer target: the input is what an NBD server sends to vblk's NBD
-// client (src/nbd/client.cc). Byte 0 picks the client's options (bit 0:
+// client (src/proto/nbd_client.cc). Byte 0 picks the client's options (bit 0:
 // ask for structured replies); the rest is the server's whole byte stream:
 // the greeting, option replies (STRUCTURED_REPLY, SET_META_CONTEXT, GO with
 // its INFO replies, or an EXPORT_NAME fallback), then simple and
@@ -15,8 +15,8 @@
 
 #include "fuzz/peer.h"
 #include "fuzz/temp_socket.h"
-#include "nbd/client.h"
-#include "nbd/protocol.h"
+#include "vblk/nbd_client.h"
+#include "vblk/nbd_protocol.h"
 
 using namespace vblk;
 

@@ -3,7 +3,7 @@
 // INFO, LIST, STRUCTURED_REPLY, LIST/SET_META_CONTEXT, STARTTLS, ABORT,
 // unknown ones) and, once an export is chosen, requests of any type, flag,
 // offset and length, write payloads included. It goes through a socketpair
-// into one server session (src/nbd/handshake.cc, transmission.cc) over
+// into one server session (src/export/handshake.cc, transmission.cc) over
 // in-memory exports; the replies are read and dropped. When the input is
 // used up the client side half-closes, so every input ends with its
 // session. A refusal or a closed connection is fine; a crash, a sanitizer
@@ -12,8 +12,8 @@
 #include <memory>
 
 #include "fuzz/peer.h"
-#include "nbd/server.h"
-#include "nbd/session.h"
+#include "vblk/nbd_server.h"
+#include "export/session.h"
 #include "vblk/mem_node.h"
 
 using namespace vblk;

@@ -15,13 +15,14 @@
 #include <memory>
 #include <string>
 
-#include "block/open.h"
-#include "block/options.h"
+#include "vblk/open.h"
+#include "vblk/options.h"
 #include "fuzz/sandbox.h"
-#include "nbd/client.h"
-#include "qmp/json.h"
+#include "vblk/nbd_client.h"
+#include "vblk/qmp_json.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
+#include "vblk/copy_drivers.h"
 
 using namespace vblk;
 
@@ -85,6 +86,8 @@ void json_filename(const std::string& text) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const bool registered = (register_copy_drivers(), true);
+  (void)registered;
   if (size == 0) return 0;
   const std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
   switch (data[0] % 5) {

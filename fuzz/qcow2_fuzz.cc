@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <memory>
 
-#include "block/open.h"
+#include "vblk/open.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"

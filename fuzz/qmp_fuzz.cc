@@ -42,9 +42,9 @@
 #include "fuzz/choices.h"
 #include "fuzz/peer.h"
 #include "fuzz/sandbox.h"
-#include "qmp/daemon.h"
-#include "qmp/json.h"
-#include "util/secret_store.h"
+#include "vblk/qmp_daemon.h"
+#include "vblk/qmp_json.h"
+#include "vblk/secret_store.h"
 #include "vblk/mem_node.h"
 
 using namespace vblk;

@@ -1,4 +1,4 @@
-// FilterNode: see include/vblk/filter_node.h.
+// FilterNode: see include/block/vblk/filter_node.h.
 #include "vblk/filter_node.h"
 
 namespace vblk {

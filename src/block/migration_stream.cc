@@ -1,4 +1,4 @@
-// MigrationStreamCheck (include/vblk/migration_stream.h).
+// MigrationStreamCheck (include/block/vblk/migration_stream.h).
 #include "vblk/migration_stream.h"
 
 #include <fmt/format.h>

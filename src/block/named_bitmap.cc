@@ -1,10 +1,10 @@
-// Named dirty bitmaps of a node (see include/vblk/named_bitmap.h).
+// Named dirty bitmaps of a node (see include/block/vblk/named_bitmap.h).
 #include "vblk/named_bitmap.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "util/sha256.h"
+#include "vblk/sha256.h"
 
 namespace vblk {
 

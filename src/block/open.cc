@@ -1,10 +1,10 @@
-#include "block/open.h"
+#include "vblk/open.h"
 
 #include <sys/stat.h>
 
 #include <cstring>
 
-#include "block/drivers/drivers.h"
+#include "drivers/drivers.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
 
@@ -12,11 +12,13 @@ namespace vblk {
 
 namespace {
 
-// The registry is a plain table: static libraries drop self-registering
-// objects nobody references, and the order here is the probe order.
-const DriverInfo kDrivers[] = {
+// The registry: the block layer's own drivers in a fixed order (the probe
+// order), then what higher layers add through register_driver (no
+// self-registering objects: static libraries drop those nobody
+// references). Filled on first use, on the loop thread.
+std::vector<DriverInfo>& registry() {
+  static std::vector<DriverInfo> r = {
     {"blkdebug", true, drivers::open_blkdebug, nullptr},
-    {"copy-before-write", false, drivers::open_copy_before_write, nullptr},
     {"file", true, drivers::open_file, nullptr},
     {"host_device", true, drivers::open_host_device, nullptr},
     {"nbd", true, drivers::open_nbd, nullptr},
@@ -25,9 +27,10 @@ const DriverInfo kDrivers[] = {
     {"qcow2", false, drivers::open_qcow2, drivers::probe_qcow2},
     {"raw", false, drivers::open_raw, drivers::probe_raw},
     {"rbd", true, drivers::open_rbd, nullptr},
-    {"snapshot-access", false, drivers::open_snapshot_access, nullptr},
     {"throttle", false, drivers::open_throttle, nullptr},
-};
+  };
+  return r;
+}
 
 std::string leftover_error(const DriverInfo& d, const std::string& key) {
   if (d.is_protocol) return "Block protocol '" + std::string(d.name) + "' doesn't support the option '" + key + "'";
@@ -44,9 +47,13 @@ std::string first_key(const Json& j) {
 }  // namespace
 
 const DriverInfo* find_driver(const std::string& name) {
-  for (const auto& d : kDrivers)
+  for (const auto& d : registry())
     if (name == d.name) return &d;
   return nullptr;
+}
+
+void register_driver(const DriverInfo& d) {
+  if (!find_driver(d.name)) registry().push_back(d);
 }
 
 Status check_write_without_resize(const Node& file) {
@@ -163,7 +170,7 @@ Task<Result<std::string>> probe_format(Node& file) {
   }
   const DriverInfo* best = nullptr;
   int best_score = 0;
-  for (const auto& d : kDrivers) {
+  for (const auto& d : registry()) {
     if (!d.probe) continue;
     int s = d.probe(head.span());
     if (s > best_score) {

@@ -1,4 +1,4 @@
-#include "block/options.h"
+#include "vblk/options.h"
 
 #include <algorithm>
 #include <cctype>

@@ -1,4 +1,4 @@
-// SnapshotRevert (include/vblk/snapshot_revert.h).
+// SnapshotRevert (include/block/vblk/snapshot_revert.h).
 #include "vblk/snapshot_revert.h"
 
 #include <sys/time.h>

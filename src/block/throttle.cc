@@ -1,4 +1,4 @@
-// Throttle groups and their leaky buckets: see include/vblk/throttle.h.
+// Throttle groups and their leaky buckets: see include/block/vblk/throttle.h.
 #include "vblk/throttle.h"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// VmstateWriter and VmstateReader (include/vblk/vmstate.h).
+// VmstateWriter and VmstateReader (include/block/vblk/vmstate.h).
 #include "vblk/vmstate.h"
 
 #include <algorithm>

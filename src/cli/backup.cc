@@ -32,10 +32,10 @@
 #include <optional>
 #include <vector>
 
-#include "block/drivers/drivers.h"
-#include "block/options.h"
-#include "cli/common.h"
-#include "cli/progress.h"
+#include "drivers/drivers.h"
+#include "vblk/options.h"
+#include "common.h"
+#include "progress.h"
 #include "vblk/backup.h"
 #include "vblk/graph.h"
 #include "vblk/job.h"

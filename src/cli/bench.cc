@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "cli/common.h"
+#include "common.h"
 #include "vblk/buffer.h"
 #include "vblk/sync.h"
 

@@ -12,8 +12,8 @@
 #include <cstdio>
 #include <vector>
 
-#include "block/options.h"
-#include "cli/common.h"
+#include "vblk/options.h"
+#include "common.h"
 #include "vblk/named_bitmap.h"
 
 namespace vblk::cli {

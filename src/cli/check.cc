@@ -12,7 +12,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "cli/common.h"
+#include "common.h"
 
 namespace vblk::cli {
 

@@ -1,4 +1,4 @@
-#include "cli/common.h"
+#include "common.h"
 
 #include <fmt/format.h>
 
@@ -9,9 +9,9 @@
 #include <map>
 #include <vector>
 
-#include "block/options.h"
-#include "qmp/daemon.h"
-#include "util/secret_store.h"
+#include "vblk/options.h"
+#include "vblk/qmp_daemon.h"
+#include "vblk/secret_store.h"
 
 namespace vblk::cli {
 

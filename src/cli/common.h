@@ -11,8 +11,8 @@
 #include <optional>
 #include <string>
 
-#include "block/open.h"
-#include "util/qdict_order.h"
+#include "vblk/open.h"
+#include "vblk/qdict_order.h"
 #include "vblk/loop.h"
 #include "vblk/node.h"
 

@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "cli/common.h"
-#include "cli/progress.h"
+#include "common.h"
+#include "progress.h"
 #include "vblk/buffer.h"
 
 namespace vblk::cli {

@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "block/options.h"
-#include "cli/common.h"
-#include "cli/progress.h"
+#include "vblk/options.h"
+#include "common.h"
+#include "progress.h"
 #include "vblk/block_copy.h"
 
 namespace vblk::cli {

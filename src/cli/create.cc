@@ -7,11 +7,11 @@
 #include <span>
 #include <vector>
 
-#include "block/drivers/drivers.h"
-#include "block/drivers/luks/create.h"
-#include "block/drivers/qcow2/qcow2.h"
-#include "block/options.h"
-#include "cli/common.h"
+#include "drivers/drivers.h"
+#include "drivers/luks/create.h"
+#include "drivers/qcow2/qcow2.h"
+#include "vblk/options.h"
+#include "common.h"
 
 namespace vblk::cli {
 

@@ -3,8 +3,8 @@
 
 #include <cstdio>
 
-#include "block/snapshot_info_json.h"
-#include "cli/common.h"
+#include "vblk/snapshot_info_json.h"
+#include "common.h"
 
 namespace vblk::cli {
 

@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "block/options.h"
-#include "cli/common.h"
+#include "vblk/options.h"
+#include "common.h"
 #include "vblk/buffer.h"
 
 namespace vblk::cli {

@@ -17,7 +17,7 @@
 #include <cstring>
 #include <functional>
 
-#include "cli/common.h"
+#include "common.h"
 #include "vblk/snapshot_revert.h"
 #include "vblk/vmstate.h"
 

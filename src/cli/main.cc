@@ -4,7 +4,8 @@
 #include <cstring>
 #include <string>
 
-#include "cli/common.h"
+#include "common.h"
+#include "vblk/copy_drivers.h"
 
 namespace {
 
@@ -75,6 +76,7 @@ int main(int argc, char** argv) {
   const char* slash = std::strrchr(argv[0], '/');
   vblk::cli::g_prog = slash ? slash + 1 : argv[0];
   if (argc < 2) vblk::cli::error_exit("Not enough arguments");
+  vblk::register_copy_drivers();  // --blockdev / json: filenames may name them
   std::string cmd = argv[1];
   if (cmd == "-h" || cmd == "--help") {
     help();

@@ -4,7 +4,7 @@
 
 #include <cstdio>
 
-#include "cli/common.h"
+#include "common.h"
 #include "vblk/chain.h"
 
 namespace vblk::cli {

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "cli/common.h"
-#include "cli/server_process.h"
-#include "nbd/server.h"
+#include "common.h"
+#include "server_process.h"
+#include "vblk/nbd_server.h"
 
 namespace vblk::cli {
 

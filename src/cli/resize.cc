@@ -4,8 +4,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "block/options.h"
-#include "cli/common.h"
+#include "vblk/options.h"
+#include "common.h"
 
 namespace vblk::cli {
 

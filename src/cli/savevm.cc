@@ -29,7 +29,7 @@
 #include <optional>
 #include <vector>
 
-#include "cli/common.h"
+#include "common.h"
 #include "vblk/migration_stream.h"
 #include "vblk/vmstate.h"
 

@@ -18,9 +18,9 @@
 #include <map>
 #include <string>
 
-#include "cli/common.h"
-#include "cli/server_process.h"
-#include "qmp/daemon.h"
+#include "common.h"
+#include "server_process.h"
+#include "vblk/qmp_daemon.h"
 
 namespace vblk::cli {
 

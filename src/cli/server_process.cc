@@ -1,4 +1,4 @@
-#include "cli/server_process.h"
+#include "server_process.h"
 
 #include <fcntl.h>
 #include <sys/wait.h>

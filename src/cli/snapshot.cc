@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "cli/common.h"
+#include "common.h"
 
 namespace vblk::cli {
 

@@ -3,7 +3,7 @@
 #include <ctime>
 #include <cstdio>
 
-#include "cli/common.h"
+#include "common.h"
 
 namespace vblk::cli {
 

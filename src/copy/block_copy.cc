@@ -1,4 +1,4 @@
-// The block-copy engine (see include/vblk/block_copy.h for the contract).
+// The block-copy engine (see include/copy/vblk/block_copy.h for the contract).
 //
 // A call is one coroutine, the scanner, that walks the dirty bitmap of its
 // range and spawns one detached task per chunk. The scanner takes a worker
@@ -12,7 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "copy/rate_limit.h"
+#include "rate_limit.h"
 #include "vblk/status_group.h"
 
 namespace vblk {

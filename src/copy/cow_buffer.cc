@@ -1,4 +1,4 @@
-// The COW buffer's store (see include/vblk/cow_buffer.h): cluster pieces cut
+// The COW buffer's store (see include/copy/vblk/cow_buffer.h): cluster pieces cut
 // from huge-page slabs, a spill file without a name, entries by offset and by
 // age.
 #include "vblk/cow_buffer.h"

@@ -4,9 +4,9 @@
 // routes it to the thread pool).
 #include <sys/epoll.h>
 
-#include "io/backend.h"
-#include "io/socket_waiters.h"
-#include "io/thread_pool.h"
+#include "backend.h"
+#include "socket_waiters.h"
+#include "thread_pool.h"
 
 namespace vblk::detail {
 namespace {

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "io/backend.h"
-#include "io/thread_pool.h"
+#include "backend.h"
+#include "thread_pool.h"
 
 namespace vblk {
 

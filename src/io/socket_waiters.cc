@@ -1,4 +1,4 @@
-#include "io/socket_waiters.h"
+#include "socket_waiters.h"
 
 #include <poll.h>
 #include <sys/socket.h>

@@ -1,4 +1,4 @@
-#include "io/thread_pool.h"
+#include "thread_pool.h"
 
 #include <fcntl.h>
 #include <sys/eventfd.h>

@@ -21,9 +21,9 @@
 #include <algorithm>
 #include <deque>
 
-#include "io/backend.h"
-#include "io/socket_waiters.h"
-#include "io/thread_pool.h"
+#include "backend.h"
+#include "socket_waiters.h"
+#include "thread_pool.h"
 
 namespace vblk::detail {
 namespace {

@@ -1,4 +1,4 @@
-// The backup job (see include/vblk/backup.h): QEMU 7.2's backup_loop on one
+// The backup job (see include/job/vblk/backup.h): QEMU 7.2's backup_loop on one
 // asynchronous block-copy call, with the copy-before-write filter holding
 // the point in time.
 #include "vblk/backup.h"

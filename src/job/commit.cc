@@ -1,7 +1,7 @@
-// block-commit's checks and the active commit (see include/vblk/commit.h).
+// block-commit's checks and the active commit (see include/job/vblk/commit.h).
 #include "vblk/commit.h"
 
-#include "job/chain_job_params.h"
+#include "chain_job_params.h"
 #include "vblk/chain.h"
 
 namespace vblk {

@@ -1,4 +1,4 @@
-// The blockdev-create job (include/vblk/create_job.h).
+// The blockdev-create job (include/job/vblk/create_job.h).
 #include "vblk/create_job.h"
 
 namespace vblk {

@@ -1,4 +1,4 @@
-// The job state machine (see include/vblk/job.h). The sequence of states,
+// The job state machine (see include/job/vblk/job.h). The sequence of states,
 // events and callbacks follows QEMU's job.c step by step, so event order on
 // the wire is the same; the mechanics are vblk's: a job's coroutine suspends
 // in do_yield() and enter() posts it back to the loop.

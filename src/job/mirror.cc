@@ -1,4 +1,4 @@
-// The mirror job (see include/vblk/mirror.h): QEMU 7.2's mirror_run on the
+// The mirror job (see include/job/vblk/mirror.h): QEMU 7.2's mirror_run on the
 // block-copy engine, with the MirrorTop filter recording or forwarding guest
 // writes.
 #include "vblk/mirror.h"

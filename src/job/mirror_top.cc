@@ -1,4 +1,4 @@
-// The mirror job's filter (see include/vblk/mirror_top.h).
+// The mirror job's filter (see include/job/vblk/mirror_top.h).
 #include "vblk/mirror_top.h"
 
 #include <algorithm>

@@ -1,7 +1,7 @@
-// block-stream's checks (see include/vblk/stream.h).
+// block-stream's checks (see include/job/vblk/stream.h).
 #include "vblk/stream.h"
 
-#include "job/chain_job_params.h"
+#include "chain_job_params.h"
 #include "vblk/chain.h"
 
 #include <algorithm>

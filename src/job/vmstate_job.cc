@@ -1,5 +1,5 @@
 // The snapshot-save / snapshot-load jobs over a socket: see
-// include/vblk/vmstate_job.h.
+// include/job/vblk/vmstate_job.h.
 #include "vblk/vmstate_job.h"
 
 #include <sys/socket.h>

@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <bit>
 
-#include "qmp/daemon.h"
-#include "qmp/transaction.h"
+#include "vblk/qmp_daemon.h"
+#include "transaction.h"
 
 namespace vblk::qmp {
 

@@ -3,9 +3,9 @@
 // driver vblk has is available; errors are worded as QEMU words them.
 #include <algorithm>
 
-#include "block/open.h"
-#include "block/snapshot_info_json.h"
-#include "qmp/daemon.h"
+#include "vblk/open.h"
+#include "vblk/snapshot_info_json.h"
+#include "vblk/qmp_daemon.h"
 #include "vblk/backup.h"
 #include "vblk/chain.h"
 #include "vblk/copy_before_write.h"

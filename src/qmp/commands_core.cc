@@ -2,8 +2,9 @@
 // query-commands, quit (qmp_capabilities is the monitor's own).
 #include <algorithm>
 
-#include "block/open.h"
-#include "qmp/daemon.h"
+#include "vblk/copy_drivers.h"
+#include "vblk/open.h"
+#include "vblk/qmp_daemon.h"
 
 #ifndef VBLK_VERSION
 #define VBLK_VERSION "0.0.0"
@@ -44,6 +45,7 @@ Task<Reply> quit(Daemon& d, const OJson&) {
 
 Daemon::Daemon(Loop& l)
     : loop(l), monitors(l, registry, version_json()), nbd_running(l), quit(l), clients_open(l) {
+  register_copy_drivers();  // blockdev-add of copy-before-write, snapshot-access
   clients_open.set();
 }
 

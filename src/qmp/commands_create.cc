@@ -1,17 +1,17 @@
 // blockdev-create (QEMU 7.2's qmp_blockdev_create and BlockdevCreateOptions):
 // the options' union is checked here as QEMU's QAPI visitor checks it, then a
-// "create" job (include/vblk/create_job.h) runs the block layer's creation
+// "create" job (include/job/vblk/create_job.h) runs the block layer's creation
 // code: the file driver's create_file (exact size, as QEMU's file driver)
 // or Qcow2Node::create on an existing node (a node name or inline options),
 // after Qcow2Node::check_create_options (qcow2_co_create's checks). Errors
 // found while the job runs (an unknown node, a bad cluster size) end the job
 // with QEMU's message, not the command.
-#include "block/drivers/drivers.h"
-#include "block/drivers/luks/create.h"
-#include "block/drivers/qcow2/qcow2.h"
-#include "block/open.h"
-#include "qmp/daemon.h"
-#include "qmp/transaction.h"
+#include "drivers/drivers.h"
+#include "drivers/luks/create.h"
+#include "drivers/qcow2/qcow2.h"
+#include "vblk/open.h"
+#include "vblk/qmp_daemon.h"
+#include "transaction.h"
 #include "vblk/buffer.h"
 #include "vblk/create_job.h"
 #include "vblk/node_ref.h"

@@ -4,10 +4,10 @@
 // blockdev-mirror checks. The target node is the daemon's, not the
 // monitor's: blockdev-del refuses it, and it goes when nothing uses it
 // (drop_orphans: at the next blockdev-del or query-named-block-nodes).
-#include "qmp/drive_mirror.h"
+#include "drive_mirror.h"
 
-#include "block/open.h"
-#include "qmp/transaction.h"
+#include "vblk/open.h"
+#include "transaction.h"
 #include "vblk/mirror.h"
 
 namespace vblk::qmp {

@@ -2,10 +2,10 @@
 // query-block-jobs, with QEMU 7.2's argument schemas, lookups and error
 // classes (block-job-* say DeviceNotActive "Block job 'x' not found", job-*
 // say GenericError "Job not found"). The job logic itself is in src/job.
-#include "block/open.h"
-#include "qmp/daemon.h"
-#include "qmp/drive_mirror.h"
-#include "qmp/transaction.h"
+#include "vblk/open.h"
+#include "vblk/qmp_daemon.h"
+#include "drive_mirror.h"
+#include "transaction.h"
 #include "vblk/backup.h"
 #include "vblk/commit.h"
 #include "vblk/mirror.h"

@@ -3,7 +3,7 @@
 // nbd::Server through its public API.
 #include <algorithm>
 
-#include "qmp/daemon.h"
+#include "vblk/qmp_daemon.h"
 
 namespace vblk::qmp {
 

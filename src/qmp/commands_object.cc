@@ -1,7 +1,7 @@
 // QOM objects: object-add / object-del and `vblk serve --object`.
 //
 // vblk has the objects a storage daemon's block layer uses: throttle-group
-// (include/vblk/throttle.h, for `throttle` nodes), secret (util/secret_store.h,
+// (include/block/vblk/throttle.h, for `throttle` nodes), secret (util/secret_store.h,
 // for rbd's key-secret) and iothread (accepted and kept by id: one event loop
 // serves everything). Other QEMU object types are refused by name, so a
 // script learns at once what vblk lacks. Every id is also noted in the
@@ -10,8 +10,8 @@
 #include <cctype>
 #include <cerrno>
 
-#include "qmp/daemon.h"
-#include "util/secret_store.h"
+#include "vblk/qmp_daemon.h"
+#include "vblk/secret_store.h"
 
 namespace vblk::qmp {
 

@@ -14,9 +14,9 @@
 
 #include <cstring>
 
-#include "block/open.h"
-#include "block/snapshot_info_json.h"
-#include "qmp/transaction.h"
+#include "vblk/open.h"
+#include "vblk/snapshot_info_json.h"
+#include "transaction.h"
 #include "vblk/node_ref.h"
 
 namespace vblk::qmp {

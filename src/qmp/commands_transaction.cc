@@ -3,7 +3,7 @@
 // order; on the first failure abort the prepared ones (the failing one
 // included, as QEMU does) in reverse order; otherwise commit them in order;
 // then clean them all in order.
-#include "qmp/transaction.h"
+#include "transaction.h"
 
 namespace vblk::qmp {
 

@@ -1,6 +1,6 @@
 // x-vblk-savevm / x-vblk-loadvm: QEMU's snapshot-save / snapshot-load for
 // a VM whose disks this daemon holds, the VM-state stream on a socket (the
-// jobs: include/vblk/vmstate_job.h).
+// jobs: include/job/vblk/vmstate_job.h).
 //
 //   x-vblk-savevm {job-id, tag, vmstate, devices, addr, workers?, buffer-size?}
 //     listens on addr (SocketAddress, as nbd-server-start's) before it
@@ -23,7 +23,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "qmp/daemon.h"
+#include "vblk/qmp_daemon.h"
 #include "vblk/vmstate_job.h"
 
 namespace vblk::qmp {

@@ -3,7 +3,7 @@
 // sync=top/none) or opens (mode existing), then the blockdev-mirror job.
 #pragma once
 
-#include "qmp/daemon.h"
+#include "vblk/qmp_daemon.h"
 
 namespace vblk::qmp {
 

@@ -1,4 +1,4 @@
-#include "qmp/json.h"
+#include "vblk/qmp_json.h"
 
 #include <algorithm>
 #include <cerrno>

@@ -1,4 +1,4 @@
-#include "qmp/monitor.h"
+#include "vblk/qmp_monitor.h"
 
 #include <sys/socket.h>
 #include <sys/time.h>

@@ -1,4 +1,4 @@
-#include "qmp/registry.h"
+#include "vblk/qmp_registry.h"
 
 #include <algorithm>
 

@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "block/options.h"
-#include "qmp/daemon.h"
+#include "vblk/options.h"
+#include "vblk/qmp_daemon.h"
 
 namespace vblk::qmp {
 

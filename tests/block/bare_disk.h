@@ -1,4 +1,4 @@
-// The generic layer's tests' disk: a MemNode (include/vblk/mem_node.h) with
+// The generic layer's tests' disk: a MemNode (include/block/vblk/mem_node.h) with
 // the given limits and only the given caps (none by default, so FUA, zero
 // writes and discard are the generic layer's to emulate), recording every
 // request it is handed.

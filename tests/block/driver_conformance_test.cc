@@ -7,7 +7,7 @@
 #include <random>
 
 #include "block/drivers/drivers.h"
-#include "block/open.h"
+#include "vblk/open.h"
 #include "vblk/buffer.h"
 
 using namespace vblk;

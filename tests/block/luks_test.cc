@@ -8,7 +8,7 @@
 
 #include "block/drivers/luks/create.h"
 #include "block/drivers/luks/luks.h"
-#include "util/secret_store.h"
+#include "vblk/secret_store.h"
 #include "vblk/loop.h"
 
 namespace vblk::luks {

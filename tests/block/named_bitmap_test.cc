@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "bare_disk.h"
-#include "util/sha256.h"
+#include "vblk/sha256.h"
 #include "vblk/named_bitmap.h"
 
 using namespace vblk;

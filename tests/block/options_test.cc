@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "block/options.h"
+#include "vblk/options.h"
 
 using namespace vblk;
 

@@ -10,7 +10,7 @@
 
 #include "block/drivers/qcow2/format.h"
 #include "block/drivers/qcow2/qcow2.h"
-#include "block/open.h"
+#include "vblk/open.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
 

@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "block/drivers/qcow2/qcow2.h"
-#include "block/open.h"
+#include "vblk/open.h"
 #include "qcow2_temp_image.h"
 
 using namespace vblk;

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "block/drivers/qcow2/qcow2.h"
-#include "block/open.h"
+#include "vblk/open.h"
 
 namespace vblk::testing {
 

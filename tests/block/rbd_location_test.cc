@@ -3,7 +3,7 @@
 
 #include <gtest/gtest.h>
 
-#include "util/qdict_order.h"
+#include "vblk/qdict_order.h"
 
 namespace vblk::rbd {
 namespace {

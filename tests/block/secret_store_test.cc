@@ -1,12 +1,12 @@
 // The process's secret objects (util/secret_store.h) and their base64, as
 // QEMU's crypto/secret*.c and util/base64.c behave.
-#include "util/secret_store.h"
+#include "vblk/secret_store.h"
 
 #include <gtest/gtest.h>
 
 #include <vector>
 
-#include "util/base64.h"
+#include "vblk/base64.h"
 
 namespace vblk {
 namespace {

@@ -34,9 +34,9 @@
 
 #include "block/drivers/luks/create.h"
 #include "block/drivers/qcow2/qcow2.h"
-#include "block/open.h"
-#include "nbd/server.h"
-#include "util/secret_store.h"
+#include "vblk/open.h"
+#include "vblk/nbd_server.h"
+#include "vblk/secret_store.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
@@ -44,6 +44,7 @@
 #include "vblk/net.h"
 #include "vblk/sync.h"
 #include "vblk/throttle.h"
+#include "vblk/copy_drivers.h"
 
 using namespace vblk;
 
@@ -250,6 +251,7 @@ Builder cbw_stack() {
     m->mutable_data() = data;
     s.initial = data;
     s.mem("t0", kSize);
+    register_copy_drivers();
     s.top = s.open({{"driver", "copy-before-write"}, {"node-name", "cbw"}, {"file", "m0"}, {"target", "t0"}});
     ASSERT_TRUE(s.top);  // named "cbw" in the graph by open_node
     s.snapshot = s.open({{"driver", "snapshot-access"}, {"file", "cbw"}});

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#include "block/open.h"
+#include "vblk/open.h"
 #include "vblk/buffer.h"
 
 using namespace vblk;

@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "block/open.h"
+#include "vblk/open.h"
 #include "vblk/sync.h"
 
 using namespace vblk;

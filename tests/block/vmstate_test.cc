@@ -12,7 +12,7 @@
 #include <random>
 
 #include "block/drivers/qcow2/qcow2.h"
-#include "block/open.h"
+#include "vblk/open.h"
 #include "vblk/mem_node.h"
 #include "vblk/vmstate.h"
 #include "qcow2_temp_image.h"

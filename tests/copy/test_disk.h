@@ -1,5 +1,5 @@
 // The block-copy, backup and mirror tests' disks: MemNodes
-// (include/vblk/mem_node.h) that record every request with its start and
+// (include/block/vblk/mem_node.h) that record every request with its start and
 // end time, offer zero writes and discard but not native FUA, and have a
 // fixed size; plus the helpers those tests share.
 #pragma once

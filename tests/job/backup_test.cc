@@ -8,8 +8,9 @@
 #include <random>
 
 #include "../copy/test_disk.h"
-#include "block/open.h"
+#include "vblk/open.h"
 #include "wait_for.h"
+#include "vblk/copy_drivers.h"
 
 namespace vblk {
 namespace {
@@ -522,6 +523,7 @@ TEST(CopyBeforeWriteTest, ZeroesAndReadsAndTimeout) {
 }
 
 TEST(CopyBeforeWriteTest, OpensFromBlockdevOptions) {
+  register_copy_drivers();
   Env e(1 << 20);
   OpenContext ctx{e.loop, &e.graph};
   auto r = open_node(ctx, Json::parse(R"({"driver":"copy-before-write","node-name":"f","file":"src",

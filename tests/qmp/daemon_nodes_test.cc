@@ -4,7 +4,7 @@
 // and a weak_ptr keeps a make_shared node's whole allocation.
 #include <gtest/gtest.h>
 
-#include "qmp/daemon.h"
+#include "vblk/qmp_daemon.h"
 
 using namespace vblk;
 

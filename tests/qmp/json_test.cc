@@ -1,11 +1,11 @@
 // QMP JSON: message cutting, QEMU's error texts and recovery, and output
 // in QEMU's byte format (the interop test compares whole reply lines with
 // qemu-storage-daemon; these pin the pieces down without a daemon).
-#include "qmp/json.h"
+#include "vblk/qmp_json.h"
 
 #include <gtest/gtest.h>
 
-#include "qmp/registry.h"
+#include "vblk/qmp_registry.h"
 
 namespace vblk::qmp {
 namespace {

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "block/open.h"
+#include "vblk/open.h"
 #include "vblk/buffer.h"
 #include "vblk/sync.h"
 

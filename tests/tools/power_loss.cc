@@ -2,7 +2,7 @@
 // checks what the disk was left with.
 //
 // Each scenario runs a seeded guest workload on qcow2 over a MemNode
-// (include/vblk/mem_node.h): concurrent writes, write-zeroes and discards,
+// (include/block/vblk/mem_node.h): concurrent writes, write-zeroes and discards,
 // flushes, internal snapshots created and deleted, a persistent bitmap
 // stored by a close and reopen. A first run counts the write-type requests
 // that reach the medium; then, for each chosen point k, the same workload
@@ -38,14 +38,15 @@
 #include "guest_model.h"
 #include "image_check.h"
 #include "tool_args.h"
-#include "block/open.h"
-#include "nbd/server.h"
+#include "vblk/open.h"
+#include "vblk/nbd_server.h"
 #include "vblk/net.h"
 #include "vblk/throttle.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
 #include "vblk/sync.h"
+#include "vblk/copy_drivers.h"
 
 using namespace vblk;
 using namespace vblk::power;
@@ -503,6 +504,7 @@ std::string verify_point(const Scenario& sc, const std::vector<uint8_t>& img, co
 int main(int argc, char** argv) {
   ToolArgs args{.points = 200};
   if (!parse_tool_args(argc, argv, args, "vblk-power-loss")) return 2;
+  register_copy_drivers();
   const auto all = scenarios();
   std::vector<const Scenario*> chosen;
   if (int rc = choose_scenarios(all, args, "power_loss", chosen); rc >= 0) return rc;

@@ -2,7 +2,7 @@
 // checks what every disk was left with.
 //
 // Each scenario puts qcow2 images on MemNodes that share one power supply
-// (include/vblk/mem_node.h: a host whose disks all lose power at once),
+// (include/block/vblk/mem_node.h: a host whose disks all lose power at once),
 // starts a job over them — mirror to a new image and complete, active
 // commit and complete, intermediate commit, stream, full backup — and
 // keeps a seeded guest writing, zeroing and flushing through the device's
@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "block/drivers/qcow2/qcow2.h"
-#include "block/open.h"
+#include "vblk/open.h"
 #include "guest_model.h"
 #include "image_check.h"
 #include "tool_args.h"

@@ -14,7 +14,7 @@
 // they fire. `set-state` rules move the state machine on an event.
 #include <algorithm>
 
-#include "block/drivers/drivers.h"
+#include "drivers/drivers.h"
 #include "vblk/filter_node.h"
 
 namespace vblk {

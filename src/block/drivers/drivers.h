@@ -1,7 +1,7 @@
 // The built-in drivers' entry points (one file each in this folder).
 #pragma once
 
-#include "block/open.h"
+#include "vblk/open.h"
 
 namespace vblk::drivers {
 
@@ -17,9 +17,7 @@ int probe_qcow2(std::span<const uint8_t> head);
 // luks/: LUKS1 encryption (QEMU's `luks` format).
 Result<std::shared_ptr<Node>> open_luks(OpenContext& ctx, Json& opts);
 int probe_luks(std::span<const uint8_t> head);
-Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opts);
 Result<std::shared_ptr<Node>> open_throttle(OpenContext& ctx, Json& opts);
-Result<std::shared_ptr<Node>> open_snapshot_access(OpenContext& ctx, Json& opts);
 // rbd/rbd.cc when librbd is found, else rbd_unavailable.cc (which fails
 // every call saying the build has no rbd driver).
 Result<std::shared_ptr<Node>> open_rbd(OpenContext& ctx, Json& opts);

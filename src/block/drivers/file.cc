@@ -17,8 +17,8 @@
 #include <cstring>
 #include <functional>
 
-#include "block/drivers/drivers.h"
-#include "block/drivers/file_lock.h"
+#include "drivers/drivers.h"
+#include "drivers/file_lock.h"
 #include "vblk/buffer.h"
 
 namespace vblk {

@@ -1,4 +1,4 @@
-#include "block/drivers/file_lock.h"
+#include "drivers/file_lock.h"
 
 #include <fcntl.h>
 

@@ -1,4 +1,4 @@
-// MemNode (include/vblk/mem_node.h): memory as the medium, with faults,
+// MemNode (include/block/vblk/mem_node.h): memory as the medium, with faults,
 // latency, a request record and a volatile write cache that power_cut()
 // can drop.
 #include "vblk/mem_node.h"

@@ -6,10 +6,10 @@
 // CAN_MULTI_CONN, requests are spread over that many connections.
 #include <fmt/format.h>
 
-#include "block/drivers/drivers.h"
-#include "block/options.h"
-#include "nbd/client.h"
-#include "nbd/protocol.h"
+#include "drivers/drivers.h"
+#include "vblk/options.h"
+#include "vblk/nbd_client.h"
+#include "vblk/nbd_protocol.h"
 
 namespace vblk {
 namespace {

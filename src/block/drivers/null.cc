@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "block/drivers/drivers.h"
+#include "drivers/drivers.h"
 
 namespace vblk {
 namespace {

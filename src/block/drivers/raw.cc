@@ -3,8 +3,8 @@
 // block status answers "ask the child" (kStatusRaw), as QEMU's raw does.
 #include <algorithm>
 
-#include "block/drivers/drivers.h"
-#include "block/perm_rules.h"
+#include "drivers/drivers.h"
+#include "perm_rules.h"
 
 namespace vblk {
 namespace {

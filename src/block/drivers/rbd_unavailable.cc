@@ -1,6 +1,6 @@
 // Stands in for the rbd driver (rbd/) in builds without librbd: the driver
 // name is known, but opening or creating says this build cannot.
-#include "block/drivers/drivers.h"
+#include "drivers/drivers.h"
 
 namespace vblk::drivers {
 

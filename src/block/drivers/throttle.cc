@@ -1,11 +1,11 @@
 // The `throttle` filter (QEMU's block/throttle.c): every read, write,
 // write-zeroes and discard of its `file` child first passes its throttle
-// group (include/vblk/throttle.h); flush and block status go straight
+// group (include/block/vblk/throttle.h); flush and block status go straight
 // through. Options: `throttle-group` (the id of a throttle-group object,
 // required) and `file`.
 #include <cerrno>
 
-#include "block/drivers/drivers.h"
+#include "drivers/drivers.h"
 #include "vblk/filter_node.h"
 #include "vblk/throttle.h"
 

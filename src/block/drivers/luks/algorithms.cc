@@ -1,5 +1,5 @@
 // LUKS header algorithm names: see algorithms.h.
-#include "block/drivers/luks/algorithms.h"
+#include "drivers/luks/algorithms.h"
 
 #include <array>
 #include <cstring>

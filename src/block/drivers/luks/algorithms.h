@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "block/drivers/luks/header.h"
+#include "drivers/luks/header.h"
 
 namespace vblk::luks {
 

@@ -1,5 +1,5 @@
 // LUKS sector cipher over OpenSSL EVP: see cipher.h.
-#include "block/drivers/luks/cipher.h"
+#include "drivers/luks/cipher.h"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>

@@ -17,7 +17,7 @@
 #include <span>
 #include <vector>
 
-#include "block/drivers/luks/algorithms.h"
+#include "drivers/luks/algorithms.h"
 
 typedef struct evp_cipher_ctx_st EVP_CIPHER_CTX;
 

@@ -1,5 +1,5 @@
 // LUKS1 image creation: see create.h.
-#include "block/drivers/luks/create.h"
+#include "drivers/luks/create.h"
 
 #include <openssl/rand.h>
 #include <sys/resource.h>
@@ -10,7 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "block/drivers/luks/luks.h"
+#include "drivers/luks/luks.h"
 #include "vblk/buffer.h"
 
 namespace vblk::luks {

@@ -6,7 +6,7 @@
 #include <optional>
 #include <string>
 
-#include "block/drivers/luks/luks.h"
+#include "drivers/luks/luks.h"
 #include "vblk/node.h"
 #include "vblk/task.h"
 

@@ -1,5 +1,5 @@
 // LUKS1 header decoding and validation: see header.h.
-#include "block/drivers/luks/header.h"
+#include "drivers/luks/header.h"
 
 #include <cstring>
 

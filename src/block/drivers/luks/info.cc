@@ -1,8 +1,8 @@
 // The luks driver's helpers shared by open and create: see luks.h.
 #include <cstring>
 
-#include "block/drivers/luks/luks.h"
-#include "util/secret_store.h"
+#include "drivers/luks/luks.h"
+#include "vblk/secret_store.h"
 
 namespace vblk::luks {
 

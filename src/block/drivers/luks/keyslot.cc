@@ -1,5 +1,5 @@
 // LUKS key slots: see keyslot.h.
-#include "block/drivers/luks/keyslot.h"
+#include "drivers/luks/keyslot.h"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>

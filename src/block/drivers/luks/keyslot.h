@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "block/drivers/luks/cipher.h"
+#include "drivers/luks/cipher.h"
 
 namespace vblk::luks {
 

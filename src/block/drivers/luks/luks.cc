@@ -10,9 +10,9 @@
 #include <algorithm>
 #include <cstring>
 
-#include "block/drivers/drivers.h"
-#include "block/drivers/luks/luks.h"
-#include "block/perm_rules.h"
+#include "drivers/drivers.h"
+#include "drivers/luks/luks.h"
+#include "perm_rules.h"
 #include "vblk/buffer.h"
 
 namespace vblk {

@@ -11,10 +11,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "block/drivers/luks/algorithms.h"
-#include "block/drivers/luks/cipher.h"
-#include "block/drivers/luks/header.h"
-#include "block/drivers/luks/keyslot.h"
+#include "drivers/luks/algorithms.h"
+#include "drivers/luks/cipher.h"
+#include "drivers/luks/header.h"
+#include "drivers/luks/keyslot.h"
 #include "vblk/node.h"
 #include "vblk/task.h"
 

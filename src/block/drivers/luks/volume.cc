@@ -1,7 +1,7 @@
 // Opening a LUKS volume wherever its header lies: see luks.h.
 #include <cstring>
 
-#include "block/drivers/luks/luks.h"
+#include "drivers/luks/luks.h"
 #include "vblk/buffer.h"
 
 namespace vblk::luks {

@@ -21,7 +21,7 @@
 #include <bit>
 #include <cstdio>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
 
 namespace vblk::qcow2 {

@@ -1,4 +1,4 @@
-#include "block/drivers/qcow2/cache.h"
+#include "drivers/qcow2/cache.h"
 
 namespace vblk::qcow2 {
 

@@ -35,7 +35,7 @@
 #include <string>
 #include <vector>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
 
 namespace vblk::qcow2 {

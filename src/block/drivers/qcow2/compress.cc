@@ -19,7 +19,7 @@
 #include <functional>
 #include <optional>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 
 namespace vblk::qcow2 {
 

@@ -1,7 +1,7 @@
 // Creating qcow2 images and changing their size.
 #include <fmt/format.h>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
 
 namespace vblk::qcow2 {

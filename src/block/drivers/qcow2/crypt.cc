@@ -10,7 +10,7 @@
 
 #include <cstring>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
 
 namespace vblk::qcow2 {

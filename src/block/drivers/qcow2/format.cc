@@ -1,4 +1,4 @@
-#include "block/drivers/qcow2/format.h"
+#include "drivers/qcow2/format.h"
 
 #include <fmt/format.h>
 

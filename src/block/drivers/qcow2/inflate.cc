@@ -7,7 +7,7 @@
 // a deflate stream that fills the cluster is accepted even if it goes on
 // (zlib's Z_BUF_ERROR with the output full); libdeflate refuses such a
 // stream (insufficient space), so that rare case is retried with zlib.
-#include "block/drivers/qcow2/inflate.h"
+#include "drivers/qcow2/inflate.h"
 
 #include <libdeflate.h>
 #include <zlib.h>

@@ -5,8 +5,8 @@
 #include <functional>
 #include <thread>
 
-#include "block/drivers/qcow2/inflate.h"
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/inflate.h"
+#include "drivers/qcow2/qcow2.h"
 #include "vblk/status_group.h"
 
 namespace vblk::qcow2 {

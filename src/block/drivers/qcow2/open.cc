@@ -6,8 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "block/drivers/qcow2/qcow2.h"
-#include "block/perm_rules.h"
+#include "drivers/qcow2/qcow2.h"
+#include "perm_rules.h"
 #include "vblk/buffer.h"
 #include "vblk/chain.h"
 

@@ -1,6 +1,6 @@
 // The overlap-check option and the sorted indexes behind the check (the
 // check itself, which reads the node's tables, is in overlap_check.cc).
-#include "block/drivers/qcow2/overlap.h"
+#include "drivers/qcow2/overlap.h"
 
 #include <algorithm>
 

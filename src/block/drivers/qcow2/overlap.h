@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "block/options.h"
+#include "vblk/options.h"
 #include "vblk/result.h"
 
 namespace vblk::qcow2 {

@@ -15,7 +15,7 @@
 // unallocated, so a backing file still shows through).
 #include <fmt/format.h>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 
 namespace vblk::qcow2 {
 

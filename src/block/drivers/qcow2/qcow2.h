@@ -39,11 +39,11 @@
 #include <unordered_set>
 #include <vector>
 
-#include "block/drivers/luks/create.h"
-#include "block/drivers/qcow2/cache.h"
-#include "block/drivers/qcow2/format.h"
-#include "block/drivers/qcow2/overlap.h"
-#include "block/open.h"
+#include "drivers/luks/create.h"
+#include "drivers/qcow2/cache.h"
+#include "drivers/qcow2/format.h"
+#include "drivers/qcow2/overlap.h"
+#include "vblk/open.h"
 #include "vblk/node.h"
 #include "vblk/sync.h"
 

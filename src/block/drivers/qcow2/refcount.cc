@@ -2,7 +2,7 @@
 // (through rb_cache_), cluster allocation and freeing. Lock held throughout.
 #include <fmt/format.h>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 
 namespace vblk::qcow2 {
 

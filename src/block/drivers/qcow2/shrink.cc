@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
 
 namespace vblk::qcow2 {

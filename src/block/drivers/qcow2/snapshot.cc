@@ -25,7 +25,7 @@
 #include <unordered_map>
 #include <cstdlib>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
 
 namespace vblk::qcow2 {

@@ -12,7 +12,7 @@
 
 #include <cstring>
 
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 
 namespace vblk::qcow2 {
 

@@ -11,7 +11,7 @@
 // - Discard is advisory and works on whole clusters only (plus the partial
 //   last cluster of the image): the cluster becomes zero if a backing file
 //   could show through or it held something, else it stays as it is.
-#include "block/drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/qcow2.h"
 
 namespace vblk::qcow2 {
 

@@ -22,13 +22,13 @@
 
 #include <cstring>
 
-#include "block/drivers/drivers.h"
-#include "block/drivers/rbd/rbd_aio.h"
-#include "block/drivers/rbd/rbd_connection.h"
-#include "block/drivers/rbd/rbd_encryption.h"
-#include "block/drivers/rbd/rbd_lib.h"
+#include "drivers/drivers.h"
+#include "drivers/rbd/rbd_aio.h"
+#include "drivers/rbd/rbd_connection.h"
+#include "drivers/rbd/rbd_encryption.h"
+#include "drivers/rbd/rbd_lib.h"
 #include "vblk/buffer.h"
-#include "util/qdict_order.h"
+#include "vblk/qdict_order.h"
 
 namespace vblk {
 namespace {

@@ -21,7 +21,7 @@
 #include <coroutine>
 
 #include "vblk/loop.h"
-#include "block/drivers/rbd/rbd_lib.h"
+#include "drivers/rbd/rbd_lib.h"
 
 namespace vblk::rbd {
 

@@ -1,4 +1,4 @@
-#include "block/drivers/rbd/rbd_connection.h"
+#include "drivers/rbd/rbd_connection.h"
 
 #include <rbd/librbd.h>
 
@@ -6,9 +6,9 @@
 
 #include <cstring>
 
-#include "block/drivers/rbd/rbd_encryption.h"
-#include "block/drivers/rbd/rbd_lib.h"
-#include "util/secret_store.h"
+#include "drivers/rbd/rbd_encryption.h"
+#include "drivers/rbd/rbd_lib.h"
+#include "vblk/secret_store.h"
 
 namespace vblk::rbd {
 

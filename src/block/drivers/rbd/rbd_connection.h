@@ -11,7 +11,7 @@
 
 #include <memory>
 
-#include "block/drivers/rbd/rbd_location.h"
+#include "drivers/rbd/rbd_location.h"
 
 namespace vblk::rbd {
 

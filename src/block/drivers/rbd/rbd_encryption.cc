@@ -1,13 +1,13 @@
 // RBD image encryption: see rbd_encryption.h.
-#include "block/drivers/rbd/rbd_encryption.h"
-#include "block/drivers/rbd/rbd_lib.h"
+#include "drivers/rbd/rbd_encryption.h"
+#include "drivers/rbd/rbd_lib.h"
 
 #include <string.h>
 
 #include <array>
 #include <cstring>
 
-#include "util/secret_store.h"
+#include "vblk/secret_store.h"
 
 namespace vblk::rbd {
 

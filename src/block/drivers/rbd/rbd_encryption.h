@@ -14,7 +14,7 @@
 #include <optional>
 #include <string>
 
-#include "block/drivers/rbd/rbd_location.h"
+#include "drivers/rbd/rbd_location.h"
 #include "vblk/result.h"
 
 namespace vblk::rbd {

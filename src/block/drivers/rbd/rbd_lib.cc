@@ -1,4 +1,4 @@
-#include "block/drivers/rbd/rbd_lib.h"
+#include "drivers/rbd/rbd_lib.h"
 
 #include <dlfcn.h>
 

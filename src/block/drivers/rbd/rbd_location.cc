@@ -1,8 +1,8 @@
-#include "block/drivers/rbd/rbd_location.h"
+#include "drivers/rbd/rbd_location.h"
 
 #include <array>
 
-#include "util/qdict_order.h"
+#include "vblk/qdict_order.h"
 
 namespace vblk::rbd {
 

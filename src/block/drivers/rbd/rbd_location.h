@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "block/options.h"
+#include "vblk/options.h"
 #include "vblk/result.h"
 
 namespace vblk::rbd {
