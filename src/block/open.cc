@@ -7,6 +7,7 @@
 #include "drivers/drivers.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
+#include "vblk/trace.h"
 
 namespace vblk {
 
@@ -51,6 +52,8 @@ const DriverInfo* find_driver(const std::string& name) {
     if (name == d.name) return &d;
   return nullptr;
 }
+
+const std::vector<DriverInfo>& registered_drivers() { return registry(); }
 
 void register_driver(const DriverInfo& d) {
   if (!find_driver(d.name)) registry().push_back(d);
@@ -121,6 +124,8 @@ Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
   if (*name) (*node)->set_node_name(**name);
   VBLK_TRY((*node)->refresh_perms());
   if (ctx.graph) VBLK_TRY(ctx.graph->add(*node));
+  VBLK_TRACE(kBlock, "open node '{}' driver {} length {}{}", (*node)->node_name(), (*node)->driver(),
+             (*node)->length(), (*node)->read_only() ? " read-only" : "");
   return node;
 }
 

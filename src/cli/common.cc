@@ -12,10 +12,21 @@
 #include "vblk/options.h"
 #include "vblk/qmp_daemon.h"
 #include "vblk/secret_store.h"
+#include "vblk/trace.h"
 
 namespace vblk::cli {
 
 std::string g_prog = "vblk";
+
+void enable_trace(const std::string& spec) {
+  std::string warning;
+  // As qemu-img: the error alone (no "Try --help" line), exit status 1.
+  if (auto st = trace::enable_from_option(spec, &warning); !st) {
+    error_report(st.error().what());
+    std::exit(1);
+  }
+  if (!warning.empty()) error_report("warning: " + warning);
+}
 
 void error_report(const std::string& msg) { std::fprintf(stderr, "%s: %s\n", g_prog.c_str(), msg.c_str()); }
 

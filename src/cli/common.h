@@ -26,6 +26,10 @@ void error_report(const std::string& msg);
 [[noreturn]] void unrecognized_option(char** argv, int optind);
 [[noreturn]] void missing_argument(char** argv, int optind);
 
+// -T / --trace PATTERN (vblk/trace.h): switches the matching categories
+// on; a bad option exits 1, a pattern that matches nothing warns.
+void enable_trace(const std::string& spec);
+
 // --object of the qemu-img style tools (qemu-img's user_creatable_process_
 // cmdline): a `secret` goes to the process's SecretStore, where rbd's
 // key-secret finds it; an invalid one prints QEMU's error and exits 1.

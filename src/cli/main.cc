@@ -1,11 +1,16 @@
 // vblk: the command-line entry point. Subcommands follow qemu-img's words,
 // options, output and exit codes (see docs/qemu-img-compat.md).
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "vblk/copy_drivers.h"
+#include "vblk/open.h"
+#include "vblk/trace.h"
 
 namespace {
 
@@ -58,6 +63,12 @@ const Command kCommands[] = {
      "map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] filename"},
 };
 
+std::string trace_category_list() {
+  std::string out;
+  for (const auto& c : vblk::trace::categories()) out += (out.empty() ? "" : ", ") + std::string(c.name);
+  return out;
+}
+
 void help() {
   std::printf(
       "vblk version " VBLK_VERSION " - a userspace block-storage engine for VM disk images\n"
@@ -65,9 +76,14 @@ void help() {
       "\n"
       "Command syntax (qemu-img compatible):\n");
   for (const auto& c : kCommands) std::printf("  %s\n", c.synopsis);
-  std::printf(
-      "\n"
-      "Supported formats: blkdebug file host_device luks null-co qcow2 raw\n");
+  std::vector<std::string> names;
+  for (const auto& d : vblk::registered_drivers()) names.emplace_back(d.name);
+  std::sort(names.begin(), names.end());
+  std::printf("\nSupported formats:");
+  for (const auto& n : names) std::printf(" %s", n.c_str());
+  std::printf("\n\nStandard options:\n  -T, --trace [[enable=]<pattern>]  switch on the trace categories matching "
+              "pattern\n                                    (%s; also VBLK_TRACE=a,b)\n",
+              trace_category_list().c_str());
 }
 
 }  // namespace
@@ -75,9 +91,26 @@ void help() {
 int main(int argc, char** argv) {
   const char* slash = std::strrchr(argv[0], '/');
   vblk::cli::g_prog = slash ? slash + 1 : argv[0];
-  if (argc < 2) vblk::cli::error_exit("Not enough arguments");
   vblk::register_copy_drivers();  // --blockdev / json: filenames may name them
-  std::string cmd = argv[1];
+  if (const char* env = std::getenv("VBLK_TRACE"); env && *env)
+    if (auto st = vblk::trace::enable_from_list(env); !st) vblk::cli::error_exit(st.error().what());
+  // Standard options before the command (qemu-img's -T / --trace).
+  int first = 1;
+  while (first < argc) {
+    const std::string a = argv[first];
+    if (a == "-T" || a == "--trace") {
+      if (first + 1 >= argc) vblk::cli::missing_argument(argv, first + 1);
+      vblk::cli::enable_trace(argv[first + 1]);
+      first += 2;
+    } else if (a.rfind("--trace=", 0) == 0) {
+      vblk::cli::enable_trace(a.substr(8));
+      first += 1;
+    } else {
+      break;
+    }
+  }
+  if (first >= argc) vblk::cli::error_exit("Not enough arguments");
+  std::string cmd = argv[first];
   if (cmd == "-h" || cmd == "--help") {
     help();
     return 0;
@@ -88,7 +121,7 @@ int main(int argc, char** argv) {
   }
   if (!cmd.empty() && cmd[0] == '-') vblk::cli::error_exit("unrecognized option '" + cmd + "'");
   for (const auto& c : kCommands) {
-    if (cmd == c.name) return c.fn(argc - 1, argv + 1);
+    if (cmd == c.name) return c.fn(argc - first, argv + first);
   }
   vblk::cli::error_exit("Command not found: " + cmd);
 }

@@ -36,6 +36,8 @@ void nbd_help() {
       "\n"
       "  -h, --help                display this help and exit\n"
       "  -V, --version             output version information and exit\n"
+      "  -T, --trace [[enable=]<pattern>]\n"
+      "                            switch on the trace categories matching pattern\n"
       "\n"
       "Connection properties:\n"
       "  -p, --port=PORT           port to listen on (default `10809')\n"
@@ -78,6 +80,7 @@ struct NbdArgs {
 NbdArgs parse(int argc, char** argv) {
   static const option longopts[] = {
       {"help", no_argument, nullptr, 'h'},         {"version", no_argument, nullptr, 'V'},
+      {"trace", required_argument, nullptr, 'T'},
       {"port", required_argument, nullptr, 'p'},   {"bind", required_argument, nullptr, 'b'},
       {"socket", required_argument, nullptr, 'k'}, {"shared", required_argument, nullptr, 'e'},
       {"persistent", no_argument, nullptr, 't'},   {"export-name", required_argument, nullptr, 'x'},
@@ -94,7 +97,7 @@ NbdArgs parse(int argc, char** argv) {
   opterr = 0;
   optind = 1;
   int c;
-  while ((c = getopt_long(argc, argv, ":hVp:b:k:e:tx:D:f:rnB:", longopts, nullptr)) != -1) {
+  while ((c = getopt_long(argc, argv, ":hVp:b:k:e:tx:D:f:rnB:T:", longopts, nullptr)) != -1) {
     switch (c) {
       case 'h':
         nbd_help();
@@ -102,6 +105,7 @@ NbdArgs parse(int argc, char** argv) {
       case 'V':
         std::printf("vblk nbd version " VBLK_VERSION "\n");
         std::exit(0);
+      case 'T': enable_trace(optarg); break;
       case 'p': {
         auto v = parse_ulong(optarg, 65535);
         if (!v) nbd_usage_error(std::string("Invalid port '") + optarg + "'");

@@ -290,7 +290,7 @@ int cmd_serve(int argc, char** argv) {
       case 'V':
         std::printf("vblk serve version " VBLK_VERSION "\n");
         return 0;
-      case 'T': break;  // tracing: accepted, nothing to trace
+      case 'T': enable_trace(optarg); break;
       case 1: serve_fail(std::string(optarg) + ": Unexpected argument");
       case kDaemonize: daemonize = true; break;
       case kPidfile: pidfile = optarg; break;

@@ -14,6 +14,7 @@
 
 #include "rate_limit.h"
 #include "vblk/status_group.h"
+#include "vblk/trace.h"
 
 namespace vblk {
 
@@ -310,6 +311,8 @@ Task<void> BlockCopyState::run_task(BlockCopyCall& call, uint64_t offset, uint64
 
   in_flight_bytes_ -= bytes;
   std::erase(in_flight_, &t);
+  VBLK_TRACE(kCopy, "chunk {:#x}+{:#x} {}: {}", offset, bytes, kind == kZero ? "zeroes" : "data",
+             st.ok() ? "done" : st.error().what());
   if (st.ok()) {
     done_bytes_ += bytes;
   } else {

@@ -12,6 +12,7 @@
 
 #include "session.h"
 #include "vblk/buffer.h"
+#include "vblk/trace.h"
 
 namespace vblk::nbd {
 
@@ -197,6 +198,7 @@ Task<Result<bool>> haggle(Session& s) {
     }
     std::vector<uint8_t> data(len);
     VBLK_CO_TRY(co_await recv_exact(s.loop, s.fd, data));
+    VBLK_TRACE(kNbd, "server option {} length {}", opt, len);
     switch (opt) {
       case kOptExportName: {
         std::string name(data.begin(), data.end());

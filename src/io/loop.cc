@@ -10,6 +10,7 @@
 
 #include "backend.h"
 #include "thread_pool.h"
+#include "vblk/trace.h"
 
 namespace vblk {
 
@@ -37,6 +38,7 @@ Loop::Loop(Options opts) : opts_(opts) {
   if (opts_.allow_io_uring && !uring_disabled_by_env()) {
     std::string why;
     backend_ = detail::make_uring_backend(*this, *pool_, opts_.ring_entries, why);
+    VBLK_TRACE(kIo, "loop backend {}{}", backend_ ? "io_uring" : "thread pool: ", backend_ ? "" : why);
     if (!backend_) {
       static bool told = false;  // one notice per process is enough
       if (!told) {

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "vblk/job.h"
+#include "vblk/trace.h"
 
 namespace vblk {
 
@@ -84,6 +85,7 @@ void Job::transition(JobStatus to) {
     std::abort();
   }
   status_ = to;
+  VBLK_TRACE(kJob, "job '{}' {} -> {}", id_, job_status_name(from), job_status_name(to));
   if (from != to) {
     nlohmann::ordered_json d;
     d["id"] = id_;

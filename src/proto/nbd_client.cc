@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "vblk/nbd_protocol.h"
+#include "vblk/trace.h"
 
 namespace vblk::nbd {
 
@@ -42,6 +43,9 @@ Task<Result<std::shared_ptr<Client>>> Client::connect(Loop& loop, Address addr, 
   std::shared_ptr<Client> c(new Client(loop, std::move(*fd)));
   c->reader_done_.set();  // until the reader runs
   Status st = co_await c->handshake(export_name, opts);
+  VBLK_TRACE(kNbd, "client connect {} export '{}': {}",
+             addr.unix_path.empty() ? fmt::format("{}:{}", addr.host, addr.port) : addr.unix_path, export_name,
+             st.ok() ? "ok" : st.error().what());
   if (!st) co_return st.take_error();
   c->reader_done_.reset();
   spawn_detached(reader(c));

@@ -1,10 +1,13 @@
 // The daemon's bookkeeping and the core QMP commands: query-version,
 // query-commands, quit (qmp_capabilities is the monitor's own).
+#include <fnmatch.h>
+
 #include <algorithm>
 
 #include "vblk/copy_drivers.h"
 #include "vblk/open.h"
 #include "vblk/qmp_daemon.h"
+#include "vblk/trace.h"
 
 #ifndef VBLK_VERSION
 #define VBLK_VERSION "0.0.0"
@@ -34,6 +37,25 @@ Task<Reply> query_commands(Daemon& d, const OJson&) {
   std::reverse(names.begin(), names.end());
   for (const auto& n : names) list.push_back({{"name", n}});
   co_return Reply::ok(std::move(list));
+}
+
+// QEMU's trace-event-get-state / -set-state over vblk's trace categories
+// (vblk/trace.h): the categories are the events, `name` a glob over them.
+Task<Reply> trace_event_get_state(Daemon&, const OJson& a) {
+  const std::string pattern = a["name"].get<std::string>();
+  OJson list = OJson::array();
+  for (const auto& c : trace::categories()) {
+    if (fnmatch(pattern.c_str(), c.name, 0) != 0) continue;
+    list.push_back({{"name", c.name}, {"state", trace::on(c.category) ? "enabled" : "disabled"}, {"vcpu", false}});
+  }
+  co_return Reply::ok(std::move(list));
+}
+
+Task<Reply> trace_event_set_state(Daemon&, const OJson& a) {
+  const std::string pattern = a["name"].get<std::string>();
+  if (trace::set_state(pattern, a["enable"].get<bool>()).empty())
+    co_return Reply::fail("unknown event \"" + pattern + "\"");
+  co_return Reply::ok();
 }
 
 Task<Reply> quit(Daemon& d, const OJson&) {
@@ -103,6 +125,15 @@ void register_core_commands(Daemon& d) {
   d.registry.add({"query-version", {}, [&d](const OJson& a) { return query_version(d, a); }});
   d.registry.add({"query-commands", {}, [&d](const OJson& a) { return query_commands(d, a); }});
   d.registry.add({"quit", {}, [&d](const OJson& a) { return quit(d, a); }});
+  d.registry.add({"trace-event-get-state",
+                  {{{"name", ArgType::Str, true}, {"vcpu", ArgType::Int}}},
+                  [&d](const OJson& a) { return trace_event_get_state(d, a); }});
+  d.registry.add({"trace-event-set-state",
+                  {{{"name", ArgType::Str, true},
+                    {"enable", ArgType::Bool, true},
+                    {"ignore-unavailable", ArgType::Bool},
+                    {"vcpu", ArgType::Int}}},
+                  [&d](const OJson& a) { return trace_event_set_state(d, a); }});
 }
 
 }  // namespace vblk::qmp

@@ -1,4 +1,5 @@
 #include "vblk/qmp_monitor.h"
+#include "vblk/trace.h"
 
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -215,6 +216,7 @@ Task<OJson> QmpServer::dispatch(Session& s, const OJson& req) {
   if (has_oob) co_return with_id(fail("GenericError", "The command " + name + " does not support OOB"));
   if (auto e = check_args(cmd->args.members, cmd->args.open, args)) co_return with_id(fail("GenericError", *e));
   Handler fn = cmd->fn;  // the registry may change while the command runs
+  VBLK_TRACE(kQmp, "command {} {}", name, to_qmp_text(args));
   Reply r;
   // A handler bug must not take the daemon (and every VM disk) down.
   try {
@@ -222,6 +224,7 @@ Task<OJson> QmpServer::dispatch(Session& s, const OJson& req) {
   } catch (const std::exception& e) {
     r = Reply::fail(std::string("internal error: ") + e.what());
   }
+  VBLK_TRACE(kQmp, "command {}: {}", name, r.error ? r.error->cls + ": " + r.error->desc : "ok");
   if (r.error) co_return with_id(fail(r.error->cls, r.error->desc));
   rsp["return"] = std::move(r.value);
   co_return with_id(rsp);

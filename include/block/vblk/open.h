@@ -68,6 +68,9 @@ struct DriverInfo {
 };
 
 const DriverInfo* find_driver(const std::string& name);
+// Every registered driver: the block layer's own in probe order, then the
+// ones higher layers added.
+const std::vector<DriverInfo>& registered_drivers();
 // Adds a driver of a higher layer (copy-before-write, snapshot-access: see
 // vblk/copy_drivers.h); one already there by that name is kept. Formats
 // with a probe are tried after the block layer's own, in this order.

@@ -12,6 +12,7 @@
 
 #include "drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
+#include "vblk/trace.h"
 
 namespace vblk::qcow2 {
 
@@ -64,6 +65,7 @@ Task<Status> Qcow2Node::checked_write(uint32_t ign, uint64_t offset, std::span<c
 
 Task<Status> Qcow2Node::signal_corruption(bool fatal, int64_t offset, int64_t size, const std::string& msg) {
   fatal = fatal && !read_only();
+  VBLK_TRACE(kQcow2, "'{}' corruption{}: {}", node_name(), fatal ? " (fatal)" : "", msg);
   if (signaled_corruption_ && (!fatal || corrupt())) co_return Status{};
   if (fatal)
     std::fprintf(stderr, "qcow2: Marking image as corrupt: %s; further corruption events will be suppressed\n",

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "drivers/qcow2/qcow2.h"
+#include "vblk/trace.h"
 
 namespace vblk::qcow2 {
 
@@ -231,6 +232,7 @@ Task<Result<uint64_t>> Qcow2Node::alloc_clusters(uint64_t n) {
     VBLK_CO_TRY(co_await check_new_clusters(*start * cs_, n * cs_));
     VBLK_CO_TRY(co_await update_refcount(*start * cs_, n * cs_, +1));
     free_cluster_index_ = *start + n;
+    VBLK_TRACE(kQcow2, "'{}' alloc {} cluster(s) at {:#x}", node_name(), n, *start * cs_);
     co_return *start * cs_;
   }
 }
