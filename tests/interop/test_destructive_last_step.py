@@ -190,7 +190,7 @@ class DestructiveLastStepTest(InteropTestCase):
     @contextlib.contextmanager
     def held(self, img, fmt="qcow2"):
         """qemu-io keeps `img` open for writing (QEMU's locks held)."""
-        p = subprocess.Popen([QEMU_IO, "-f", fmt, img], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        p = subprocess.Popen([QEMU_IO, "-f", fmt, img], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL)
         try:
             end = time.monotonic() + 20
@@ -198,6 +198,13 @@ class DestructiveLastStepTest(InteropTestCase):
                 self.assertIsNone(p.poll(), "qemu-io exited")
                 self.assertLess(time.monotonic(), end, "qemu-io took no lock")
                 time.sleep(0.02)
+            # The locks come before the open is done (qcow2 marks its
+            # bitmaps in use after them): qemu-io answers a command only
+            # once the image is open.
+            p.stdin.write(b"read 0 512\n")
+            p.stdin.flush()
+            while b"read 512/512" not in p.stdout.readline():
+                self.assertIsNone(p.poll(), "qemu-io exited")
             yield p
         finally:
             try:
