@@ -137,8 +137,11 @@ int main(int argc, char** argv) {
                  argv[0]);
     return 2;
   }
-  Args a{std::strtoull(argv[2], nullptr, 0), std::strtoull(argv[3], nullptr, 0), std::strtoull(argv[4], nullptr, 0),
-         argc > 6 ? static_cast<unsigned>(std::atoi(argv[6])) : 8u, argc > 7 ? std::strtoull(argv[7], nullptr, 0) : 0,
+  Args a{std::strtoull(argv[2], nullptr, 0),
+         std::strtoull(argv[3], nullptr, 0),
+         std::strtoull(argv[4], nullptr, 0),
+         argc > 6 ? static_cast<unsigned>(std::atoi(argv[6])) : 8u,
+         argc > 7 ? std::strtoull(argv[7], nullptr, 0) : 0,
          argc > 8 && std::string(argv[8]) == "qemufile"};
   const bool direct = argc > 5 && std::string(argv[5]) == "direct";
   Loop loop;
@@ -172,9 +175,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   (void)loop.run((*node)->close());
-  std::printf("{\"bytes\": %llu, \"seconds\": %.4f, \"mb_per_s\": %.1f, \"load_seconds\": %.4f, "
-              "\"load_mb_per_s\": %.1f}\n",
-              static_cast<unsigned long long>(a.size), s, static_cast<double>(a.size) / s / 1e6, l,
-              static_cast<double>(a.size) / l / 1e6);
+  std::printf(
+      "{\"bytes\": %llu, \"seconds\": %.4f, \"mb_per_s\": %.1f, \"load_seconds\": %.4f, "
+      "\"load_mb_per_s\": %.1f}\n",
+      static_cast<unsigned long long>(a.size), s, static_cast<double>(a.size) / s / 1e6, l,
+      static_cast<double>(a.size) / l / 1e6);
   return 0;
 }

@@ -11,10 +11,10 @@
 #include <cstdint>
 #include <memory>
 
-#include "fuzz/peer.h"
-#include "vblk/nbd_server.h"
 #include "export/session.h"
+#include "fuzz/peer.h"
 #include "vblk/mem_node.h"
+#include "vblk/nbd_server.h"
 
 using namespace vblk;
 

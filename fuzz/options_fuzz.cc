@@ -15,14 +15,14 @@
 #include <memory>
 #include <string>
 
-#include "vblk/open.h"
-#include "vblk/options.h"
 #include "fuzz/sandbox.h"
-#include "vblk/nbd_client.h"
-#include "vblk/qmp_json.h"
+#include "vblk/copy_drivers.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
-#include "vblk/copy_drivers.h"
+#include "vblk/nbd_client.h"
+#include "vblk/open.h"
+#include "vblk/options.h"
+#include "vblk/qmp_json.h"
 
 using namespace vblk;
 
@@ -36,9 +36,23 @@ Loop& loop() {
 // Each getter, on a copy of its own, for every key a driver might ask for
 // (a getter takes the key it reads, so one copy serves all keys).
 void getters(const Json& opts) {
-  static const char* kKeys[] = {"size", "read-only", "cache", "direct", "no-flush", "discard", "offset",
-                                "cluster-size", "node-name", "driver", "file", "read-zeroes", "auto-read-only",
-                                "force-share", "detect-zeroes", "l2-cache-size", "cache-clean-interval"};
+  static const char* kKeys[] = {"size",
+                                "read-only",
+                                "cache",
+                                "direct",
+                                "no-flush",
+                                "discard",
+                                "offset",
+                                "cluster-size",
+                                "node-name",
+                                "driver",
+                                "file",
+                                "read-zeroes",
+                                "auto-read-only",
+                                "force-share",
+                                "detect-zeroes",
+                                "l2-cache-size",
+                                "cache-clean-interval"};
   Json b = opts, z = opts, n = opts, s = opts, d = opts;
   for (const char* k : kKeys) {
     (void)take_bool(b, k);

@@ -7,10 +7,10 @@
 #include <cstdio>
 #include <memory>
 
-#include "vblk/open.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
+#include "vblk/open.h"
 
 using namespace vblk;
 
@@ -18,9 +18,9 @@ namespace {
 
 // Work bounds per input: enough to cover every table of a small image,
 // small enough that each input runs in milliseconds.
-constexpr uint64_t kReadBytes = 8ull << 20;   // guest bytes read per open
-constexpr uint64_t kChunk = 256ull << 10;     // read request size
-constexpr int kStatusCalls = 4096;            // block-status requests per open
+constexpr uint64_t kReadBytes = 8ull << 20;  // guest bytes read per open
+constexpr uint64_t kChunk = 256ull << 10;    // read request size
+constexpr int kStatusCalls = 4096;           // block-status requests per open
 
 Loop& loop() {
   static Loop l;  // one ring for the whole run
@@ -56,8 +56,7 @@ Task<void> exercise(Node& n, bool writable) {
   if (len >= 4096) {
     (void)co_await n.write(0, buf.span().subspan(0, 4096));
     (void)co_await n.write(len / 2 / 512 * 512, buf.span().subspan(0, std::min<uint64_t>(len / 2, 3 * 512)));
-    (void)co_await n.write_zeroes(len / 4 / 512 * 512, std::min<uint64_t>(len / 4, 1 << 20) / 512 * 512,
-                                  kReqMayUnmap);
+    (void)co_await n.write_zeroes(len / 4 / 512 * 512, std::min<uint64_t>(len / 4, 1 << 20) / 512 * 512, kReqMayUnmap);
     (void)co_await n.discard(len / 8 / 512 * 512, std::min<uint64_t>(len / 8, 1 << 20) / 512 * 512);
     (void)co_await n.read(0, buf.span().subspan(0, 4096));
   }

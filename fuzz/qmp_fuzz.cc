@@ -42,10 +42,10 @@
 #include "fuzz/choices.h"
 #include "fuzz/peer.h"
 #include "fuzz/sandbox.h"
+#include "vblk/mem_node.h"
 #include "vblk/qmp_daemon.h"
 #include "vblk/qmp_json.h"
 #include "vblk/secret_store.h"
-#include "vblk/mem_node.h"
 
 using namespace vblk;
 using qmp::OJson;
@@ -67,9 +67,8 @@ Loop& loop() {
 const std::set<std::string>& denied_strings() {
   // Command and transaction-action names, and the throttle driver and
   // object type, anywhere in a message.
-  static const std::set<std::string> k = {"nbd-server-start", "drive-backup", "drive-mirror",
-                                          "blockdev-snapshot-sync", "x-vblk-savevm", "x-vblk-loadvm",
-                                          "throttle", "throttle-group"};
+  static const std::set<std::string> k = {"nbd-server-start", "drive-backup",  "drive-mirror", "blockdev-snapshot-sync",
+                                          "x-vblk-savevm",    "x-vblk-loadvm", "throttle",     "throttle-group"};
   return k;
 }
 
@@ -99,38 +98,170 @@ bool safe_message(const OJson& m) {
 // ---- the typed generator
 
 const std::vector<std::string>& words() {
-  static const std::vector<std::string> k = {
-      "m0", "m1", "m2", "q0", "n0", "nope", "j0", "j1", "b0", "b1", "s0", "sec0", "io0", "e0", "",
-      "null-co", "raw", "qcow2", "luks", "copy-before-write", "snapshot-access", "full", "top", "none",
-      "incremental", "bitmap", "on", "off", "unmap", "ignore", "report", "stop", "enospc", "base64",
-      "secret", "iothread", "nbd", "auto", "metadata", "falloc", "zlib", "zstd", "v2", "v3", "1.1",
-      "#block123", "a.b", "-x", "\xc3\xa9", std::string(300, 'n'), "0x10", "1M", "-1", "65536", "blockdev-backup",
-      "blockdev-add", "block-dirty-bitmap-add", "block-dirty-bitmap-merge", "abort", "completion-mode",
-      "grouped", "individual", "existing", "absolute-paths", "concluded", "pending", "ready"};
+  static const std::vector<std::string> k = {"m0",
+                                             "m1",
+                                             "m2",
+                                             "q0",
+                                             "n0",
+                                             "nope",
+                                             "j0",
+                                             "j1",
+                                             "b0",
+                                             "b1",
+                                             "s0",
+                                             "sec0",
+                                             "io0",
+                                             "e0",
+                                             "",
+                                             "null-co",
+                                             "raw",
+                                             "qcow2",
+                                             "luks",
+                                             "copy-before-write",
+                                             "snapshot-access",
+                                             "full",
+                                             "top",
+                                             "none",
+                                             "incremental",
+                                             "bitmap",
+                                             "on",
+                                             "off",
+                                             "unmap",
+                                             "ignore",
+                                             "report",
+                                             "stop",
+                                             "enospc",
+                                             "base64",
+                                             "secret",
+                                             "iothread",
+                                             "nbd",
+                                             "auto",
+                                             "metadata",
+                                             "falloc",
+                                             "zlib",
+                                             "zstd",
+                                             "v2",
+                                             "v3",
+                                             "1.1",
+                                             "#block123",
+                                             "a.b",
+                                             "-x",
+                                             "\xc3\xa9",
+                                             std::string(300, 'n'),
+                                             "0x10",
+                                             "1M",
+                                             "-1",
+                                             "65536",
+                                             "blockdev-backup",
+                                             "blockdev-add",
+                                             "block-dirty-bitmap-add",
+                                             "block-dirty-bitmap-merge",
+                                             "abort",
+                                             "completion-mode",
+                                             "grouped",
+                                             "individual",
+                                             "existing",
+                                             "absolute-paths",
+                                             "concluded",
+                                             "pending",
+                                             "ready"};
   return k;
 }
 
 const std::vector<std::string>& keys() {
-  static const std::vector<std::string> k = {
-      "driver", "node-name", "file", "backing", "size", "read-only", "auto-read-only", "force-share",
-      "cache", "direct", "no-flush", "discard", "detect-zeroes", "read-zeroes", "cluster-size",
-      "lazy-refcounts", "refcount-bits", "version", "compression-type", "preallocation", "extended-l2",
-      "encrypt", "format", "key-secret", "target", "bitmap", "on-cbw-error", "cbw-timeout", "qom-type",
-      "id", "data", "job-id", "device", "sync", "speed", "node", "name", "granularity", "persistent",
-      "disabled", "bitmaps", "type", "actions", "options", "location", "snapshot-node-name", "overlay",
-      "top", "base", "base-node", "top-node", "auto-finalize", "auto-dismiss", "filter-node-name",
-      "on-source-error", "on-target-error", "writable", "description", "force", "mode", "x-perf",
-      "use-copy-range", "max-workers", "max-chunk", "compress", "offset", "l2-cache-size",
-      "cache-size", "refcount-cache-size", "overlap-check", "keyid", "iv", "loaded", "cipher-alg",
-      "iter-time", "hash-alg", "properties", "completion-mode", "replaces", "granularity", "buf-size",
-      "copy-mode", "unmap", "noflush", "backing-mask-protocol", "backing-fmt", "data-file-raw"};
+  static const std::vector<std::string> k = {"driver",
+                                             "node-name",
+                                             "file",
+                                             "backing",
+                                             "size",
+                                             "read-only",
+                                             "auto-read-only",
+                                             "force-share",
+                                             "cache",
+                                             "direct",
+                                             "no-flush",
+                                             "discard",
+                                             "detect-zeroes",
+                                             "read-zeroes",
+                                             "cluster-size",
+                                             "lazy-refcounts",
+                                             "refcount-bits",
+                                             "version",
+                                             "compression-type",
+                                             "preallocation",
+                                             "extended-l2",
+                                             "encrypt",
+                                             "format",
+                                             "key-secret",
+                                             "target",
+                                             "bitmap",
+                                             "on-cbw-error",
+                                             "cbw-timeout",
+                                             "qom-type",
+                                             "id",
+                                             "data",
+                                             "job-id",
+                                             "device",
+                                             "sync",
+                                             "speed",
+                                             "node",
+                                             "name",
+                                             "granularity",
+                                             "persistent",
+                                             "disabled",
+                                             "bitmaps",
+                                             "type",
+                                             "actions",
+                                             "options",
+                                             "location",
+                                             "snapshot-node-name",
+                                             "overlay",
+                                             "top",
+                                             "base",
+                                             "base-node",
+                                             "top-node",
+                                             "auto-finalize",
+                                             "auto-dismiss",
+                                             "filter-node-name",
+                                             "on-source-error",
+                                             "on-target-error",
+                                             "writable",
+                                             "description",
+                                             "force",
+                                             "mode",
+                                             "x-perf",
+                                             "use-copy-range",
+                                             "max-workers",
+                                             "max-chunk",
+                                             "compress",
+                                             "offset",
+                                             "l2-cache-size",
+                                             "cache-size",
+                                             "refcount-cache-size",
+                                             "overlap-check",
+                                             "keyid",
+                                             "iv",
+                                             "loaded",
+                                             "cipher-alg",
+                                             "iter-time",
+                                             "hash-alg",
+                                             "properties",
+                                             "completion-mode",
+                                             "replaces",
+                                             "granularity",
+                                             "buf-size",
+                                             "copy-mode",
+                                             "unmap",
+                                             "noflush",
+                                             "backing-mask-protocol",
+                                             "backing-fmt",
+                                             "data-file-raw"};
   return k;
 }
 
 int64_t edge_int(fuzz::Choices& c) {
-  static const int64_t k[] = {0,         1,          -1,          2,         512,       4096,
-                              65536,     1 << 20,    (1 << 20) + 1, 1 << 30, INT32_MAX, INT64_MAX,
-                              INT64_MIN, -4096,      3,           1 << 9,    1 << 21,   1ll << 40};
+  static const int64_t k[] = {0,       1,         -1,        2,         512,   4096, 65536,  1 << 20, (1 << 20) + 1,
+                              1 << 30, INT32_MAX, INT64_MAX, INT64_MIN, -4096, 3,    1 << 9, 1 << 21, 1ll << 40};
   switch (c.pick(4)) {
     case 0: return static_cast<int64_t>(c.u64());
     case 1: return static_cast<int64_t>(c.byte()) << (c.byte() % 48);
@@ -143,9 +274,22 @@ std::string word(fuzz::Choices& c) { return words()[c.pick(words().size())]; }
 // A string for member `key`: mostly a name of what such a member names in
 // this daemon (so that commands get past their lookups), else any word.
 std::string word_for(fuzz::Choices& c, const std::string& key) {
-  static const std::set<std::string> kNodes = {"device", "node", "node-name", "target", "file", "overlay",
-                                               "top", "base", "base-node", "top-node", "bottom", "backing",
-                                               "snapshot-node-name", "filter-node-name", "replaces", "location"};
+  static const std::set<std::string> kNodes = {"device",
+                                               "node",
+                                               "node-name",
+                                               "target",
+                                               "file",
+                                               "overlay",
+                                               "top",
+                                               "base",
+                                               "base-node",
+                                               "top-node",
+                                               "bottom",
+                                               "backing",
+                                               "snapshot-node-name",
+                                               "filter-node-name",
+                                               "replaces",
+                                               "location"};
   static const char* kNodeNames[] = {"m0", "m1", "m2", "q0", "n0", "x0", "x1"};
   static const char* kJobs[] = {"j0", "j1"};
   static const char* kBitmaps[] = {"b0", "b1"};
@@ -217,10 +361,16 @@ OJson object_of(fuzz::Choices& c, const std::vector<qmp::Arg>& members, bool ope
 // A transaction action: a type the transaction knows, with data shaped
 // like that command's arguments where the registry has it.
 OJson action(fuzz::Choices& c, const qmp::Registry& r, int depth) {
-  static const char* kTypes[] = {"abort", "block-dirty-bitmap-add", "block-dirty-bitmap-remove",
-                                 "block-dirty-bitmap-clear", "block-dirty-bitmap-enable",
-                                 "block-dirty-bitmap-disable", "block-dirty-bitmap-merge", "blockdev-backup",
-                                 "blockdev-snapshot", "blockdev-snapshot-internal-sync"};
+  static const char* kTypes[] = {"abort",
+                                 "block-dirty-bitmap-add",
+                                 "block-dirty-bitmap-remove",
+                                 "block-dirty-bitmap-clear",
+                                 "block-dirty-bitmap-enable",
+                                 "block-dirty-bitmap-disable",
+                                 "block-dirty-bitmap-merge",
+                                 "blockdev-backup",
+                                 "blockdev-snapshot",
+                                 "blockdev-snapshot-internal-sync"};
   const std::string type = kTypes[c.pick(std::size(kTypes))];
   OJson a = {{"type", type}};
   if (const qmp::Command* cmd = r.find(type)) {

@@ -7,13 +7,13 @@
 // With `--mutations N`, each input is also replayed N times with a few of
 // its first 64 KiB overwritten (a fixed pseudo-random sequence, so a
 // failure reproduces): hostile variants of every seed in every build.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <algorithm>
 #include <iterator>
 #include <vector>
 

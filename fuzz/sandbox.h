@@ -15,10 +15,10 @@ namespace vblk::fuzz {
 
 template <class J>
 bool in_memory_only(const J& v) {
-  static const std::set<std::string> kDrivers = {"null-co", "raw", "qcow2", "luks", "throttle",
-                                                 "copy-before-write", "snapshot-access"};
-  static const std::set<std::string> kKeys = {"filename", "backing-file", "data-file", "config", "path",
-                                              "snapshot-file", "latency-ns", "host", "port", "server"};
+  static const std::set<std::string> kDrivers = {
+      "null-co", "raw", "qcow2", "luks", "throttle", "copy-before-write", "snapshot-access"};
+  static const std::set<std::string> kKeys = {"filename",      "backing-file", "data-file", "config", "path",
+                                              "snapshot-file", "latency-ns",   "host",      "port",   "server"};
   if (v.is_array()) {
     for (const auto& e : v)
       if (!in_memory_only(e)) return false;

@@ -2,7 +2,7 @@
 # Installs what vblk needs to build and test on Debian 12, skipping what is
 # already there. Uses sudo when not root.
 set -euo pipefail
-pkgs=(build-essential cmake ninja-build pkg-config python3
+pkgs=(build-essential cmake ninja-build pkg-config python3 clang-format  # clang-format: ctest lint.format
       liburing-dev zlib1g-dev libzstd-dev libdeflate-dev libssl-dev nlohmann-json3-dev libfmt-dev
       libgtest-dev libgmock-dev libbenchmark-dev
       qemu-utils qemu-system-common qemu-system-x86 libnbd-bin nbdkit fio  # qemu-system-x86: test_vmstate saves and restores a VM

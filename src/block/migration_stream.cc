@@ -28,8 +28,8 @@ bool printable(const std::string& s) {
 }  // namespace
 
 bool MigrationStreamCheck::has_magic(std::span<const uint8_t> head) {
-  return head.size() >= 4 && (uint32_t{head[0]} << 24 | uint32_t{head[1]} << 16 | uint32_t{head[2]} << 8 | head[3]) ==
-                                 kMagic;
+  return head.size() >= 4 &&
+         (uint32_t{head[0]} << 24 | uint32_t{head[1]} << 16 | uint32_t{head[2]} << 8 | head[3]) == kMagic;
 }
 
 uint16_t MigrationStreamCheck::be16(size_t at) const { return static_cast<uint16_t>(u8(at) << 8 | u8(at + 1)); }
@@ -91,8 +91,8 @@ Status MigrationStreamCheck::finish() {
     case State::Vmdesc: where = "in its vmdescription"; break;
     case State::Done: break;
   }
-  error_ = Error(EINVAL, fmt::format("Invalid VM state stream: it ends early, at offset {} {} (truncated?)",
-                                     offset(), where));
+  error_ = Error(EINVAL,
+                 fmt::format("Invalid VM state stream: it ends early, at offset {} {} (truncated?)", offset(), where));
   return *error_;
 }
 
@@ -392,7 +392,8 @@ MigrationStreamCheck::Step MigrationStreamCheck::vmdesc() {
     if (u8(0) != kVmdesc) return fail("QEMU_VM_EOF not followed by the vmdescription");
     if (avail() < 5) return Step::More;
     vmdesc_len_ = be32(1);
-    if (vmdesc_len_ == 0 || vmdesc_len_ > kMaxVmdesc) return fail(fmt::format("vmdescription of {} bytes", vmdesc_len_));
+    if (vmdesc_len_ == 0 || vmdesc_len_ > kMaxVmdesc)
+      return fail(fmt::format("vmdescription of {} bytes", vmdesc_len_));
     pos_ += 5;
     state_ = State::Vmdesc;
     return Step::Ok;
@@ -408,9 +409,9 @@ MigrationStreamCheck::Step MigrationStreamCheck::vmdesc() {
   bool same = devs.size() == full_.size();
   for (size_t i = 0; same && i < full_.size(); ++i) {
     const auto& d = devs[i];
-    same = d.is_object() && d.contains("name") && d["name"].is_string() && d["name"].get<std::string>() == full_[i].first &&
-           d.contains("instance_id") && d["instance_id"].is_number_integer() &&
-           d["instance_id"].get<int64_t>() == full_[i].second;
+    same = d.is_object() && d.contains("name") && d["name"].is_string() &&
+           d["name"].get<std::string>() == full_[i].first && d.contains("instance_id") &&
+           d["instance_id"].is_number_integer() && d["instance_id"].get<int64_t>() == full_[i].second;
   }
   if (!same)
     return fail(fmt::format("the stream's {} device sections are not the {} the vmdescription lists", full_.size(),

@@ -137,8 +137,10 @@ void Node::link(Tracked& t) {
 }
 
 void Node::untrack(Tracked& t) {
-  if (t.prev) t.prev->next = t.next;
-  else tracked_head_ = t.next;
+  if (t.prev)
+    t.prev->next = t.next;
+  else
+    tracked_head_ = t.next;
   if (t.next) t.next->prev = t.prev;
   if (t.serialising) --serialising_in_flight_;
   for (auto h : t.waiters) loop_.post(h);
@@ -301,7 +303,7 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
   if (mid_end > head_end) {
     Tracked t{head_end, mid_end, caps_.serialise_zeroes || serialising};
     if (find_conflict(t)) co_await wait_conflicts(t);
-  link(t);
+    link(t);
     Status st;
     status_changed(head_end, mid_end - head_end, false);
     if (caps_.zeroes) {
@@ -446,8 +448,8 @@ Task<Result<BlockStatus>> Node::block_status(uint64_t offset, uint64_t bytes) {
     if (offset + in.bytes == length_) in.flags |= kStatusEof;
     co_return in;
   }
-  if ((s.flags & kStatusRecurse) && s.file && s.file != this && (s.flags & kStatusData) &&
-      !(s.flags & kStatusZero) && (s.flags & kStatusOffsetValid)) {
+  if ((s.flags & kStatusRecurse) && s.file && s.file != this && (s.flags & kStatusData) && !(s.flags & kStatusZero) &&
+      (s.flags & kStatusOffsetValid)) {
     // The format maps data here, but the file may hold a hole: then it reads
     // as zeroes (QEMU's BDRV_BLOCK_RECURSE). Errors only lose the extra hint.
     auto inner = co_await s.file->block_status(s.map, s.bytes);
@@ -575,7 +577,9 @@ Status Node::can_store_new_bitmap(const std::string&, uint64_t) const {
 }
 Task<Status> Node::remove_persistent_bitmap(const std::string&) { co_return Status{}; }
 
-Task<Result<CheckResult>> Node::check(uint32_t) { co_return Error(ENOTSUP, "This image format does not support checks"); }
+Task<Result<CheckResult>> Node::check(uint32_t) {
+  co_return Error(ENOTSUP, "This image format does not support checks");
+}
 
 Task<Status> Node::snapshot_create(SnapshotInfo&) { co_return Error(ENOTSUP); }
 Task<Status> Node::snapshot_goto(const std::string&) {
@@ -593,6 +597,8 @@ Task<Status> Node::read_vmstate(uint64_t, std::span<uint8_t>, const std::string&
 }
 Task<Status> Node::discard_vmstate(uint64_t) { co_return Error(ENOTSUP, "Block driver does not support VM state"); }
 
-Task<Status> Node::do_truncate(uint64_t, bool) { co_return Error(ENOTSUP, "Image format driver does not support resize"); }
+Task<Status> Node::do_truncate(uint64_t, bool) {
+  co_return Error(ENOTSUP, "Image format driver does not support resize");
+}
 
 }  // namespace vblk

@@ -19,16 +19,16 @@ namespace {
 // references). Filled on first use, on the loop thread.
 std::vector<DriverInfo>& registry() {
   static std::vector<DriverInfo> r = {
-    {"blkdebug", true, drivers::open_blkdebug, nullptr},
-    {"file", true, drivers::open_file, nullptr},
-    {"host_device", true, drivers::open_host_device, nullptr},
-    {"nbd", true, drivers::open_nbd, nullptr},
-    {"luks", false, drivers::open_luks, drivers::probe_luks},
-    {"null-co", true, drivers::open_null, nullptr},
-    {"qcow2", false, drivers::open_qcow2, drivers::probe_qcow2},
-    {"raw", false, drivers::open_raw, drivers::probe_raw},
-    {"rbd", true, drivers::open_rbd, nullptr},
-    {"throttle", false, drivers::open_throttle, nullptr},
+      {"blkdebug", true, drivers::open_blkdebug, nullptr},
+      {"file", true, drivers::open_file, nullptr},
+      {"host_device", true, drivers::open_host_device, nullptr},
+      {"nbd", true, drivers::open_nbd, nullptr},
+      {"luks", false, drivers::open_luks, drivers::probe_luks},
+      {"null-co", true, drivers::open_null, nullptr},
+      {"qcow2", false, drivers::open_qcow2, drivers::probe_qcow2},
+      {"raw", false, drivers::open_raw, drivers::probe_raw},
+      {"rbd", true, drivers::open_rbd, nullptr},
+      {"throttle", false, drivers::open_throttle, nullptr},
   };
   return r;
 }
@@ -61,7 +61,8 @@ void register_driver(const DriverInfo& d) {
 
 Status check_write_without_resize(const Node& file) {
   if (!file.read_only() && file.exact_length() % file.limits().request_alignment)
-    return Error(EINVAL, "Cannot get 'write' permission without 'resize': Image size is not a multiple of request alignment");
+    return Error(EINVAL,
+                 "Cannot get 'write' permission without 'resize': Image size is not a multiple of request alignment");
   return {};
 }
 
@@ -124,8 +125,8 @@ Result<std::shared_ptr<Node>> open_node(OpenContext& ctx, Json opts) {
   if (*name) (*node)->set_node_name(**name);
   VBLK_TRY((*node)->refresh_perms());
   if (ctx.graph) VBLK_TRY(ctx.graph->add(*node));
-  VBLK_TRACE(kBlock, "open node '{}' driver {} length {}{}", (*node)->node_name(), (*node)->driver(),
-             (*node)->length(), (*node)->read_only() ? " read-only" : "");
+  VBLK_TRACE(kBlock, "open node '{}' driver {} length {}{}", (*node)->node_name(), (*node)->driver(), (*node)->length(),
+             (*node)->read_only() ? " read-only" : "");
   return node;
 }
 

@@ -224,13 +224,41 @@ Result<uint64_t> parse_size(const std::string& text) {
   (void)hex;
   uint64_t mul = 1;
   switch (*end) {
-    case 'b': case 'B': mul = 1; ++end; break;
-    case 'k': case 'K': mul = 1ull << 10; ++end; break;
-    case 'm': case 'M': mul = 1ull << 20; ++end; break;
-    case 'g': case 'G': mul = 1ull << 30; ++end; break;
-    case 't': case 'T': mul = 1ull << 40; ++end; break;
-    case 'p': case 'P': mul = 1ull << 50; ++end; break;
-    case 'e': case 'E': mul = 1ull << 60; ++end; break;
+    case 'b':
+    case 'B':
+      mul = 1;
+      ++end;
+      break;
+    case 'k':
+    case 'K':
+      mul = 1ull << 10;
+      ++end;
+      break;
+    case 'm':
+    case 'M':
+      mul = 1ull << 20;
+      ++end;
+      break;
+    case 'g':
+    case 'G':
+      mul = 1ull << 30;
+      ++end;
+      break;
+    case 't':
+    case 'T':
+      mul = 1ull << 40;
+      ++end;
+      break;
+    case 'p':
+    case 'P':
+      mul = 1ull << 50;
+      ++end;
+      break;
+    case 'e':
+    case 'E':
+      mul = 1ull << 60;
+      ++end;
+      break;
     default: break;
   }
   if (mul == 1 && valf != 0) return Error(EINVAL);

@@ -1,12 +1,13 @@
 // Node permissions: the cumulative pair of a node from its users, applied
 // top-down (perm.h). QEMU computes the same thing in bdrv_refresh_perms.
+#include "vblk/perm.h"
+
 #include <algorithm>
 #include <atomic>
 #include <vector>
 
 #include "vblk/node.h"
 #include "vblk/node_ref.h"
-#include "vblk/perm.h"
 
 namespace vblk {
 

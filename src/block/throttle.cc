@@ -39,24 +39,35 @@ std::optional<LimitName> decode(const std::string& name) {
     return std::nullopt;
   }
   int dir;
-  if (rest.rfind("total", 0) == 0) dir = 0;
-  else if (rest.rfind("read", 0) == 0) dir = 1;
-  else if (rest.rfind("write", 0) == 0) dir = 2;
-  else return std::nullopt;
+  if (rest.rfind("total", 0) == 0)
+    dir = 0;
+  else if (rest.rfind("read", 0) == 0)
+    dir = 1;
+  else if (rest.rfind("write", 0) == 0)
+    dir = 2;
+  else
+    return std::nullopt;
   rest = rest.substr(dir == 0 ? 5 : dir == 1 ? 4 : 5);
   Field f;
-  if (rest.empty()) f = Field::Avg;
-  else if (rest == "-max") f = Field::Max;
-  else if (rest == "-max-length") f = Field::MaxLength;
-  else return std::nullopt;
+  if (rest.empty())
+    f = Field::Avg;
+  else if (rest == "-max")
+    f = Field::Max;
+  else if (rest == "-max-length")
+    f = Field::MaxLength;
+  else
+    return std::nullopt;
   return LimitName{static_cast<ThrottleBucket>(base + dir), f};
 }
 
 void set_limit(ThrottleLimits& l, const LimitName& n, uint64_t v) {
   auto& b = l.buckets[n.bucket];
-  if (n.field == Field::Avg) b.avg = v;
-  else if (n.field == Field::Max) b.max = v;
-  else b.max_length = v;
+  if (n.field == Field::Avg)
+    b.avg = v;
+  else if (n.field == Field::Max)
+    b.max = v;
+  else
+    b.max_length = v;
 }
 
 // An integer (QMP's and, after vblk serve's keyval conversion, --object's).
@@ -69,10 +80,10 @@ std::optional<int64_t> int_value(const nlohmann::ordered_json& v) {
 
 const std::array<const char*, 19>& throttle_limit_names() {
   static const std::array<const char*, 19> kNames = {
-      "iops-total", "iops-total-max", "iops-total-max-length", "iops-read", "iops-read-max",
-      "iops-read-max-length", "iops-write", "iops-write-max", "iops-write-max-length", "bps-total",
-      "bps-total-max", "bps-total-max-length", "bps-read", "bps-read-max", "bps-read-max-length",
-      "bps-write", "bps-write-max", "bps-write-max-length", "iops-size"};
+      "iops-total", "iops-total-max", "iops-total-max-length", "iops-read", "iops-read-max", "iops-read-max-length",
+      "iops-write", "iops-write-max", "iops-write-max-length", "bps-total", "bps-total-max", "bps-total-max-length",
+      "bps-read",   "bps-read-max",   "bps-read-max-length",   "bps-write", "bps-write-max", "bps-write-max-length",
+      "iops-size"};
   return kNames;
 }
 
@@ -135,8 +146,10 @@ Status parse_throttle_limits(const nlohmann::ordered_json& props, ThrottleLimits
       auto n = decode(name);
       if (n && n->field == Field::MaxLength && *x > int64_t{UINT32_MAX})
         return Error(EINVAL, std::string(name) + " value must be in the range [0, " + std::to_string(UINT32_MAX) + "]");
-      if (n) set_limit(out, *n, u);
-      else out.iops_size = u;
+      if (n)
+        set_limit(out, *n, u);
+      else
+        out.iops_size = u;
     }
     for (const auto& [key, v] : l.items()) {
       (void)v;
@@ -218,7 +231,8 @@ Task<void> ThrottleGroup::intercept(bool write, uint64_t bytes) {
 }
 
 Status ThrottleGroups::add(const std::string& id, const ThrottleLimits& limits) {
-  if (groups_.count(id)) return Error(EEXIST, "attempt to add duplicate property '" + id + "' to object (type 'container')");
+  if (groups_.count(id))
+    return Error(EEXIST, "attempt to add duplicate property '" + id + "' to object (type 'container')");
   VBLK_TRY(limits.validate());
   groups_[id] = std::make_shared<ThrottleGroup>(loop_, id, limits);
   return {};

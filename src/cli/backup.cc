@@ -22,6 +22,8 @@
 // created is removed and the bitmap is as it was: a bitmap it created is
 // removed, one the job reset gets its bits back. Restore is
 // `vblk convert` of any point of the chain: as sparse as the source.
+#include "vblk/backup.h"
+
 #include <fcntl.h>
 #include <getopt.h>
 #include <unistd.h>
@@ -32,14 +34,13 @@
 #include <optional>
 #include <vector>
 
-#include "drivers/drivers.h"
-#include "vblk/options.h"
 #include "common.h"
+#include "drivers/drivers.h"
 #include "progress.h"
-#include "vblk/backup.h"
 #include "vblk/graph.h"
 #include "vblk/job.h"
 #include "vblk/named_bitmap.h"
+#include "vblk/options.h"
 #include "vblk/perm.h"
 
 namespace vblk::cli {
@@ -66,9 +67,10 @@ Status publish_file(const std::string& from, const std::string& to) {
 }
 
 void usage() {
-  std::printf("usage: %s backup [-f fmt] [-O output_fmt] [--bitmap name [--incremental -B backing_file [-F "
-              "backing_fmt]]] [--cow-buffer size] [-r rate_limit] [--object objectdef] [-p] [-q] source target\n",
-              g_prog.c_str());
+  std::printf(
+      "usage: %s backup [-f fmt] [-O output_fmt] [--bitmap name [--incremental -B backing_file [-F "
+      "backing_fmt]]] [--cow-buffer size] [-r rate_limit] [--object objectdef] [-p] [-q] source target\n",
+      g_prog.c_str());
 }
 
 }  // namespace
@@ -161,7 +163,8 @@ int cmd_backup(int argc, char** argv) {
     if (existing->inconsistent) {
       error_report("Refusing the incremental backup: bitmap '" + bitmap + "' of '" + sa.filename +
                    "' is inconsistent (its writer stopped without storing it), so it may miss writes; make a "
-                   "full backup with --bitmap " + bitmap + " after removing it (vblk bitmap --remove)");
+                   "full backup with --bitmap " +
+                   bitmap + " after removing it (vblk bitmap --remove)");
       return 1;
     }
   } else if (!bitmap.empty() && !existing) {

@@ -19,11 +19,11 @@ namespace {
 struct Bench {
   Loop& loop;
   Node& node;
-  uint64_t count;        // total requests
+  uint64_t count;  // total requests
   uint64_t depth;
   uint64_t bufsize;
   uint64_t step;
-  uint64_t offset;       // next request offset
+  uint64_t offset;  // next request offset
   uint64_t image_size;
   bool write;
   uint64_t flush_interval;
@@ -127,16 +127,28 @@ int cmd_bench(int argc, char** argv) {
     switch (c) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
-      case 'h': std::printf("usage: %s bench [-c count] [-d depth] [-f fmt] [--flush-interval=flush_interval] [-i aio] [-n] [--no-drain] [-o offset] [--pattern=pattern] [-q] [-s buffer_size] [-S step_size] [-t cache] [-w] [-U] filename\n", g_prog.c_str()); return 0;
+      case 'h':
+        std::printf(
+            "usage: %s bench [-c count] [-d depth] [-f fmt] [--flush-interval=flush_interval] [-i aio] [-n] "
+            "[--no-drain] [-o offset] [--pattern=pattern] [-q] [-s buffer_size] [-S step_size] [-t cache] [-w] [-U] "
+            "filename\n",
+            g_prog.c_str());
+        return 0;
       case 'c': {
         auto v = parse_ulong(optarg, INT32_MAX);
-        if (!v) { error_report("Invalid request count specified"); return 1; }
+        if (!v) {
+          error_report("Invalid request count specified");
+          return 1;
+        }
         count = *v;
         break;
       }
       case 'd': {
         auto v = parse_ulong(optarg, INT32_MAX);
-        if (!v) { error_report("Invalid queue depth specified"); return 1; }
+        if (!v) {
+          error_report("Invalid queue depth specified");
+          return 1;
+        }
         depth = *v;
         break;
       }
@@ -172,19 +184,28 @@ int cmd_bench(int argc, char** argv) {
         break;
       }
       case 't':
-        if (!parse_cache_mode(optarg, a.cache)) { error_report("Invalid cache mode"); return 1; }
+        if (!parse_cache_mode(optarg, a.cache)) {
+          error_report("Invalid cache mode");
+          return 1;
+        }
         break;
       case 'w': write = true; break;
       case 'U': force_share = true; break;
       case OPT_FLUSH_INTERVAL: {
         auto v = parse_ulong(optarg, INT32_MAX);
-        if (!v) { error_report("Invalid flush interval specified"); return 1; }
+        if (!v) {
+          error_report("Invalid flush interval specified");
+          return 1;
+        }
         flush_interval = *v;
         break;
       }
       case OPT_PATTERN: {
         auto v = parse_ulong(optarg, 0xff);
-        if (!v) { error_report("Invalid pattern byte specified"); return 1; }
+        if (!v) {
+          error_report("Invalid pattern byte specified");
+          return 1;
+        }
         pattern = *v;
         break;
       }
@@ -225,11 +246,21 @@ int cmd_bench(int argc, char** argv) {
     error_report("Cannot run a benchmark on an empty image");
     return 1;
   }
-  Bench b{loop, *node, count, depth, static_cast<uint64_t>(bufsize), step ? static_cast<uint64_t>(step) : static_cast<uint64_t>(bufsize),
-          static_cast<uint64_t>(offset), node->length(), write, flush_interval, drain,
+  Bench b{loop,
+          *node,
+          count,
+          depth,
+          static_cast<uint64_t>(bufsize),
+          step ? static_cast<uint64_t>(step) : static_cast<uint64_t>(bufsize),
+          static_cast<uint64_t>(offset),
+          node->length(),
+          write,
+          flush_interval,
+          drain,
           AlignedBuffer::huge(std::max<uint64_t>(static_cast<uint64_t>(bufsize) * depth, 1))};
   std::memset(b.buf.data(), static_cast<int>(pattern), b.buf.size());
-  std::printf("Sending %lu %s requests, %" PRId64 " bytes each, %lu in parallel (starting at offset %" PRId64 ", step size %" PRIu64 ")\n",
+  std::printf("Sending %lu %s requests, %" PRId64 " bytes each, %lu in parallel (starting at offset %" PRId64
+              ", step size %" PRIu64 ")\n",
               count, write ? "write" : "read", bufsize, depth, offset, b.step);
   if (flush_interval) std::printf("Sending flush every %lu requests\n", flush_interval);
   std::fflush(stdout);

@@ -12,9 +12,9 @@
 #include <cstdio>
 #include <vector>
 
-#include "vblk/options.h"
 #include "common.h"
 #include "vblk/named_bitmap.h"
+#include "vblk/options.h"
 
 namespace vblk::cli {
 
@@ -47,8 +47,8 @@ NamedBitmap* find_bitmap(Node& n, const std::string& name, Status& st) {
 
 // One action, with block-dirty-bitmap-*'s checks (the image's bitmaps are
 // persistent: qemu-img adds them so).
-Status run_action(Loop& loop, Node& n, Node& src_node, const Action& act, const std::string& name,
-                  bool has_granularity, uint64_t granularity) {
+Status run_action(Loop& loop, Node& n, Node& src_node, const Action& act, const std::string& name, bool has_granularity,
+                  uint64_t granularity) {
   Status st;
   switch (act.op) {
     case Op::Add: {
@@ -129,9 +129,11 @@ int cmd_bitmap(int argc, char** argv) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
       case 'h':
-        std::printf("usage: %s bitmap (--merge SOURCE | --add | --remove | --clear | --enable | --disable)... "
-                    "[-b source_file [-F source_fmt]] [-g granularity] [--object objectdef] [--image-opts | -f fmt] "
-                    "filename bitmap\n", g_prog.c_str());
+        std::printf(
+            "usage: %s bitmap (--merge SOURCE | --add | --remove | --clear | --enable | --disable)... "
+            "[-b source_file [-F source_fmt]] [-g granularity] [--object objectdef] [--image-opts | -f fmt] "
+            "filename bitmap\n",
+            g_prog.c_str());
         return 0;
       case 'b': src_filename = optarg; break;
       case 'f': a.format = optarg; break;
@@ -151,12 +153,18 @@ int cmd_bitmap(int argc, char** argv) {
       }
       case OPT_OBJECT: cli_object(optarg); break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
-      case OPT_ADD: actions.push_back({Op::Add, {}}); add = true; break;
+      case OPT_ADD:
+        actions.push_back({Op::Add, {}});
+        add = true;
+        break;
       case OPT_REMOVE: actions.push_back({Op::Remove, {}}); break;
       case OPT_CLEAR: actions.push_back({Op::Clear, {}}); break;
       case OPT_ENABLE: actions.push_back({Op::Enable, {}}); break;
       case OPT_DISABLE: actions.push_back({Op::Disable, {}}); break;
-      case OPT_MERGE: actions.push_back({Op::Merge, optarg}); merge = true; break;
+      case OPT_MERGE:
+        actions.push_back({Op::Merge, optarg});
+        merge = true;
+        break;
     }
   }
   // qemu-img reports these without its "Try --help" line.
@@ -199,8 +207,8 @@ int cmd_bitmap(int argc, char** argv) {
     Status st = run_action(loop, *node, *src, act, name, has_granularity, granularity);
     if (!st) {
       // error_reportf_err: the message, then QEMU's hint on its own line.
-      error_report(std::string("Operation ") + op_name(act.op) + " on bitmap " + name + " failed: " +
-                   st.error().what());
+      error_report(std::string("Operation ") + op_name(act.op) + " on bitmap " + name +
+                   " failed: " + st.error().what());
       if (!st.error().hint.empty()) std::fprintf(stderr, "%s\n", st.error().hint.c_str());
       ret = 1;
       break;

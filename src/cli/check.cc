@@ -45,11 +45,13 @@ void check_human(const CheckResult& r) {
     std::printf("No errors were found on the image.\n");
   } else {
     if (r.corruptions)
-      std::printf("\n%" PRId64 " errors were found on the image.\n"
+      std::printf("\n%" PRId64
+                  " errors were found on the image.\n"
                   "Data may be corrupted, or further writes to the image may corrupt it.\n",
                   r.corruptions);
     if (r.leaks)
-      std::printf("\n%" PRId64 " leaked clusters were found on the image.\n"
+      std::printf("\n%" PRId64
+                  " leaked clusters were found on the image.\n"
                   "This means waste of disk space, but no harm to data.\n",
                   r.leaks);
     if (r.check_errors) std::printf("\n%" PRId64 " internal errors have occurred during the check.\n", r.check_errors);
@@ -88,9 +90,10 @@ int cmd_check(int argc, char** argv) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
       case 'h':
-        std::printf("usage: %s check [--image-opts] [-q] [-f fmt] [--output=ofmt] [-r [leaks | all]] "
-                    "[-T src_cache] [-U] filename\n",
-                    g_prog.c_str());
+        std::printf(
+            "usage: %s check [--image-opts] [-q] [-f fmt] [--output=ofmt] [-r [leaks | all]] "
+            "[-T src_cache] [-U] filename\n",
+            g_prog.c_str());
         return 0;
       case 'f': a.format = optarg; break;
       case 'r':
@@ -150,11 +153,14 @@ int cmd_check(int argc, char** argv) {
   if (r) res = *r;
   if (r && (res.corruptions_fixed || res.leaks_fixed)) {
     if (!json)
-      std::printf("The following inconsistencies were found and repaired:\n\n"
-                  "    %" PRId64 " leaked clusters\n"
-                  "    %" PRId64 " corruptions\n\n"
-                  "Double checking the fixed image now...\n",
-                  res.leaks_fixed, res.corruptions_fixed);
+      std::printf(
+          "The following inconsistencies were found and repaired:\n\n"
+          "    %" PRId64
+          " leaked clusters\n"
+          "    %" PRId64
+          " corruptions\n\n"
+          "Double checking the fixed image now...\n",
+          res.leaks_fixed, res.corruptions_fixed);
     std::fflush(stdout);
     const int64_t leaks_fixed = res.leaks_fixed, corruptions_fixed = res.corruptions_fixed;
     r = loop.run(node->check(kCheckReport));

@@ -150,13 +150,34 @@ void json_string(std::string& out, const std::string& s) {
   for (size_t i = 0; i < s.size();) {
     unsigned char c = static_cast<unsigned char>(s[i]);
     switch (c) {
-      case '"': out += "\\\""; ++i; continue;
-      case '\\': out += "\\\\"; ++i; continue;
-      case '\b': out += "\\b"; ++i; continue;
-      case '\f': out += "\\f"; ++i; continue;
-      case '\n': out += "\\n"; ++i; continue;
-      case '\r': out += "\\r"; ++i; continue;
-      case '\t': out += "\\t"; ++i; continue;
+      case '"':
+        out += "\\\"";
+        ++i;
+        continue;
+      case '\\':
+        out += "\\\\";
+        ++i;
+        continue;
+      case '\b':
+        out += "\\b";
+        ++i;
+        continue;
+      case '\f':
+        out += "\\f";
+        ++i;
+        continue;
+      case '\n':
+        out += "\\n";
+        ++i;
+        continue;
+      case '\r':
+        out += "\\r";
+        ++i;
+        continue;
+      case '\t':
+        out += "\\t";
+        ++i;
+        continue;
       default: break;
     }
     if (c >= 0x20 && c < 0x7f) {
@@ -316,8 +337,8 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
     return nullptr;
   }
   if (!node) {
-    std::string prefix = a.open_error_prefix.empty() ? "Could not open '" + a.filename + "': "
-                                                     : a.open_error_prefix + a.filename + ": ";
+    std::string prefix =
+        a.open_error_prefix.empty() ? "Could not open '" + a.filename + "': " : a.open_error_prefix + a.filename + ": ";
     error_report_hint(prefix + node.error().what(), node.error());
     return nullptr;
   }

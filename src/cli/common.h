@@ -11,10 +11,10 @@
 #include <optional>
 #include <string>
 
-#include "vblk/open.h"
-#include "vblk/qdict_order.h"
 #include "vblk/loop.h"
 #include "vblk/node.h"
+#include "vblk/open.h"
+#include "vblk/qdict_order.h"
 
 namespace vblk::cli {
 
@@ -64,19 +64,19 @@ std::string qemu_json_pretty(const nlohmann::ordered_json& j);
 
 struct ImageArgs {
   std::string filename;
-  std::string format;      // -f ("" probes)
-  bool image_opts = false; // --image-opts: filename is key=value options
+  std::string format;       // -f ("" probes)
+  bool image_opts = false;  // --image-opts: filename is key=value options
   bool read_only = true;
   CacheMode cache;
-  std::string aio;         // -i
-  bool check = false;      // opening for `check`: corrupt/dirty images may be repaired
-  bool no_backing = false; // leave backing files closed (info)
-  bool no_io = false;      // opened only to be described (info)
+  std::string aio;          // -i
+  bool check = false;       // opening for `check`: corrupt/dirty images may be repaired
+  bool no_backing = false;  // leave backing files closed (info)
+  bool no_io = false;       // opened only to be described (info)
   // Image locks (perm.h): what the command needs beyond reading (and
   // writing unless read_only) and whether others may write meanwhile.
-  bool resize = false;        // the command changes the length (resize)
-  uint32_t unshare = 0;       // what others must not do meanwhile (convert's source: write, resize)
-  bool force_share = false;   // -U: share everything, whatever the command needs
+  bool resize = false;       // the command changes the length (resize)
+  uint32_t unshare = 0;      // what others must not do meanwhile (convert's source: write, resize)
+  bool force_share = false;  // -U: share everything, whatever the command needs
   // Prefix of the open error; "" gives qemu-img's "Could not open '<file>': "
   // (qemu-io words it "can't open device <file>: ").
   std::string open_error_prefix;

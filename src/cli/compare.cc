@@ -91,12 +91,14 @@ Task<int> run_compare(Ctx c) {
         chunk = std::min(chunk, kIoBuf);
         auto r1 = co_await c.a.read(off, b1.span().subspan(0, chunk));
         if (!r1) {
-          error_report("Error while reading offset " + std::to_string(off) + " of " + c.name_a + ": " + r1.error().what());
+          error_report("Error while reading offset " + std::to_string(off) + " of " + c.name_a + ": " +
+                       r1.error().what());
           co_return 4;
         }
         auto r2 = co_await c.b.read(off, b2.span().subspan(0, chunk));
         if (!r2) {
-          error_report("Error while reading offset " + std::to_string(off) + " of " + c.name_b + ": " + r2.error().what());
+          error_report("Error while reading offset " + std::to_string(off) + " of " + c.name_b + ": " +
+                       r2.error().what());
           co_return 4;
         }
         bool differs = false;
@@ -162,7 +164,12 @@ int cmd_compare(int argc, char** argv) {
     switch (c) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
-      case 'h': std::printf("usage: %s compare [--image-opts] [-f fmt] [-F fmt] [-T src_cache] [-p] [-q] [-s] [-U] filename1 filename2\n", g_prog.c_str()); return 0;
+      case 'h':
+        std::printf(
+            "usage: %s compare [--image-opts] [-f fmt] [-F fmt] [-T src_cache] [-p] [-q] [-s] [-U] filename1 "
+            "filename2\n",
+            g_prog.c_str());
+        return 0;
       case 'f': fmt1 = optarg; break;
       case 'F': fmt2 = optarg; break;
       case 'T': cache = optarg; break;

@@ -19,10 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "vblk/options.h"
 #include "common.h"
 #include "progress.h"
 #include "vblk/block_copy.h"
+#include "vblk/options.h"
 
 namespace vblk::cli {
 
@@ -72,7 +72,6 @@ void convert_usage() {
       g_prog.c_str());
 }
 
-
 }  // namespace
 
 int cmd_convert(int argc, char** argv) {
@@ -105,9 +104,7 @@ int cmd_convert(int argc, char** argv) {
       case 'F': backing_fmt = optarg; break;
       case 'C': copy_range = true; break;
       case 'c': compress = true; break;
-      case 'o':
-        options = options.empty() ? std::string(optarg) : options + "," + optarg;
-        break;
+      case 'o': options = options.empty() ? std::string(optarg) : options + "," + optarg; break;
       case 'l': error_report("Snapshot parameters are not supported by vblk convert"); return 1;
       case 'S': {
         auto r = parse_size(optarg);
@@ -117,8 +114,9 @@ int cmd_convert(int argc, char** argv) {
           return 1;
         }
         if (*r % 512 || *r > kMaxSparse) {
-          error_report("Invalid buffer size for sparse output specified. Valid sizes are multiples of 512 up to "
-                       "16777216. Select 0 to disable sparse detection (fully allocates output).");
+          error_report(
+              "Invalid buffer size for sparse output specified. Valid sizes are multiples of 512 up to "
+              "16777216. Select 0 to disable sparse detection (fully allocates output).");
           return 1;
         }
         min_sparse = *r;
@@ -238,7 +236,8 @@ int cmd_convert(int argc, char** argv) {
   const uint64_t size = src->length();
 
   if (!skip_create) {
-    if (create_target(out_name, out_fmt, options, backing, backing_fmt, size, "error while converting " + out_fmt + ": ") != 0)
+    if (create_target(out_name, out_fmt, options, backing, backing_fmt, size,
+                      "error while converting " + out_fmt + ": ") != 0)
       return 1;
   }
   ImageArgs ta;
@@ -324,8 +323,8 @@ int cmd_convert(int argc, char** argv) {
     });
     if (call->failed()) {
       std::fprintf(stderr, "%s: error while %s at byte %llu: %s\n", g_prog.c_str(),
-                   call->error_is_read() ? "reading" : "writing",
-                   static_cast<unsigned long long>(call->error_offset()), call->status().error().what().c_str());
+                   call->error_is_read() ? "reading" : "writing", static_cast<unsigned long long>(call->error_offset()),
+                   call->status().error().what().c_str());
       return 1;
     }
     if (shown < 100) meter.print(100 - shown, 100);

@@ -1,5 +1,7 @@
 // vblk create: make a new image (qemu-img create). raw for now; qcow2 joins
 // with its driver.
+#include "drivers/luks/create.h"
+
 #include <getopt.h>
 
 #include <cstdio>
@@ -7,11 +9,10 @@
 #include <span>
 #include <vector>
 
+#include "common.h"
 #include "drivers/drivers.h"
-#include "drivers/luks/create.h"
 #include "drivers/qcow2/qcow2.h"
 #include "vblk/options.h"
-#include "common.h"
 
 namespace vblk::cli {
 
@@ -209,8 +210,7 @@ int create_qcow2(const std::string& filename, uint64_t size, std::map<std::strin
   if (opts.count("backing_file")) o.backing_file = opts["backing_file"];
   if (opts.count("backing_fmt")) o.backing_format = opts["backing_fmt"];
   o.preallocation = prealloc;
-  if (auto st = qcow2::Qcow2Node::check_create_options(o, static_cast<int64_t>(std::min<uint64_t>(*bits, 128)));
-      !st)
+  if (auto st = qcow2::Qcow2Node::check_create_options(o, static_cast<int64_t>(std::min<uint64_t>(*bits, 128))); !st)
     return fail(st.error().what());
   o.refcount_bits = static_cast<uint32_t>(*bits);
   if (auto st = qcow2::Qcow2Node::check_create_size(o.size, o.cluster_size, o.extended_l2); !st)
@@ -378,8 +378,7 @@ int cmd_create(int argc, char** argv) {
     if (size) return fail("The image size must be specified only once");
     auto s = parse_size(opts["size"]);
     if (!s) {
-      if (s.error().code == ERANGE)
-        return fail("Value '" + opts["size"] + "' is out of range for parameter 'size'");
+      if (s.error().code == ERANGE) return fail("Value '" + opts["size"] + "' is out of range for parameter 'size'");
       error_report(filename + ": Parameter 'size' expects a non-negative number below 2^64");
       std::fprintf(stderr, "Optional suffix k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta-\n");
       std::fprintf(stderr, "and exabytes, respectively.\n");

@@ -3,8 +3,8 @@
 
 #include <cstdio>
 
-#include "vblk/snapshot_info_json.h"
 #include "common.h"
+#include "vblk/snapshot_info_json.h"
 
 namespace vblk::cli {
 
@@ -118,7 +118,10 @@ int cmd_info(int argc, char** argv) {
     switch (c) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
-      case 'h': std::printf("usage: %s info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename\n", g_prog.c_str()); return 0;
+      case 'h':
+        std::printf("usage: %s info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename\n",
+                    g_prog.c_str());
+        return 0;
       case 'f': a.format = optarg; break;
       case 'U': a.force_share = true; break;
       case OPT_OUTPUT: output = optarg; break;

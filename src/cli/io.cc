@@ -23,9 +23,9 @@
 #include <string>
 #include <vector>
 
-#include "vblk/options.h"
 #include "common.h"
 #include "vblk/buffer.h"
+#include "vblk/options.h"
 
 namespace vblk::cli {
 
@@ -231,8 +231,8 @@ class Io {
     int argc = static_cast<int>(words.size()) - 1;
     if (argc < ct->argmin || (ct->argmax != -1 && argc > ct->argmax)) {
       if (ct->argmax == -1)
-        std::fprintf(stderr, "bad argument count %d to %s, expected at least %d arguments\n", argc,
-                     words[0].c_str(), ct->argmin);
+        std::fprintf(stderr, "bad argument count %d to %s, expected at least %d arguments\n", argc, words[0].c_str(),
+                     ct->argmin);
       else if (ct->argmin == ct->argmax)
         std::fprintf(stderr, "bad argument count %d to %s, expected %d arguments\n", argc, words[0].c_str(),
                      ct->argmin);
@@ -249,11 +249,16 @@ class Io {
     std::fflush(stdout);
     int ret;
     std::string name = ct->name;
-    if (name == "read") ret = read_f(*ct, static_cast<int>(words.size()), argv.data());
-    else if (name == "write") ret = write_f(*ct, static_cast<int>(words.size()), argv.data());
-    else if (name == "discard") ret = discard_f(*ct, static_cast<int>(words.size()), argv.data());
-    else if (name == "map") ret = map_f();
-    else ret = flush_f();
+    if (name == "read")
+      ret = read_f(*ct, static_cast<int>(words.size()), argv.data());
+    else if (name == "write")
+      ret = write_f(*ct, static_cast<int>(words.size()), argv.data());
+    else if (name == "discard")
+      ret = discard_f(*ct, static_cast<int>(words.size()), argv.data());
+    else if (name == "map")
+      ret = map_f();
+    else
+      ret = flush_f();
     std::fflush(stdout);
     return ret;
   }
@@ -332,8 +337,8 @@ class Io {
       const uint8_t* p = buf.data() + pattern_offset;
       for (int64_t i = 0; i < pattern_count; ++i) {
         if (p[i] != pattern) {
-          std::printf("Pattern verification failed at offset %" PRId64 ", %" PRId64 " bytes\n",
-                      offset + pattern_offset, pattern_count);
+          std::printf("Pattern verification failed at offset %" PRId64 ", %" PRId64 " bytes\n", offset + pattern_offset,
+                      pattern_count);
           ret = -EINVAL;
           break;
         }
@@ -409,8 +414,10 @@ class Io {
       AlignedBuffer buf(static_cast<size_t>(count), 4096);
       if (count) std::memset(buf.data(), pattern, static_cast<size_t>(count));
       // -b: the VM state area (qemu-io's do_save_vmstate; -c does not apply).
-      if (bflag) st = loop_.run(node_->write_vmstate(static_cast<uint64_t>(offset), buf.span()));
-      else st = loop_.run(node_->write(static_cast<uint64_t>(offset), buf.span(), flags));
+      if (bflag)
+        st = loop_.run(node_->write_vmstate(static_cast<uint64_t>(offset), buf.span()));
+      else
+        st = loop_.run(node_->write(static_cast<uint64_t>(offset), buf.span(), flags));
     }
     if (st && fua && zflag) st = loop_.run(node_->flush());
     timespec t2 = now();
@@ -471,8 +478,10 @@ class Io {
         }
         if (!r->bytes) break;
         bool a = r->flags & kStatusAllocated;
-        if (first) allocated = a;
-        else if (a != allocated) break;
+        if (first)
+          allocated = a;
+        else if (a != allocated)
+          break;
         num += r->bytes;
       }
       if (!num) {
@@ -533,8 +542,10 @@ int cmd_io(int argc, char** argv) {
         usage(g_prog.c_str());
         return 1;
       case '?':
-        if (optopt) error_report(std::string("invalid option -- '") + static_cast<char>(optopt) + "'");
-        else error_report(std::string("unrecognized option '") + argv[optind - 1] + "'");
+        if (optopt)
+          error_report(std::string("invalid option -- '") + static_cast<char>(optopt) + "'");
+        else
+          error_report(std::string("unrecognized option '") + argv[optind - 1] + "'");
         usage(g_prog.c_str());
         return 1;
       case 'h': usage(g_prog.c_str()); return 0;
@@ -566,11 +577,12 @@ int cmd_io(int argc, char** argv) {
           return 1;
         }
         break;
-      case 's':
-        error_report("-s (snapshot) is not supported by vblk io");
-        return 1;
+      case 's': error_report("-s (snapshot) is not supported by vblk io"); return 1;
       case 'U': force_share = true; break;
-      case 'C': case 'm': case 'k': case 'T': break;
+      case 'C':
+      case 'm':
+      case 'k':
+      case 'T': break;
       case OPT_OBJECT: cli_object(optarg); break;
       case OPT_IMAGE_OPTS: a.image_opts = true; break;
     }

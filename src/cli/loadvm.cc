@@ -89,8 +89,10 @@ int cmd_loadvm(int argc, char** argv) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
       case 'h':
-        std::printf("usage: %s loadvm [--image-opts] [-f fmt] [-t cache] [-q] [-U] [--state-only] [--workers n] "
-                    "--vmstate-out file|- filename tag\n", g_prog.c_str());
+        std::printf(
+            "usage: %s loadvm [--image-opts] [-f fmt] [-t cache] [-q] [-U] [--state-only] [--workers n] "
+            "--vmstate-out file|- filename tag\n",
+            g_prog.c_str());
         return 0;
       case 'f': a.format = optarg; break;
       case 't': cache = optarg; break;

@@ -70,20 +70,21 @@ std::string trace_category_list() {
 }
 
 void help() {
-  std::printf(
-      "vblk version " VBLK_VERSION " - a userspace block-storage engine for VM disk images\n"
-      "usage: vblk [standard options] command [command options]\n"
-      "\n"
-      "Command syntax (qemu-img compatible):\n");
+  std::printf("vblk version " VBLK_VERSION
+              " - a userspace block-storage engine for VM disk images\n"
+              "usage: vblk [standard options] command [command options]\n"
+              "\n"
+              "Command syntax (qemu-img compatible):\n");
   for (const auto& c : kCommands) std::printf("  %s\n", c.synopsis);
   std::vector<std::string> names;
   for (const auto& d : vblk::registered_drivers()) names.emplace_back(d.name);
   std::sort(names.begin(), names.end());
   std::printf("\nSupported formats:");
   for (const auto& n : names) std::printf(" %s", n.c_str());
-  std::printf("\n\nStandard options:\n  -T, --trace [[enable=]<pattern>]  switch on the trace categories matching "
-              "pattern\n                                    (%s; also VBLK_TRACE=a,b)\n",
-              trace_category_list().c_str());
+  std::printf(
+      "\n\nStandard options:\n  -T, --trace [[enable=]<pattern>]  switch on the trace categories matching "
+      "pattern\n                                    (%s; also VBLK_TRACE=a,b)\n",
+      trace_category_list().c_str());
 }
 
 }  // namespace

@@ -58,8 +58,8 @@ Task<Result<MapEntry>> get_entry(Node& top, uint64_t offset, uint64_t bytes) {
 
 bool mergeable(const MapEntry& curr, const MapEntry& next) {
   if (curr.length == 0) return false;
-  if (curr.zero != next.zero || curr.data != next.data || curr.depth != next.depth ||
-      curr.present != next.present || curr.has_offset != next.has_offset)
+  if (curr.zero != next.zero || curr.data != next.data || curr.depth != next.depth || curr.present != next.present ||
+      curr.has_offset != next.has_offset)
     return false;
   if (curr.filename != next.filename) return false;
   if (curr.has_offset && curr.offset + curr.length != next.offset) return false;
@@ -69,9 +69,9 @@ bool mergeable(const MapEntry& curr, const MapEntry& next) {
 // Returns false when the entry cannot be shown (human output only).
 bool dump(const MapEntry& e, MapEntry* next, bool json) {
   if (json) {
-    std::printf("{ \"start\": %" PRIu64 ", \"length\": %" PRIu64 ", \"depth\": %d, \"present\": %s, \"zero\": %s, \"data\": %s",
-                e.start, e.length, e.depth, e.present ? "true" : "false", e.zero ? "true" : "false",
-                e.data ? "true" : "false");
+    std::printf(
+        "{ \"start\": %" PRIu64 ", \"length\": %" PRIu64 ", \"depth\": %d, \"present\": %s, \"zero\": %s, \"data\": %s",
+        e.start, e.length, e.depth, e.present ? "true" : "false", e.zero ? "true" : "false", e.data ? "true" : "false");
     if (e.has_offset) std::printf(", \"offset\": %" PRIu64, e.offset);
     std::putchar('}');
     if (next) std::puts(",");
@@ -116,7 +116,12 @@ int cmd_map(int argc, char** argv) {
     switch (c) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
-      case 'h': std::printf("usage: %s map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] filename\n", g_prog.c_str()); return 0;
+      case 'h':
+        std::printf(
+            "usage: %s map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] "
+            "filename\n",
+            g_prog.c_str());
+        return 0;
       case 'f': a.format = optarg; break;
       case 'U': a.force_share = true; break;
       case 's': {

@@ -78,19 +78,27 @@ struct NbdArgs {
 };
 
 NbdArgs parse(int argc, char** argv) {
-  static const option longopts[] = {
-      {"help", no_argument, nullptr, 'h'},         {"version", no_argument, nullptr, 'V'},
-      {"trace", required_argument, nullptr, 'T'},
-      {"port", required_argument, nullptr, 'p'},   {"bind", required_argument, nullptr, 'b'},
-      {"socket", required_argument, nullptr, 'k'}, {"shared", required_argument, nullptr, 'e'},
-      {"persistent", no_argument, nullptr, 't'},   {"export-name", required_argument, nullptr, 'x'},
-      {"description", required_argument, nullptr, 'D'}, {"format", required_argument, nullptr, 'f'},
-      {"read-only", no_argument, nullptr, 'r'},    {"nocache", no_argument, nullptr, 'n'},
-      {"cache", required_argument, nullptr, kOptCache}, {"aio", required_argument, nullptr, kOptAio},
-      {"image-opts", no_argument, nullptr, kOptImageOpts}, {"bitmap", required_argument, nullptr, 'B'},
-      {"fork", no_argument, nullptr, kOptFork},    {"pid-file", required_argument, nullptr, kOptPidFile},
-      {"object", required_argument, nullptr, kOptObject},
-      {nullptr, 0, nullptr, 0}};
+  static const option longopts[] = {{"help", no_argument, nullptr, 'h'},
+                                    {"version", no_argument, nullptr, 'V'},
+                                    {"trace", required_argument, nullptr, 'T'},
+                                    {"port", required_argument, nullptr, 'p'},
+                                    {"bind", required_argument, nullptr, 'b'},
+                                    {"socket", required_argument, nullptr, 'k'},
+                                    {"shared", required_argument, nullptr, 'e'},
+                                    {"persistent", no_argument, nullptr, 't'},
+                                    {"export-name", required_argument, nullptr, 'x'},
+                                    {"description", required_argument, nullptr, 'D'},
+                                    {"format", required_argument, nullptr, 'f'},
+                                    {"read-only", no_argument, nullptr, 'r'},
+                                    {"nocache", no_argument, nullptr, 'n'},
+                                    {"cache", required_argument, nullptr, kOptCache},
+                                    {"aio", required_argument, nullptr, kOptAio},
+                                    {"image-opts", no_argument, nullptr, kOptImageOpts},
+                                    {"bitmap", required_argument, nullptr, 'B'},
+                                    {"fork", no_argument, nullptr, kOptFork},
+                                    {"pid-file", required_argument, nullptr, kOptPidFile},
+                                    {"object", required_argument, nullptr, kOptObject},
+                                    {nullptr, 0, nullptr, 0}};
   NbdArgs a;
   a.image.read_only = false;
   bool cache_set = false;
@@ -99,12 +107,8 @@ NbdArgs parse(int argc, char** argv) {
   int c;
   while ((c = getopt_long(argc, argv, ":hVp:b:k:e:tx:D:f:rnB:T:", longopts, nullptr)) != -1) {
     switch (c) {
-      case 'h':
-        nbd_help();
-        std::exit(0);
-      case 'V':
-        std::printf("vblk nbd version " VBLK_VERSION "\n");
-        std::exit(0);
+      case 'h': nbd_help(); std::exit(0);
+      case 'V': std::printf("vblk nbd version " VBLK_VERSION "\n"); std::exit(0);
       case 'T': enable_trace(optarg); break;
       case 'p': {
         auto v = parse_ulong(optarg, 65535);
@@ -139,7 +143,8 @@ NbdArgs parse(int argc, char** argv) {
       case kOptCache:
         if (cache_set) nbd_usage_error("-n and --cache can only be specified once");
         cache_set = true;
-        if (!parse_cache_mode(optarg, a.image.cache)) nbd_usage_error(std::string("Invalid cache mode '") + optarg + "'");
+        if (!parse_cache_mode(optarg, a.image.cache))
+          nbd_usage_error(std::string("Invalid cache mode '") + optarg + "'");
         break;
       case kOptAio:
         if (std::strcmp(optarg, "threads") && std::strcmp(optarg, "native") && std::strcmp(optarg, "io_uring"))
@@ -152,8 +157,7 @@ NbdArgs parse(int argc, char** argv) {
       case kOptFork: a.fork = true; break;
       case kOptPidFile: a.pid_file = optarg; break;
       case kOptObject: cli_object(optarg); break;
-      case ':':
-        nbd_usage_error(std::string("option requires an argument -- '") + static_cast<char>(optopt) + "'");
+      case ':': nbd_usage_error(std::string("option requires an argument -- '") + static_cast<char>(optopt) + "'");
       default:
         if (optopt) nbd_usage_error(std::string("invalid option -- '") + static_cast<char>(optopt) + "'");
         nbd_usage_error(std::string("unrecognized option '") + argv[optind - 1] + "'");
@@ -161,8 +165,7 @@ NbdArgs parse(int argc, char** argv) {
   }
   if (argc - optind != 1) nbd_usage_error("Invalid number of arguments");
   if (!a.socket.empty() && !a.port.empty()) nbd_usage_error("-p and -k are mutually exclusive");
-  if (a.image.image_opts && !a.image.format.empty())
-    nbd_fail("--image-opts and --format are mutually exclusive");
+  if (a.image.image_opts && !a.image.format.empty()) nbd_fail("--image-opts and --format are mutually exclusive");
   a.image.filename = argv[optind];
   return a;
 }

@@ -4,8 +4,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "vblk/options.h"
 #include "common.h"
+#include "vblk/options.h"
 
 namespace vblk::cli {
 
@@ -32,7 +32,12 @@ int cmd_resize(int argc, char** argv) {
     switch (c) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
-      case 'h': std::printf("usage: %s resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size\n", g_prog.c_str()); return 0;
+      case 'h':
+        std::printf(
+            "usage: %s resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | "
+            "-]size\n",
+            g_prog.c_str());
+        return 0;
       case 'f': a.format = optarg; break;
       case 'q': quiet = true; break;
       case OPT_OBJECT: cli_object(optarg); break;
@@ -85,7 +90,8 @@ int cmd_resize(int argc, char** argv) {
   }
   if (total < current && !shrink) {
     error_report("Use the --shrink option to perform a shrink operation.");
-    std::fprintf(stderr, "%s: warning: Shrinking an image will delete all data beyond the shrunken image's end. "
+    std::fprintf(stderr,
+                 "%s: warning: Shrinking an image will delete all data beyond the shrunken image's end. "
                  "Before performing such an operation, make sure there is no important data there.\n",
                  g_prog.c_str());
     return 1;

@@ -253,8 +253,10 @@ int cmd_savevm(int argc, char** argv) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
       case 'h':
-        std::printf("usage: %s savevm [--image-opts] [-f fmt] [-t cache] [-q] [--workers n] [--buffer-size size] "
-                    "[--vm-clock ns] --vmstate file|- filename tag\n", g_prog.c_str());
+        std::printf(
+            "usage: %s savevm [--image-opts] [-f fmt] [-t cache] [-q] [--workers n] [--buffer-size size] "
+            "[--vm-clock ns] --vmstate file|- filename tag\n",
+            g_prog.c_str());
         return 0;
       case 'f': a.format = optarg; break;
       case 't': cache = optarg; break;

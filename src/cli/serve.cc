@@ -180,16 +180,12 @@ void do_export(qmp::Daemon& d, const std::string& arg) {
   std::string err;
   for (const char* k : {"writable", "writethrough", "fixed-iothread", "allocation-depth"})
     if (!to_bool(o, k, err)) opt_fail("export", arg, err);
-  static const std::vector<qmp::Arg> kExport = {{"type", qmp::ArgType::Enum, true, {"nbd"}},
-                                                {"id", qmp::ArgType::Str, true},
-                                                {"fixed-iothread", qmp::ArgType::Bool},
-                                                {"iothread", qmp::ArgType::Str},
-                                                {"node-name", qmp::ArgType::Str, true},
-                                                {"writable", qmp::ArgType::Bool},
-                                                {"writethrough", qmp::ArgType::Bool},
-                                                {"name", qmp::ArgType::Str},
-                                                {"description", qmp::ArgType::Str},
-                                                {"allocation-depth", qmp::ArgType::Bool}};
+  static const std::vector<qmp::Arg> kExport = {
+      {"type", qmp::ArgType::Enum, true, {"nbd"}}, {"id", qmp::ArgType::Str, true},
+      {"fixed-iothread", qmp::ArgType::Bool},      {"iothread", qmp::ArgType::Str},
+      {"node-name", qmp::ArgType::Str, true},      {"writable", qmp::ArgType::Bool},
+      {"writethrough", qmp::ArgType::Bool},        {"name", qmp::ArgType::Str},
+      {"description", qmp::ArgType::Str},          {"allocation-depth", qmp::ArgType::Bool}};
   if (auto e = qmp::check_args(kExport, false, o)) opt_fail("export", arg, *e);
   auto st = qmp::add_block_export(d, o);
   if (!st) opt_fail("export", arg, st.error().what());
@@ -268,13 +264,18 @@ Task<void> run_daemon(qmp::Daemon& d) {
 
 int cmd_serve(int argc, char** argv) {
   enum { kBlockdev = 256, kChardev, kDaemonize, kExport, kMonitor, kNbdServer, kObject, kPidfile };
-  static const option longopts[] = {
-      {"help", no_argument, nullptr, 'h'},           {"version", no_argument, nullptr, 'V'},
-      {"trace", required_argument, nullptr, 'T'},    {"blockdev", required_argument, nullptr, kBlockdev},
-      {"chardev", required_argument, nullptr, kChardev}, {"daemonize", no_argument, nullptr, kDaemonize},
-      {"export", required_argument, nullptr, kExport}, {"monitor", required_argument, nullptr, kMonitor},
-      {"nbd-server", required_argument, nullptr, kNbdServer}, {"object", required_argument, nullptr, kObject},
-      {"pidfile", required_argument, nullptr, kPidfile}, {nullptr, 0, nullptr, 0}};
+  static const option longopts[] = {{"help", no_argument, nullptr, 'h'},
+                                    {"version", no_argument, nullptr, 'V'},
+                                    {"trace", required_argument, nullptr, 'T'},
+                                    {"blockdev", required_argument, nullptr, kBlockdev},
+                                    {"chardev", required_argument, nullptr, kChardev},
+                                    {"daemonize", no_argument, nullptr, kDaemonize},
+                                    {"export", required_argument, nullptr, kExport},
+                                    {"monitor", required_argument, nullptr, kMonitor},
+                                    {"nbd-server", required_argument, nullptr, kNbdServer},
+                                    {"object", required_argument, nullptr, kObject},
+                                    {"pidfile", required_argument, nullptr, kPidfile},
+                                    {nullptr, 0, nullptr, 0}};
   // First pass: everything that must be known before the loop exists.
   std::vector<std::pair<int, std::string>> opts;
   bool daemonize = false;
@@ -284,22 +285,20 @@ int cmd_serve(int argc, char** argv) {
   int c;
   while ((c = getopt_long(argc, argv, "-:hT:V", longopts, nullptr)) != -1) {
     switch (c) {
-      case 'h':
-        serve_help();
-        return 0;
-      case 'V':
-        std::printf("vblk serve version " VBLK_VERSION "\n");
-        return 0;
+      case 'h': serve_help(); return 0;
+      case 'V': std::printf("vblk serve version " VBLK_VERSION "\n"); return 0;
       case 'T': enable_trace(optarg); break;
       case 1: serve_fail(std::string(optarg) + ": Unexpected argument");
       case kDaemonize: daemonize = true; break;
       case kPidfile: pidfile = optarg; break;
       // getopt's words, without qemu-img's "Try --help" line (as qsd).
       case ':':
-        if (optopt > 0 && optopt < 256) serve_fail(std::string("option requires an argument -- '") + static_cast<char>(optopt) + "'");
+        if (optopt > 0 && optopt < 256)
+          serve_fail(std::string("option requires an argument -- '") + static_cast<char>(optopt) + "'");
         serve_fail(std::string("option '") + argv[optind - 1] + "' requires an argument");
       case '?':
-        if (optopt > 0 && optopt < 256) serve_fail(std::string("invalid option -- '") + static_cast<char>(optopt) + "'");
+        if (optopt > 0 && optopt < 256)
+          serve_fail(std::string("invalid option -- '") + static_cast<char>(optopt) + "'");
         serve_fail(std::string("unrecognized option '") + argv[optind - 1] + "'");
       default: opts.emplace_back(c, optarg); break;
     }

@@ -9,8 +9,8 @@
 
 #include <atomic>
 #include <functional>
-#include <thread>
 #include <string>
+#include <thread>
 
 #include "vblk/loop.h"
 

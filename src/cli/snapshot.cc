@@ -42,8 +42,10 @@ int cmd_snapshot(int argc, char** argv) {
       case ':': missing_argument(argv, optind);
       case '?': unrecognized_option(argv, optind);
       case 'h':
-        std::printf("usage: %s snapshot [--image-opts] [-U] [-q] [-l | -a snapshot | -c snapshot | -d snapshot] "
-                    "filename\n", g_prog.c_str());
+        std::printf(
+            "usage: %s snapshot [--image-opts] [-U] [-q] [-l | -a snapshot | -c snapshot | -d snapshot] "
+            "filename\n",
+            g_prog.c_str());
         return 0;
       case 'l':
         set_action(kList);
@@ -72,11 +74,8 @@ int cmd_snapshot(int argc, char** argv) {
   if (!node) return 1;
   int ret = 0;
   switch (action) {
-    case kNone:
-      break;
-    case kList:
-      dump_snapshots(node->snapshots());
-      break;
+    case kNone: break;
+    case kList: dump_snapshots(node->snapshots()); break;
     case kCreate: {
       SnapshotInfo sn;
       sn.name = name.substr(0, 255);  // QEMUSnapshotInfo.name is char[256]

@@ -1,7 +1,7 @@
 // The snapshot table as qemu-img prints it (bdrv_snapshot_dump), shared by
 // `snapshot -l` and `info`.
-#include <ctime>
 #include <cstdio>
+#include <ctime>
 
 #include "common.h"
 
@@ -22,8 +22,8 @@ void dump_snapshot(const SnapshotInfo& sn) {
                 static_cast<int>((secs / 60) % 60), static_cast<int>(secs % 60),
                 static_cast<int>((sn.vm_clock_nsec / 1000000) % 1000));
   if (sn.icount != UINT64_MAX) std::snprintf(icount, sizeof icount, "%lld", static_cast<long long>(sn.icount));
-  std::printf("%-9s %-16s %8s%20s%13s%11s", sn.id.c_str(), sn.name.c_str(), size_to_str(sn.vm_state_size).c_str(),
-              date, clock, icount);
+  std::printf("%-9s %-16s %8s%20s%13s%11s", sn.id.c_str(), sn.name.c_str(), size_to_str(sn.vm_state_size).c_str(), date,
+              clock, icount);
 }
 
 void dump_snapshots(const std::vector<SnapshotInfo>& list) {

@@ -2,7 +2,6 @@
 // its blockdev options, as QEMU 7.2 names them: file, target, bitmap,
 // on-cbw-error, cbw-timeout.
 #include "vblk/copy_before_write.h"
-#include "vblk/graph.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -12,13 +11,13 @@
 #include "drivers.h"
 #include "vblk/buffer.h"
 #include "vblk/chain.h"
+#include "vblk/graph.h"
 
 namespace vblk {
 
 uint64_t cbw_cluster_size(const Node& target) { return std::max<uint64_t>(64 << 10, target.cluster_size()); }
 
-CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::shared_ptr<Node> target,
-                                 CbwOptions opts)
+CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::shared_ptr<Node> target, CbwOptions opts)
     : FilterNode(loop, "copy-before-write", std::move(file)),
       target_(target.get()),
       on_error_(opts.on_error),
@@ -209,8 +208,7 @@ Result<std::shared_ptr<Node>> open_copy_before_write(OpenContext& ctx, Json& opt
                           spill_direct->value_or(true)};
   if (!buffer.memory_size && (buffer.spill_size || *spill_dir || *spill_direct))
     return Error(EINVAL, "x-cow-spill-dir, x-cow-spill-size and x-cow-spill-direct need x-cow-buffer-size");
-  if ((*file)->length() != (*target)->length())
-    return Error(EINVAL, "Source and target image have different sizes");
+  if ((*file)->length() != (*target)->length()) return Error(EINVAL, "Source and target image have different sizes");
   auto cbw = std::make_shared<CopyBeforeWrite>(ctx.loop, *file, *target, o);
   if (buffer.memory_size) VBLK_TRY(cbw->enable_buffer(buffer));
   if (sync_bitmap) {

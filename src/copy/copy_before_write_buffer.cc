@@ -19,8 +19,9 @@ Status CopyBeforeWrite::enable_buffer(const CowBufferOptions& opts) {
   // they would read the guest's new data through its backing file. The
   // buffer is for a target read through snapshot-access.
   if (bcs_->options().write_flags & kReqSerialising)
-    return Error(EINVAL, "A COW buffer cannot be used with a target backed by the source (it is read directly); "
-                         "read the snapshot through snapshot-access");
+    return Error(EINVAL,
+                 "A COW buffer cannot be used with a target backed by the source (it is read directly); "
+                 "read the snapshot through snapshot-access");
   auto b = CowBuffer::create(loop(), bcs_->options().cluster_size, opts);
   VBLK_TRY(b);
   buffer_ = std::move(*b);

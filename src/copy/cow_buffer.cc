@@ -53,11 +53,11 @@ CowBuffer::CowBuffer(Loop& loop, uint64_t cs, CowBufferOptions opts)
 
 Result<std::unique_ptr<CowBuffer>> CowBuffer::create(Loop& loop, uint64_t cluster_size, CowBufferOptions opts) {
   if (opts.memory_size < cluster_size)
-    return Error(EINVAL, "cow-buffer-size must be at least the backup cluster size (" + std::to_string(cluster_size) +
-                             ")");
+    return Error(EINVAL,
+                 "cow-buffer-size must be at least the backup cluster size (" + std::to_string(cluster_size) + ")");
   if (opts.spill_size && opts.spill_size < cluster_size)
-    return Error(EINVAL, "cow-spill-size must be 0 or at least the backup cluster size (" +
-                             std::to_string(cluster_size) + ")");
+    return Error(EINVAL,
+                 "cow-spill-size must be 0 or at least the backup cluster size (" + std::to_string(cluster_size) + ")");
   // The buffer is memory this process will touch: more than the host has
   // is a mistake, refused rather than found out by the OOM killer.
   const uint64_t phys = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -66,11 +66,11 @@ Result<std::unique_ptr<CowBuffer>> CowBuffer::create(Loop& loop, uint64_t cluste
                              std::to_string(phys) + ")");
   // Whole clusters: a size that is not would silently hold less.
   if (opts.memory_size % cluster_size)
-    return Error(EINVAL, "cow-buffer-size must be a multiple of the backup cluster size (" +
-                             std::to_string(cluster_size) + ")");
+    return Error(
+        EINVAL, "cow-buffer-size must be a multiple of the backup cluster size (" + std::to_string(cluster_size) + ")");
   if (opts.spill_size % cluster_size)
-    return Error(EINVAL, "cow-spill-size must be a multiple of the backup cluster size (" +
-                             std::to_string(cluster_size) + ")");
+    return Error(EINVAL,
+                 "cow-spill-size must be a multiple of the backup cluster size (" + std::to_string(cluster_size) + ")");
   std::unique_ptr<CowBuffer> b(new CowBuffer(loop, cluster_size, opts));
   if (b->spill_slots_) {
     std::string dir = opts.spill_dir.empty() ? std::string("/var/tmp") : opts.spill_dir;
@@ -127,8 +127,8 @@ void CowBuffer::free_spill_slot(int64_t idx) {
     // written back; punched out, they are dropped (the disk never sees data
     // that was drained in time). Advisory: a failure only costs the write.
     if (!spill_direct_)
-      ::fallocate(spill_fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(idx) * static_cast<off_t>(cs_),
-                  static_cast<off_t>(cs_));
+      ::fallocate(spill_fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                  static_cast<off_t>(idx) * static_cast<off_t>(cs_), static_cast<off_t>(cs_));
     spill_free_.push_back(idx);
     --spill_used_;
   }

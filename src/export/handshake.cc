@@ -4,9 +4,9 @@
 // kMaxOptionSize are refused (and the connection closed when they are too
 // large to skip), names above kMaxStringSize get NBD_REP_ERR_INVALID, and
 // every length inside a payload is checked against what is left of it.
-#include <algorithm>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <vector>
 
@@ -100,10 +100,12 @@ Task<Result<bool>> info_or_go(Session& s, uint32_t opt, std::span<const uint8_t>
 Task<Status> meta_context(Session& s, uint32_t opt, std::span<const uint8_t> data) {
   const bool set = opt == kOptSetMetaContext;
   if (set && !s.structured)
-    co_return co_await send_error(s, opt, kRepErrInvalid, "request option 'SET_META_CONTEXT' when structured reply is not negotiated");
+    co_return co_await send_error(s, opt, kRepErrInvalid,
+                                  "request option 'SET_META_CONTEXT' when structured reply is not negotiated");
   Reader r(data);
   uint32_t name_len = r.u32();
-  if (!r.ok() || name_len > r.left()) co_return co_await send_error(s, opt, kRepErrInvalid, "request data length mismatch");
+  if (!r.ok() || name_len > r.left())
+    co_return co_await send_error(s, opt, kRepErrInvalid, "request data length mismatch");
   if (name_len > kMaxStringSize) co_return co_await send_error(s, opt, kRepErrInvalid, "export name too long");
   std::string name = r.str(name_len);
   uint32_t nq = r.u32();
@@ -239,15 +241,9 @@ Task<Result<bool>> haggle(Session& s) {
         }
         break;
       case kOptListMetaContext:
-      case kOptSetMetaContext:
-        VBLK_CO_TRY(co_await meta_context(s, opt, data));
-        break;
-      case kOptStartTls:
-        VBLK_CO_TRY(co_await send_error(s, opt, kRepErrPolicy, "TLS not configured"));
-        break;
-      default:
-        VBLK_CO_TRY(co_await send_error(s, opt, kRepErrUnsup, fmt::format("Unsupported option {}", opt)));
-        break;
+      case kOptSetMetaContext: VBLK_CO_TRY(co_await meta_context(s, opt, data)); break;
+      case kOptStartTls: VBLK_CO_TRY(co_await send_error(s, opt, kRepErrPolicy, "TLS not configured")); break;
+      default: VBLK_CO_TRY(co_await send_error(s, opt, kRepErrUnsup, fmt::format("Unsupported option {}", opt))); break;
     }
   }
 }
@@ -271,7 +267,7 @@ uint16_t transmission_flags(const Session& s) {
 
 Task<bool> negotiate(Session& s) {
   auto r = co_await haggle(s);
-  co_return r && *r;
+  co_return r&&* r;
 }
 
 }  // namespace vblk::nbd

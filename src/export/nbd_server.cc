@@ -58,9 +58,9 @@ Task<void> Server::serve(Fd listener) {
       int e = c.error().code;
       // A client that gave up before we accepted it, or a transient shortage:
       // keep serving the others.
-      if (e == ECONNABORTED || e == EINTR || e == EAGAIN || e == EMFILE || e == ENFILE || e == ENOBUFS ||
-          e == ENOMEM) {
-        if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) co_await loop_.sleep(std::chrono::milliseconds(10));
+      if (e == ECONNABORTED || e == EINTR || e == EAGAIN || e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
+        if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM)
+          co_await loop_.sleep(std::chrono::milliseconds(10));
         continue;
       }
       break;

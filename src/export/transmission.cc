@@ -175,8 +175,7 @@ class Connection {
         size_t have = std::min<size_t>(rend_ - rpos_, r.length);
         if (have) std::memcpy(r.payload.data(), rbuf_.data() + rpos_, have);
         rpos_ += have;
-        if (have < r.length &&
-            !co_await recv_exact(s_.loop, s_.fd, r.payload.span().subspan(have, r.length - have))) {
+        if (have < r.length && !co_await recv_exact(s_.loop, s_.fd, r.payload.span().subspan(have, r.length - have))) {
           release(r.charge);
           break;
         }
@@ -244,7 +243,8 @@ class Connection {
       case kCmdWriteZeroes: allowed = kCmdFlagFua | kCmdFlagNoHole | kCmdFlagFastZero; break;
       case kCmdTrim: allowed = kCmdFlagFua; break;
       case kCmdBlockStatus: allowed = kCmdFlagReqOne; break;
-      case kCmdFlush: case kCmdCache: break;
+      case kCmdFlush:
+      case kCmdCache: break;
       default: return Error(EINVAL, fmt::format("unsupported command {}", r.type));
     }
     if (r.flags & ~allowed) return Error(EINVAL, fmt::format("unsupported flags 0x{:x}", r.flags));
@@ -272,12 +272,8 @@ class Connection {
     }
     Status st;
     switch (r.type) {
-      case kCmdRead:
-        co_await read(r);
-        co_return;
-      case kCmdBlockStatus:
-        co_await block_status(r);
-        co_return;
+      case kCmdRead: co_await read(r); co_return;
+      case kCmdBlockStatus: co_await block_status(r); co_return;
       case kCmdWrite: {
         uint32_t f = 0;
         if (r.flags & kCmdFlagFua) f |= kReqFua;
@@ -296,11 +292,8 @@ class Connection {
         st = co_await n.discard(r.offset, r.length);
         if (st && (r.flags & kCmdFlagFua)) st = co_await n.flush();
         break;
-      case kCmdFlush:
-        st = co_await n.flush();
-        break;
-      case kCmdCache:
-        break;  // advisory; the host page cache or our own caches do the rest
+      case kCmdFlush: st = co_await n.flush(); break;
+      case kCmdCache: break;  // advisory; the host page cache or our own caches do the rest
     }
     if (!st) {
       reply_error(r, st.error());
@@ -530,7 +523,7 @@ class Connection {
 
   Session& s_;
   CoSemaphore slots_;
-  CoSemaphore bytes_;  // of kMaxInflightBytes
+  CoSemaphore bytes_;   // of kMaxInflightBytes
   WaitGroup inflight_;  // handlers and the sender still running
   BufferPool pool_;
   std::vector<uint8_t> rbuf_;

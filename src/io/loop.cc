@@ -104,8 +104,8 @@ bool IoAwaitable::await_suspend(std::coroutine_handle<> h) noexcept {
 
 void Loop::submit(detail::IoRequest* req) {
   ++pending_;
-  bool file_op = req->op == Op::Read || req->op == Op::Write || req->op == Op::Fsync ||
-                 req->op == Op::Fdatasync || req->op == Op::Fallocate;
+  bool file_op = req->op == Op::Read || req->op == Op::Write || req->op == Op::Fsync || req->op == Op::Fdatasync ||
+                 req->op == Op::Fallocate;
   if (req->op == Op::Blocking || (file_op && (req->mode == AioMode::Threads || !backend_->is_uring()))) {
     pool_->submit(req);
   } else {

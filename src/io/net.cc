@@ -119,7 +119,9 @@ Task<Result<Fd>> connect_unix(Loop& loop, const std::string& path) {
   if (!s) co_return s.take_error();
   sockaddr_un a = *addr;
   long r = co_await loop.connect(s->get(), reinterpret_cast<sockaddr*>(&a), sizeof a);
-  if (r < 0) co_return Error(static_cast<int>(-r), "Failed to connect to '" + path + "': " + std::strerror(static_cast<int>(-r)));
+  if (r < 0)
+    co_return Error(static_cast<int>(-r),
+                    "Failed to connect to '" + path + "': " + std::strerror(static_cast<int>(-r)));
   co_return std::move(*s);
 }
 

@@ -54,9 +54,9 @@ Result<std::string> decrypt(const std::string& key, const std::string& iv, const
   std::unique_ptr<EVP_CIPHER_CTX, decltype(&EVP_CIPHER_CTX_free)> ctx(EVP_CIPHER_CTX_new(), EVP_CIPHER_CTX_free);
   std::string out(in.size(), '\0');
   int len = 0;
-  if (!ctx || !EVP_DecryptInit_ex(ctx.get(), EVP_aes_256_cbc(), nullptr,
-                                  reinterpret_cast<const unsigned char*>(key.data()),
-                                  reinterpret_cast<const unsigned char*>(iv.data())) ||
+  if (!ctx ||
+      !EVP_DecryptInit_ex(ctx.get(), EVP_aes_256_cbc(), nullptr, reinterpret_cast<const unsigned char*>(key.data()),
+                          reinterpret_cast<const unsigned char*>(iv.data())) ||
       !EVP_CIPHER_CTX_set_padding(ctx.get(), 0) ||
       !EVP_DecryptUpdate(ctx.get(), reinterpret_cast<unsigned char*>(out.data()), &len,
                          reinterpret_cast<const unsigned char*>(in.data()), static_cast<int>(in.size()))) {
@@ -139,7 +139,8 @@ Status SecretStore::add(const std::string& id, const SecretSpec& spec) {
 
 Status SecretStore::add_other(const std::string& id) {
   std::lock_guard g(mu_);
-  if (objects_.count(id)) return Error(EEXIST, "attempt to add duplicate property '" + id + "' to object (type 'container')");
+  if (objects_.count(id))
+    return Error(EEXIST, "attempt to add duplicate property '" + id + "' to object (type 'container')");
   objects_[id] = std::nullopt;
   return {};
 }

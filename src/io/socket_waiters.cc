@@ -50,12 +50,8 @@ void SocketWaiters::settle(int fd) {
 bool SocketWaiters::try_now(IoRequest* r) const {
   long ret = 0;
   switch (r->op) {
-    case IoRequest::Op::Recv:
-      ret = ::recv(r->fd, r->buf, r->len, r->flags | MSG_DONTWAIT);
-      break;
-    case IoRequest::Op::Send:
-      ret = ::send(r->fd, r->buf, r->len, r->flags | MSG_DONTWAIT);
-      break;
+    case IoRequest::Op::Recv: ret = ::recv(r->fd, r->buf, r->len, r->flags | MSG_DONTWAIT); break;
+    case IoRequest::Op::Send: ret = ::send(r->fd, r->buf, r->len, r->flags | MSG_DONTWAIT); break;
     case IoRequest::Op::SendMsg:
       ret = ::sendmsg(r->fd, static_cast<const msghdr*>(r->buf), r->flags | MSG_DONTWAIT);
       break;
@@ -91,9 +87,7 @@ bool SocketWaiters::try_now(IoRequest* r) const {
         return true;
       }
       break;
-    default:
-      r->result = -EINVAL;
-      return true;
+    default: r->result = -EINVAL; return true;
   }
   if (ret < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
   r->result = ret < 0 ? -errno : ret;

@@ -66,25 +66,15 @@ void ThreadPool::take(std::vector<IoRequest*>& done, std::vector<std::function<v
 long ThreadPool::execute(IoRequest* r) {
   long ret = 0;
   switch (r->op) {
-    case IoRequest::Op::Read:
-      ret = ::pread(r->fd, r->buf, r->len, static_cast<off_t>(r->off));
-      break;
-    case IoRequest::Op::Write:
-      ret = ::pwrite(r->fd, r->buf, r->len, static_cast<off_t>(r->off));
-      break;
-    case IoRequest::Op::Fsync:
-      ret = ::fsync(r->fd);
-      break;
-    case IoRequest::Op::Fdatasync:
-      ret = ::fdatasync(r->fd);
-      break;
+    case IoRequest::Op::Read: ret = ::pread(r->fd, r->buf, r->len, static_cast<off_t>(r->off)); break;
+    case IoRequest::Op::Write: ret = ::pwrite(r->fd, r->buf, r->len, static_cast<off_t>(r->off)); break;
+    case IoRequest::Op::Fsync: ret = ::fsync(r->fd); break;
+    case IoRequest::Op::Fdatasync: ret = ::fdatasync(r->fd); break;
     case IoRequest::Op::Fallocate:
       ret = ::fallocate(r->fd, r->flags, static_cast<off_t>(r->off), static_cast<off_t>(r->len));
       break;
-    case IoRequest::Op::Blocking:
-      return (*r->fn)();  // returns -errno itself
-    default:
-      return -EINVAL;  // socket operations never go to the pool
+    case IoRequest::Op::Blocking: return (*r->fn)();  // returns -errno itself
+    default: return -EINVAL;                          // socket operations never go to the pool
   }
   return ret < 0 ? -errno : ret;
 }

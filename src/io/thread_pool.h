@@ -46,12 +46,12 @@ class ThreadPool {
   int efd_ = -1;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<IoRequest*> queue_;           // guarded by mu_
-  std::vector<IoRequest*> completed_;      // guarded by mu_
+  std::deque<IoRequest*> queue_;               // guarded by mu_
+  std::vector<IoRequest*> completed_;          // guarded by mu_
   std::vector<std::function<void()>> posted_;  // guarded by mu_
-  std::vector<std::thread> threads_;       // guarded by mu_
-  unsigned idle_ = 0;                      // guarded by mu_
-  bool stopping_ = false;                  // guarded by mu_
+  std::vector<std::thread> threads_;           // guarded by mu_
+  unsigned idle_ = 0;                          // guarded by mu_
+  bool stopping_ = false;                      // guarded by mu_
 };
 
 }  // namespace vblk::detail

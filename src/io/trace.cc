@@ -28,14 +28,27 @@ std::vector<std::string> set_state(std::string_view pattern, bool enable) {
   return matched;
 }
 
+namespace {
+
+// Calls f(item) for each comma-separated item of `list` (empty ones too),
+// stopping at the first error.
+template <typename F>
+Status for_each_item(std::string_view list, F f) {
+  size_t pos = 0;
+  while (pos <= list.size()) {
+    size_t comma = list.find(',', pos);
+    if (comma == std::string_view::npos) comma = list.size();
+    VBLK_TRY(f(list.substr(pos, comma - pos)));
+    pos = comma + 1;
+  }
+  return {};
+}
+
+}  // namespace
+
 Status enable_from_option(std::string_view spec, std::string* warning) {
   std::string_view pattern;
-  size_t pos = 0;
-  while (pos <= spec.size()) {
-    size_t comma = spec.find(',', pos);
-    if (comma == std::string_view::npos) comma = spec.size();
-    std::string_view item = spec.substr(pos, comma - pos);
-    pos = comma + 1;
+  VBLK_TRY(for_each_item(spec, [&](std::string_view item) -> Status {
     const size_t eq = item.find('=');
     const std::string_view key = eq == std::string_view::npos ? std::string_view("enable") : item.substr(0, eq);
     const std::string_view value = eq == std::string_view::npos ? item : item.substr(eq + 1);
@@ -46,23 +59,19 @@ Status enable_from_option(std::string_view spec, std::string* warning) {
     } else {
       return Error(EINVAL, "Invalid parameter '" + std::string(key) + "'");
     }
-  }
+    return {};
+  }));
   if (set_state(pattern, true).empty() && warning)
     *warning = "trace event '" + std::string(pattern) + "' does not exist";
   return {};
 }
 
 Status enable_from_list(std::string_view list) {
-  size_t pos = 0;
-  while (pos < list.size()) {
-    size_t comma = list.find(',', pos);
-    if (comma == std::string_view::npos) comma = list.size();
-    const std::string_view item = list.substr(pos, comma - pos);
-    pos = comma + 1;
-    if (item.empty()) continue;
-    if (set_state(item, true).empty()) return Error(EINVAL, "VBLK_TRACE: no trace category '" + std::string(item) + "'");
-  }
-  return {};
+  return for_each_item(list, [](std::string_view item) -> Status {
+    if (!item.empty() && set_state(item, true).empty())
+      return Error(EINVAL, "VBLK_TRACE: no trace category '" + std::string(item) + "'");
+    return {};
+  });
 }
 
 void emit(Category c, std::string_view text) {

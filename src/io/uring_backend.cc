@@ -16,9 +16,9 @@
 #include <liburing.h>
 #include <poll.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <algorithm>
 #include <deque>
 
 #include "backend.h"
@@ -103,44 +103,21 @@ class UringBackend final : public Backend {
     io_uring_sqe* sqe = get_sqe();
     using Op = IoRequest::Op;
     switch (r->op) {
-      case Op::Read:
-        io_uring_prep_read(sqe, r->fd, r->buf, static_cast<unsigned>(r->len), r->off);
-        break;
-      case Op::Write:
-        io_uring_prep_write(sqe, r->fd, r->buf, static_cast<unsigned>(r->len), r->off);
-        break;
-      case Op::Fsync:
-        io_uring_prep_fsync(sqe, r->fd, 0);
-        break;
-      case Op::Fdatasync:
-        io_uring_prep_fsync(sqe, r->fd, IORING_FSYNC_DATASYNC);
-        break;
-      case Op::Fallocate:
-        io_uring_prep_fallocate(sqe, r->fd, r->flags, r->off, r->len);
-        break;
-      case Op::Recv:
-        io_uring_prep_recv(sqe, r->fd, r->buf, r->len, r->flags);
-        break;
-      case Op::Send:
-        io_uring_prep_send(sqe, r->fd, r->buf, r->len, r->flags);
-        break;
+      case Op::Read: io_uring_prep_read(sqe, r->fd, r->buf, static_cast<unsigned>(r->len), r->off); break;
+      case Op::Write: io_uring_prep_write(sqe, r->fd, r->buf, static_cast<unsigned>(r->len), r->off); break;
+      case Op::Fsync: io_uring_prep_fsync(sqe, r->fd, 0); break;
+      case Op::Fdatasync: io_uring_prep_fsync(sqe, r->fd, IORING_FSYNC_DATASYNC); break;
+      case Op::Fallocate: io_uring_prep_fallocate(sqe, r->fd, r->flags, r->off, r->len); break;
+      case Op::Recv: io_uring_prep_recv(sqe, r->fd, r->buf, r->len, r->flags); break;
+      case Op::Send: io_uring_prep_send(sqe, r->fd, r->buf, r->len, r->flags); break;
       case Op::SendMsg:
         io_uring_prep_sendmsg(sqe, r->fd, static_cast<const msghdr*>(r->buf), static_cast<unsigned>(r->flags));
         break;
-      case Op::Accept:
-        io_uring_prep_accept(sqe, r->fd, nullptr, nullptr, SOCK_CLOEXEC);
-        break;
-      case Op::Connect:
-        io_uring_prep_connect(sqe, r->fd, r->addr, r->addrlen);
-        break;
-      case Op::PollIn:
-        io_uring_prep_poll_add(sqe, r->fd, POLLIN);
-        break;
-      case Op::PollOut:
-        io_uring_prep_poll_add(sqe, r->fd, POLLOUT);
-        break;
-      case Op::Blocking:
-        break;  // never routed here
+      case Op::Accept: io_uring_prep_accept(sqe, r->fd, nullptr, nullptr, SOCK_CLOEXEC); break;
+      case Op::Connect: io_uring_prep_connect(sqe, r->fd, r->addr, r->addrlen); break;
+      case Op::PollIn: io_uring_prep_poll_add(sqe, r->fd, POLLIN); break;
+      case Op::PollOut: io_uring_prep_poll_add(sqe, r->fd, POLLOUT); break;
+      case Op::Blocking: break;  // never routed here
     }
     io_uring_sqe_set_data(sqe, r);
     ++queued_;

@@ -252,8 +252,8 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
     if (sync == BackupJob::Sync::None)
       return Error(EINVAL, "sync mode 'none' does not produce meaningful bitmap outputs");
     if (*mode == "never" && sync != BackupJob::Sync::Bitmap)
-      return Error(EINVAL, "Bitmap sync mode 'never' has no meaningful effect when combined with sync mode '" +
-                               sync_name + "'");
+      return Error(
+          EINVAL, "Bitmap sync mode 'never' has no meaningful effect when combined with sync mode '" + sync_name + "'");
   }
   if (!a.bitmap && a.bitmap_mode) return Error(EINVAL, "Cannot specify bitmap sync mode without a bitmap");
 
@@ -291,8 +291,9 @@ Result<std::shared_ptr<BackupJob>> start_backup(JobManager& mgr, Graph& graph, c
   // data still in the buffer is not on it yet: readers would see the
   // guest's new data. Buffered fleecing reads through snapshot-access.
   if (a.cow_buffer_size && sync == BackupJob::Sync::None)
-    return Error(EINVAL, "cow-buffer-size cannot be used with sync mode 'none': the target is read directly; "
-                         "use a copy-before-write filter with x-cow-buffer-size read through snapshot-access");
+    return Error(EINVAL,
+                 "cow-buffer-size cannot be used with sync mode 'none': the target is read directly; "
+                 "use a copy-before-write filter with x-cow-buffer-size read through snapshot-access");
   std::string fname = a.filter_node_name.value_or(std::string());
   if (!fname.empty() && graph.find(fname)) return Error(EEXIST, "Duplicate nodes with node-name='" + fname + "'");
   if (fname.empty()) fname = graph.generate_name();

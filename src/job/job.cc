@@ -2,12 +2,13 @@
 // events and callbacks follows QEMU's job.c step by step, so event order on
 // the wire is the same; the mechanics are vblk's: a job's coroutine suspends
 // in do_yield() and enter() posts it back to the loop.
+#include "vblk/job.h"
+
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
-#include "vblk/job.h"
 #include "vblk/trace.h"
 
 namespace vblk {
@@ -48,7 +49,7 @@ constexpr uint64_t kNoTimeout = UINT64_MAX;
 }  // namespace
 
 const char* job_status_name(JobStatus s) {
-  static const char* const names[] = {"undefined", "created", "running", "paused",    "ready", "standby",
+  static const char* const names[] = {"undefined", "created", "running",  "paused",    "ready", "standby",
                                       "waiting",   "pending", "aborting", "concluded", "null"};
   return names[static_cast<int>(s)];
 }
@@ -80,8 +81,8 @@ void Job::emit(const std::string& name, const nlohmann::ordered_json& data) { mg
 void Job::transition(JobStatus to) {
   JobStatus from = status_;
   if (!job_transition_allowed(from, to)) {
-    std::fprintf(stderr, "vblk: internal error: job '%s' cannot go from %s to %s\n", id_.c_str(),
-                 job_status_name(from), job_status_name(to));
+    std::fprintf(stderr, "vblk: internal error: job '%s' cannot go from %s to %s\n", id_.c_str(), job_status_name(from),
+                 job_status_name(to));
     std::abort();
   }
   status_ = to;
@@ -106,10 +107,8 @@ bool Job::is_completed() const {
     case S::Pending:
     case S::Aborting:
     case S::Concluded:
-    case S::Null:
-      return true;
-    default:
-      return false;
+    case S::Null: return true;
+    default: return false;
   }
 }
 
@@ -474,12 +473,9 @@ void Job::do_dismiss() {
 
 const char* io_status_name(IoStatus s) {
   switch (s) {
-    case IoStatus::Ok:
-      return "ok";
-    case IoStatus::Failed:
-      return "failed";
-    case IoStatus::NoSpace:
-      return "nospace";
+    case IoStatus::Ok: return "ok";
+    case IoStatus::Failed: return "failed";
+    case IoStatus::NoSpace: return "nospace";
   }
   return "ok";
 }
@@ -547,18 +543,10 @@ ErrorAction BlockJob::error_action(OnError policy, bool is_read, int err) {
   ErrorAction action = ErrorAction::Report;
   switch (policy) {
     case OnError::Enospc:
-    case OnError::Auto:
-      action = err == ENOSPC ? ErrorAction::Stop : ErrorAction::Report;
-      break;
-    case OnError::Stop:
-      action = ErrorAction::Stop;
-      break;
-    case OnError::Report:
-      action = ErrorAction::Report;
-      break;
-    case OnError::Ignore:
-      action = ErrorAction::Ignore;
-      break;
+    case OnError::Auto: action = err == ENOSPC ? ErrorAction::Stop : ErrorAction::Report; break;
+    case OnError::Stop: action = ErrorAction::Stop; break;
+    case OnError::Report: action = ErrorAction::Report; break;
+    case OnError::Ignore: action = ErrorAction::Ignore; break;
   }
   nlohmann::ordered_json d;
   d["device"] = id();

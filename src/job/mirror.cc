@@ -14,7 +14,7 @@ namespace vblk {
 
 namespace {
 constexpr uint64_t kDefaultBufSize = 16 << 20;  // QEMU's DEFAULT_MIRROR_BUF_SIZE
-constexpr uint64_t kSliceNs = 100'000'000;     // QEMU's BLOCK_JOB_SLICE_TIME
+constexpr uint64_t kSliceNs = 100'000'000;      // QEMU's BLOCK_JOB_SLICE_TIME
 
 // Keeps the filter and the engine state alive until writes that entered
 // the filter before it left the graph are done (they use both).
@@ -438,8 +438,7 @@ Result<std::vector<NodeRef>> claim_chain(const std::string& desc, Graph& graph, 
     case MirrorJob::Sync::Stream:
       from = filter_or_cow_child(*src), until = p.new_backing.get(), shared = kPermConsistentRead | kPermWriteUnchanged;
       break;
-    default:
-      return claims;
+    default: return claims;
   }
   const std::vector<std::shared_ptr<Node>> nodes = graph.nodes();
   for (Node* n = from; n && n != until; n = filter_or_cow_child(*n)) {

@@ -91,12 +91,9 @@ Task<Status> MirrorTop::do_discard(uint64_t offset, uint64_t bytes) {
 Task<Status> MirrorTop::do_method(Node& n, Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
                                   uint32_t flags) {
   switch (m) {
-    case Method::Copy:
-      co_return co_await n.write(offset, buf, flags);
-    case Method::Zero:
-      co_return co_await n.write_zeroes(offset, bytes, flags);
-    case Method::Discard:
-      co_return co_await n.discard(offset, bytes);
+    case Method::Copy: co_return co_await n.write(offset, buf, flags);
+    case Method::Zero: co_return co_await n.write_zeroes(offset, bytes, flags);
+    case Method::Discard: co_return co_await n.discard(offset, bytes);
   }
   co_return Status{};
 }
@@ -178,8 +175,10 @@ Task<Status> MirrorTop::write_covering(Method m, uint64_t offset, uint64_t bytes
   // need the data below (clean_under_writes may have taken their bits), and
   // copying a cluster the source owns changes nothing.
   if (begin < end) {
-    if (st.ok()) bcs.bitmap().reset(begin, end - begin);
-    else bcs.bitmap().set(begin, end - begin);
+    if (st.ok())
+      bcs.bitmap().reset(begin, end - begin);
+    else
+      bcs.bitmap().set(begin, end - begin);
   }
   leave_range(op);
   co_return st;
@@ -211,7 +210,8 @@ Task<Status> MirrorTop::write_blocking(Method m, uint64_t offset, uint64_t bytes
     // background copy takes it whole); the rest goes to the target now.
     uint64_t t_off = offset, t_end = offset + bytes;
     if (t_off % cs && claimed(t_off)) t_off = std::min(align_up(t_off, cs), t_end);
-    if (t_end % cs && t_end != len && t_end > t_off && claimed(t_end - 1)) t_end = std::max(align_down(t_end, cs), t_off);
+    if (t_end % cs && t_end != len && t_end > t_off && claimed(t_end - 1))
+      t_end = std::max(align_down(t_end, cs), t_off);
     Status tst;
     const uint64_t n = t_end - t_off;
     if (n) {

@@ -1,10 +1,10 @@
 // block-stream's checks (see include/job/vblk/stream.h).
 #include "vblk/stream.h"
 
+#include <algorithm>
+
 #include "chain_job_params.h"
 #include "vblk/chain.h"
-
-#include <algorithm>
 
 namespace vblk {
 

@@ -50,8 +50,8 @@ Task<Status> SnapshotSaveJob::receive(VmstateWriter& w) {
   stop_listening();  // one stream: nobody else may connect
   if (!c) {
     if (is_cancelled()) co_return Status{};
-    co_return Error(c.error().code, std::string("Failed to accept the VM state connection: ") +
-                                        std::strerror(c.error().code));
+    co_return Error(c.error().code,
+                    std::string("Failed to accept the VM state connection: ") + std::strerror(c.error().code));
   }
   conn_ = std::move(*c);
   AlignedBuffer in(kChunk);
@@ -104,8 +104,8 @@ Task<Status> SnapshotSaveJob::snapshot_all(uint64_t state_size) {
     if (st) {
       made.emplace_back(&n, sn.id);
     } else {
-      st = Error(st.error().code, "Error while creating snapshot on '" + nodes_.names[i] +
-                                      "': " + std::strerror(st.error().code));
+      st = Error(st.error().code,
+                 "Error while creating snapshot on '" + nodes_.names[i] + "': " + std::strerror(st.error().code));
     }
   }
   if (!st) {

@@ -1,11 +1,10 @@
 #include "vblk/nbd_client.h"
 
+#include <fmt/format.h>
 #include <sys/socket.h>
 
 #include <array>
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "vblk/nbd_protocol.h"
 #include "vblk/trace.h"
@@ -16,7 +15,7 @@ struct Client::Pending {
   explicit Pending(Loop& l) : done(l) {}
   uint16_t type = 0;
   uint64_t offset = 0;
-  std::span<uint8_t> buf;                // reads: where the data goes
+  std::span<uint8_t> buf;                  // reads: where the data goes
   std::vector<Extent>* extents = nullptr;  // block status
   Status result;
   CoEvent done;
@@ -31,8 +30,7 @@ Error protocol_error(const std::string& what) { return Error(EIO, "NBD protocol 
 
 }  // namespace
 
-Task<Result<std::shared_ptr<Client>>> Client::connect(Loop& loop, Address addr, std::string export_name,
-                                                      Options opts) {
+Task<Result<std::shared_ptr<Client>>> Client::connect(Loop& loop, Address addr, std::string export_name, Options opts) {
   Result<Fd> fd = Error(EINVAL);
   if (!addr.unix_path.empty()) {
     fd = co_await connect_unix(loop, addr.unix_path);

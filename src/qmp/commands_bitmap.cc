@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <bit>
 
-#include "vblk/qmp_daemon.h"
 #include "transaction.h"
+#include "vblk/qmp_daemon.h"
 
 namespace vblk::qmp {
 
@@ -37,7 +37,8 @@ Task<Reply> bitmap_add(Daemon& d, const OJson& a) {
   uint64_t gran;
   if (a.contains("granularity")) {
     gran = a["granularity"].get<uint64_t>();
-    if (gran < 512 || !std::has_single_bit(gran)) co_return Reply::fail("Granularity must be power of 2 and at least 512");
+    if (gran < 512 || !std::has_single_bit(gran))
+      co_return Reply::fail("Granularity must be power of 2 and at least 512");
   } else {
     gran = default_granularity(*n);
   }
@@ -72,8 +73,10 @@ Task<Reply> bitmap_verb(Daemon& d, const OJson& a, std::string verb) {
   if (!b) co_return fail(b.error());
   NamedBitmap& bm = **b;
   if (auto st = check_bitmap(bm, verb == "clear" ? kBitmapDefault : kBitmapAllowRo); !st) co_return fail(st.error());
-  if (verb == "clear") bm.bits.reset_all();
-  else bm.enabled = verb == "enable";
+  if (verb == "clear")
+    bm.bits.reset_all();
+  else
+    bm.enabled = verb == "enable";
   co_return Reply::ok();
 }
 
@@ -136,7 +139,8 @@ Status to_status(const Reply& r) {
 // hides the bitmap (busy) until commit drops it.
 class BitmapAction final : public TxAction {
  public:
-  BitmapAction(std::string verb, const OJson& a) : verb_(std::move(verb)), name_("block-dirty-bitmap-" + verb_), a_(a) {}
+  BitmapAction(std::string verb, const OJson& a)
+      : verb_(std::move(verb)), name_("block-dirty-bitmap-" + verb_), a_(a) {}
   const char* name() const override { return name_.c_str(); }
 
   Task<Status> prepare(TxContext& tx) override {
@@ -243,13 +247,14 @@ void register_bitmap_commands(Daemon& d) {
                   [&d](const OJson& a) { return bitmap_add(d, a); }});
   d.registry.add({"block-dirty-bitmap-remove", {node_name}, [&d](const OJson& a) { return bitmap_remove(d, a); }});
   for (const char* verb : {"clear", "enable", "disable"})
-    d.registry.add({std::string("block-dirty-bitmap-") + verb, {node_name},
-                    [&d, verb](const OJson& a) { return bitmap_verb(d, a, verb); }});
+    d.registry.add({std::string("block-dirty-bitmap-") + verb, {node_name}, [&d, verb](const OJson& a) {
+                      return bitmap_verb(d, a, verb);
+                    }});
   d.registry.add({"block-dirty-bitmap-merge",
                   {{{"node", ArgType::Str, true}, {"target", ArgType::Str, true}, {"bitmaps", ArgType::List, true}}},
                   [&d](const OJson& a) { return bitmap_merge(d, a); }});
-  d.registry.add({"x-debug-block-dirty-bitmap-sha256", {node_name},
-                  [&d](const OJson& a) { return bitmap_sha256(d, a); }});
+  d.registry.add(
+      {"x-debug-block-dirty-bitmap-sha256", {node_name}, [&d](const OJson& a) { return bitmap_sha256(d, a); }});
 }
 
 }  // namespace vblk::qmp

@@ -3,12 +3,12 @@
 // driver vblk has is available; errors are worded as QEMU words them.
 #include <algorithm>
 
-#include "vblk/open.h"
-#include "vblk/snapshot_info_json.h"
-#include "vblk/qmp_daemon.h"
 #include "vblk/backup.h"
 #include "vblk/chain.h"
 #include "vblk/copy_before_write.h"
+#include "vblk/open.h"
+#include "vblk/qmp_daemon.h"
+#include "vblk/snapshot_info_json.h"
 
 namespace vblk::qmp {
 
@@ -18,13 +18,24 @@ namespace {
 
 // QMP is typed: where the command line accepts "on" or "4k", QMP wants a
 // JSON bool or integer. The option names vblk's drivers read, by type.
-const char* const kBoolOpts[] = {"read-only", "auto-read-only", "force-share", "read-zeroes", "direct", "no-flush",
-                                 "lazy-refcounts", "once", "immediately", "locking-optional"};
-const char* const kIntOpts[] = {"size", "offset", "latency-ns", "align", "errno", "sector", "state",
-                                "connections", "max-transfer", "cache-size", "l2-cache-size",
-                                "refcount-cache-size", "cache-clean-interval"};
-const char* const kStrOpts[] = {"driver", "node-name", "filename", "discard", "detect-zeroes", "aio", "export",
-                                "path", "host", "port", "event", "locking", "x-dirty-bitmap", "tls-creds"};
+const char* const kBoolOpts[] = {"read-only", "auto-read-only", "force-share", "read-zeroes", "direct",
+                                 "no-flush",  "lazy-refcounts", "once",        "immediately", "locking-optional"};
+const char* const kIntOpts[] = {"size",
+                                "offset",
+                                "latency-ns",
+                                "align",
+                                "errno",
+                                "sector",
+                                "state",
+                                "connections",
+                                "max-transfer",
+                                "cache-size",
+                                "l2-cache-size",
+                                "refcount-cache-size",
+                                "cache-clean-interval"};
+const char* const kStrOpts[] = {"driver", "node-name", "filename",       "discard",  "detect-zeroes",
+                                "aio",    "export",    "path",           "host",     "port",
+                                "event",  "locking",   "x-dirty-bitmap", "tls-creds"};
 
 template <size_t N>
 bool in(const char* const (&list)[N], const std::string& k) {
@@ -45,9 +56,9 @@ std::optional<std::string> check_overlap_checks(const OJson& v, const std::strin
     return std::nullopt;
   }
   if (!v.is_object()) return "Invalid parameter type for '" + full + "', expected: Qcow2OverlapChecks";
-  static const char* const kinds[] = {"main-header",    "active-l1",   "active-l2",   "refcount-table",
-                                      "refcount-block", "snapshot-table", "inactive-l1", "inactive-l2",
-                                      "bitmap-directory"};
+  static const char* const kinds[] = {"main-header",    "active-l1",      "active-l2",
+                                      "refcount-table", "refcount-block", "snapshot-table",
+                                      "inactive-l1",    "inactive-l2",    "bitmap-directory"};
   for (auto it = v.begin(); it != v.end(); ++it) {
     const std::string k = it.key();
     if (k == "template") {
@@ -102,7 +113,8 @@ std::optional<std::string> check_fields(const OJson& o, const std::string& prefi
   for (auto it = o.begin(); it != o.end(); ++it) {
     std::string full = prefix + "." + it.key();
     const OJson& v = *it;
-    if (in(kBoolOpts, it.key()) && !v.is_boolean()) return "Invalid parameter type for '" + full + "', expected: boolean";
+    if (in(kBoolOpts, it.key()) && !v.is_boolean())
+      return "Invalid parameter type for '" + full + "', expected: boolean";
     if (in(kIntOpts, it.key()) && !v.is_number_integer())
       return "Invalid parameter type for '" + full + "', expected: integer";
     if (in(kStrOpts, it.key()) && !v.is_string()) return "Invalid parameter type for '" + full + "', expected: string";
@@ -306,7 +318,9 @@ Result<std::shared_ptr<Node>> Daemon::blockdev_add(const Json& in) {
   NodeSettings st;
   if (opts.contains("cache") && opts["cache"].is_object()) {
     const Json& c = opts["cache"];
-    auto truthy = [](const Json& v) { return v.is_boolean() ? v.get<bool>() : (v.is_string() && v.get<std::string>() == "on"); };
+    auto truthy = [](const Json& v) {
+      return v.is_boolean() ? v.get<bool>() : (v.is_string() && v.get<std::string>() == "on");
+    };
     if (c.contains("direct")) st.direct = truthy(c["direct"]);
     if (c.contains("no-flush")) st.no_flush = truthy(c["no-flush"]);
   }
@@ -340,12 +354,13 @@ Result<std::shared_ptr<Node>> Daemon::blockdev_add(const Json& in) {
 }
 
 void register_block_commands(Daemon& d) {
-  d.registry.add({"blockdev-add", {{{"driver", ArgType::Str, true}}, true},
-                  [&d](const OJson& a) { return blockdev_add(d, a); }});
-  d.registry.add({"blockdev-del", {{{"node-name", ArgType::Str, true}}},
-                  [&d](const OJson& a) { return blockdev_del(d, a); }});
-  d.registry.add({"query-named-block-nodes", {{{"flat", ArgType::Bool}}},
-                  [&d](const OJson& a) { return query_named_block_nodes(d, a); }});
+  d.registry.add(
+      {"blockdev-add", {{{"driver", ArgType::Str, true}}, true}, [&d](const OJson& a) { return blockdev_add(d, a); }});
+  d.registry.add(
+      {"blockdev-del", {{{"node-name", ArgType::Str, true}}}, [&d](const OJson& a) { return blockdev_del(d, a); }});
+  d.registry.add({"query-named-block-nodes", {{{"flat", ArgType::Bool}}}, [&d](const OJson& a) {
+                    return query_named_block_nodes(d, a);
+                  }});
 }
 
 }  // namespace vblk::qmp

@@ -65,8 +65,7 @@ Task<Reply> quit(Daemon& d, const OJson&) {
 
 }  // namespace
 
-Daemon::Daemon(Loop& l)
-    : loop(l), monitors(l, registry, version_json()), nbd_running(l), quit(l), clients_open(l) {
+Daemon::Daemon(Loop& l) : loop(l), monitors(l, registry, version_json()), nbd_running(l), quit(l), clients_open(l) {
   register_copy_drivers();  // blockdev-add of copy-before-write, snapshot-access
   clients_open.set();
 }

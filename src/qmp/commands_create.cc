@@ -9,28 +9,32 @@
 #include "drivers/drivers.h"
 #include "drivers/luks/create.h"
 #include "drivers/qcow2/qcow2.h"
-#include "vblk/open.h"
-#include "vblk/qmp_daemon.h"
 #include "transaction.h"
 #include "vblk/buffer.h"
 #include "vblk/create_job.h"
 #include "vblk/node_ref.h"
+#include "vblk/open.h"
+#include "vblk/qmp_daemon.h"
 
 namespace vblk::qmp {
 
 namespace {
 
 // QEMU 7.2's BlockdevDriver enum (qemu-storage-daemon's build).
-const std::vector<std::string> kBlockdevDrivers = {
-    "blkdebug", "blklogwrites", "blkreplay", "blkverify", "bochs",  "cloop",       "compress",     "copy-before-write",
-    "copy-on-read", "dmg",      "file",      "snapshot-access", "ftp", "ftps",     "gluster",      "host_cdrom",
-    "host_device",  "http",     "https",     "iscsi",     "luks",   "nbd",         "nfs",          "null-aio",
-    "null-co",      "nvme",     "parallels", "preallocate", "qcow", "qcow2",       "qed",          "quorum",
-    "raw",          "rbd",      "replication", "ssh",     "throttle", "vdi",       "vhdx",         "vmdk",
-    "vpc",          "vvfat"};
+const std::vector<std::string> kBlockdevDrivers = {"blkdebug",     "blklogwrites", "blkreplay",   "blkverify",
+                                                   "bochs",        "cloop",        "compress",    "copy-before-write",
+                                                   "copy-on-read", "dmg",          "file",        "snapshot-access",
+                                                   "ftp",          "ftps",         "gluster",     "host_cdrom",
+                                                   "host_device",  "http",         "https",       "iscsi",
+                                                   "luks",         "nbd",          "nfs",         "null-aio",
+                                                   "null-co",      "nvme",         "parallels",   "preallocate",
+                                                   "qcow",         "qcow2",        "qed",         "quorum",
+                                                   "raw",          "rbd",          "replication", "ssh",
+                                                   "throttle",     "vdi",          "vhdx",        "vmdk",
+                                                   "vpc",          "vvfat"};
 // Union branches with create options that vblk has no driver for.
 const char* const kForeignCreate[] = {"gluster", "nfs", "parallels", "qcow", "qed",
-                                      "ssh",     "vdi",  "vhdx", "vmdk",     "vpc"};
+                                      "ssh",     "vdi", "vhdx",      "vmdk", "vpc"};
 const std::vector<std::string> kPrealloc = {"off", "metadata", "falloc", "full"};
 
 const std::vector<Arg> kFileCreate = {{"filename", ArgType::Str, true},
@@ -102,7 +106,9 @@ luks::CreateOptions luks_options(const OJson& o) {
   return c;
 }
 
-uint64_t u64(const OJson& v) { return v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(v.get<int64_t>()); }
+uint64_t u64(const OJson& v) {
+  return v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(v.get<int64_t>());
+}
 
 // A BlockdevRef (alternate of a node name and inline blockdev options).
 std::optional<std::string> check_blockdev_ref(const OJson& v, const std::string& name, const std::string& full) {
@@ -195,7 +201,8 @@ Task<Reply> blockdev_create(Daemon& d, const OJson& a) {
   const std::string drv = o["driver"].get<std::string>();
   if (std::find(kBlockdevDrivers.begin(), kBlockdevDrivers.end(), drv) == kBlockdevDrivers.end())
     co_return Reply::fail("Parameter 'driver' does not accept value '" + drv + "'");
-  bool foreign = std::any_of(std::begin(kForeignCreate), std::end(kForeignCreate), [&](const char* s) { return drv == s; });
+  bool foreign =
+      std::any_of(std::begin(kForeignCreate), std::end(kForeignCreate), [&](const char* s) { return drv == s; });
   std::vector<Arg> members = create_members(drv);
   if (auto e = check_args(members, foreign, o, "options")) co_return Reply::fail(*e);
   if (drv == "qcow2" || drv == "luks") {
@@ -204,7 +211,8 @@ Task<Reply> blockdev_create(Daemon& d, const OJson& a) {
       if (auto e = check_blockdev_ref(o["data-file"], "data-file", "options.data-file")) co_return Reply::fail(*e);
   }
   if (foreign) co_return Reply::fail("Block driver '" + drv + "' not found or not supported");
-  if (drv != "file" && drv != "qcow2" && drv != "rbd" && drv != "luks") co_return Reply::fail("Driver does not support blockdev-create");
+  if (drv != "file" && drv != "qcow2" && drv != "rbd" && drv != "luks")
+    co_return Reply::fail("Driver does not support blockdev-create");
 
   CreateJob::Body body;
   if (drv == "rbd") {

@@ -5,10 +5,9 @@
 // monitor's: blockdev-del refuses it, and it goes when nothing uses it
 // (drop_orphans: at the next blockdev-del or query-named-block-nodes).
 #include "drive_mirror.h"
-
-#include "vblk/open.h"
 #include "transaction.h"
 #include "vblk/mirror.h"
+#include "vblk/open.h"
 
 namespace vblk::qmp {
 
@@ -44,8 +43,7 @@ Task<Reply> drive_mirror(Daemon& d, const OJson& a) {
     }
   }
   if ((sync == "full" || !target_backing) && mode != "existing") {
-    if (Status st = co_await create_image(d, target, format, src->length(), "", ""); !st)
-      co_return fail(st.error());
+    if (Status st = co_await create_image(d, target, format, src->length(), "", ""); !st) co_return fail(st.error());
   } else if (mode == "absolute-paths") {
     Status st =
         co_await create_image(d, target, format, src->length(), target_backing->filename(), target_backing->driver());

@@ -2,13 +2,13 @@
 // query-block-jobs, with QEMU 7.2's argument schemas, lookups and error
 // classes (block-job-* say DeviceNotActive "Block job 'x' not found", job-*
 // say GenericError "Job not found"). The job logic itself is in src/job.
-#include "vblk/open.h"
-#include "vblk/qmp_daemon.h"
 #include "drive_mirror.h"
 #include "transaction.h"
 #include "vblk/backup.h"
 #include "vblk/commit.h"
 #include "vblk/mirror.h"
+#include "vblk/open.h"
+#include "vblk/qmp_daemon.h"
 #include "vblk/stream.h"
 
 namespace vblk::qmp {
@@ -197,8 +197,11 @@ Task<Reply> block_commit(Daemon& d, const OJson& a) {
   CommitArgs c;
   if (a.contains("job-id")) c.job_id = a["job-id"].get<std::string>();
   c.device = a["device"].get<std::string>();
-  for (auto [key, field] : {std::pair{"base-node", &c.base_node}, {"base", &c.base}, {"top-node", &c.top_node},
-                            {"top", &c.top}, {"backing-file", &c.backing_file},
+  for (auto [key, field] : {std::pair{"base-node", &c.base_node},
+                            {"base", &c.base},
+                            {"top-node", &c.top_node},
+                            {"top", &c.top},
+                            {"backing-file", &c.backing_file},
                             {"filter-node-name", &c.filter_node_name}})
     if (a.contains(key)) *field = a[key].get<std::string>();
   if (a.contains("speed")) c.speed = a["speed"].get<int64_t>();
@@ -216,8 +219,11 @@ Task<Reply> block_stream(Daemon& d, const OJson& a) {
   StreamArgs c;
   if (a.contains("job-id")) c.job_id = a["job-id"].get<std::string>();
   c.device = a["device"].get<std::string>();
-  for (auto [key, field] : {std::pair{"base", &c.base}, {"base-node", &c.base_node}, {"backing-file", &c.backing_file},
-                            {"bottom", &c.bottom}, {"filter-node-name", &c.filter_node_name}})
+  for (auto [key, field] : {std::pair{"base", &c.base},
+                            {"base-node", &c.base_node},
+                            {"backing-file", &c.backing_file},
+                            {"bottom", &c.bottom},
+                            {"filter-node-name", &c.filter_node_name}})
     if (a.contains(key)) *field = a[key].get<std::string>();
   if (a.contains("speed")) c.speed = a["speed"].get<int64_t>();
   if (a.contains("on-error")) parse_on_error(a["on-error"].get<std::string>(), c.on_error);
@@ -270,29 +276,29 @@ Task<Reply> query_jobs(Daemon& d, const OJson&) { co_return Reply::ok(d.jobs.que
 }  // namespace
 
 const std::vector<Arg> kBlockdevBackupArgs = {{"job-id", ArgType::Str},
-                    {"device", ArgType::Str, true},
-                    {"sync", ArgType::Enum, true, kSyncModes},
-                    {"speed", ArgType::Int},
-                    {"bitmap", ArgType::Str},
-                    {"bitmap-mode", ArgType::Enum, false, {"on-success", "never", "always"}},
-                    {"compress", ArgType::Bool},
-                    {"on-source-error", ArgType::Enum, false, kOnError},
-                    {"on-target-error", ArgType::Enum, false, kOnError},
-                    {"auto-finalize", ArgType::Bool},
-                    {"auto-dismiss", ArgType::Bool},
-                    {"filter-node-name", ArgType::Str},
-                    {"x-perf",
-                     ArgType::Struct,
-                     false,
-                     {},
-                     {{"use-copy-range", ArgType::Bool},
-                      {"max-workers", ArgType::Int},
-                      {"max-chunk", ArgType::Int},
-                      {"cow-buffer-size", ArgType::Int},
-                      {"cow-spill-dir", ArgType::Str},
-                      {"cow-spill-size", ArgType::Int},
-                      {"cow-spill-direct", ArgType::Bool}}},
-                    {"target", ArgType::Str, true}};
+                                              {"device", ArgType::Str, true},
+                                              {"sync", ArgType::Enum, true, kSyncModes},
+                                              {"speed", ArgType::Int},
+                                              {"bitmap", ArgType::Str},
+                                              {"bitmap-mode", ArgType::Enum, false, {"on-success", "never", "always"}},
+                                              {"compress", ArgType::Bool},
+                                              {"on-source-error", ArgType::Enum, false, kOnError},
+                                              {"on-target-error", ArgType::Enum, false, kOnError},
+                                              {"auto-finalize", ArgType::Bool},
+                                              {"auto-dismiss", ArgType::Bool},
+                                              {"filter-node-name", ArgType::Str},
+                                              {"x-perf",
+                                               ArgType::Struct,
+                                               false,
+                                               {},
+                                               {{"use-copy-range", ArgType::Bool},
+                                                {"max-workers", ArgType::Int},
+                                                {"max-chunk", ArgType::Int},
+                                                {"cow-buffer-size", ArgType::Int},
+                                                {"cow-spill-dir", ArgType::Str},
+                                                {"cow-spill-size", ArgType::Int},
+                                                {"cow-spill-direct", ArgType::Bool}}},
+                                              {"target", ArgType::Str, true}};
 
 const std::vector<Arg> kDriveBackupArgs = [] {
   std::vector<Arg> v = kBlockdevBackupArgs;
@@ -321,10 +327,12 @@ void register_job_commands(Daemon& d) {
   // A job's own use of a node (a mirror's target) is a BlockBackend in
   // QEMU: blockdev-del says "Node x is in use".
   d.node_users.push_back([](const Node& n) { return !n.refs().empty(); });
-  d.registry.add({"blockdev-backup",
-                  {kBlockdevBackupArgs},
-                  [&d](const OJson& a) { return run_single_action(d, make_backup(a, false)); }});
-  d.registry.add({"drive-backup", {kDriveBackupArgs}, [&d](const OJson& a) { return run_single_action(d, make_backup(a, true)); }});
+  d.registry.add({"blockdev-backup", {kBlockdevBackupArgs}, [&d](const OJson& a) {
+                    return run_single_action(d, make_backup(a, false));
+                  }});
+  d.registry.add({"drive-backup", {kDriveBackupArgs}, [&d](const OJson& a) {
+                    return run_single_action(d, make_backup(a, true));
+                  }});
   d.registry.add({"blockdev-mirror",
                   {{{"job-id", ArgType::Str},
                     {"device", ArgType::Str, true},
@@ -389,17 +397,21 @@ void register_job_commands(Daemon& d) {
                   [&d](const OJson& a) { return block_stream(d, a); }});
   for (const char* verb : {"pause", "resume", "complete"}) {
     std::string v = verb;
-    d.registry.add({"block-job-" + v, {{{"device", ArgType::Str, true}}},
-                    [&d, v](const OJson& a) { return block_job_verb(d, a, v); }});
+    d.registry.add({"block-job-" + v, {{{"device", ArgType::Str, true}}}, [&d, v](const OJson& a) {
+                      return block_job_verb(d, a, v);
+                    }});
   }
-  d.registry.add({"block-job-cancel", {{{"device", ArgType::Str, true}, {"force", ArgType::Bool}}},
+  d.registry.add({"block-job-cancel",
+                  {{{"device", ArgType::Str, true}, {"force", ArgType::Bool}}},
                   [&d](const OJson& a) { return block_job_verb(d, a, "cancel"); }});
-  d.registry.add({"block-job-set-speed", {{{"device", ArgType::Str, true}, {"speed", ArgType::Int, true}}},
+  d.registry.add({"block-job-set-speed",
+                  {{{"device", ArgType::Str, true}, {"speed", ArgType::Int, true}}},
                   [&d](const OJson& a) { return block_job_verb(d, a, "set-speed"); }});
   for (const char* verb : {"finalize", "dismiss"}) {
     std::string v = verb;
-    d.registry.add({"block-job-" + v, {{{"id", ArgType::Str, true}}},
-                    [&d, v](const OJson& a) { return block_job_verb(d, a, v); }});
+    d.registry.add({"block-job-" + v, {{{"id", ArgType::Str, true}}}, [&d, v](const OJson& a) {
+                      return block_job_verb(d, a, v);
+                    }});
   }
   for (const char* verb : {"pause", "resume", "cancel", "complete", "dismiss", "finalize"}) {
     std::string v = verb;

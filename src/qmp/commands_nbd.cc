@@ -9,11 +9,12 @@ namespace vblk::qmp {
 
 namespace {
 
-const std::vector<Arg> kUnixMembers = {{"path", ArgType::Str, true}, {"abstract", ArgType::Bool}, {"tight", ArgType::Bool}};
-const std::vector<Arg> kInetMembers = {{"host", ArgType::Str, true},     {"port", ArgType::Str, true},
-                                       {"numeric", ArgType::Bool},       {"to", ArgType::Int},
-                                       {"ipv4", ArgType::Bool},          {"ipv6", ArgType::Bool},
-                                       {"keep-alive", ArgType::Bool},    {"mptcp", ArgType::Bool}};
+const std::vector<Arg> kUnixMembers = {
+    {"path", ArgType::Str, true}, {"abstract", ArgType::Bool}, {"tight", ArgType::Bool}};
+const std::vector<Arg> kInetMembers = {{"host", ArgType::Str, true},  {"port", ArgType::Str, true},
+                                       {"numeric", ArgType::Bool},    {"to", ArgType::Int},
+                                       {"ipv4", ArgType::Bool},       {"ipv6", ArgType::Bool},
+                                       {"keep-alive", ArgType::Bool}, {"mptcp", ArgType::Bool}};
 const std::vector<std::string> kAddrTypes = {"inet", "unix", "vsock", "fd"};
 
 // A server task owns its nbd::Server: the object lives until every
@@ -39,7 +40,8 @@ Task<Reply> nbd_server_start(Daemon& d, const OJson& args) {
     if (auto e = check_args(type == "unix" ? kUnixMembers : kInetMembers, false, data, "addr.data"))
       co_return Reply::fail(*e);
   }
-  if (args.contains("tls-creds")) co_return Reply::fail("No TLS credentials with id '" + args.at("tls-creds").get<std::string>() + "'");
+  if (args.contains("tls-creds"))
+    co_return Reply::fail("No TLS credentials with id '" + args.at("tls-creds").get<std::string>() + "'");
   OJson flat = data;
   flat["type"] = type;
   unsigned maxc = nbd::Server::kDefaultMaxConnections;
@@ -211,8 +213,10 @@ Status add_block_export(Daemon& d, const OJson& o) {
     for (size_t i = 0; i < list.size(); ++i) {
       if (list[i].is_string()) continue;
       // QEMU 7.2 names the alternate 'null' here.
-      if (!list[i].is_object()) return Error(EINVAL, "Invalid parameter type for 'null', expected: BlockDirtyBitmapOrStr");
-      if (auto e = check_args(kExternal, false, list[i], "bitmaps[" + std::to_string(i) + "]")) return Error(EINVAL, *e);
+      if (!list[i].is_object())
+        return Error(EINVAL, "Invalid parameter type for 'null', expected: BlockDirtyBitmapOrStr");
+      if (auto e = check_args(kExternal, false, list[i], "bitmaps[" + std::to_string(i) + "]"))
+        return Error(EINVAL, *e);
     }
     for (const auto& v : list) {
       std::shared_ptr<Node> owner = node;
@@ -249,9 +253,7 @@ Status add_block_export(Daemon& d, const OJson& o) {
 
 void register_nbd_commands(Daemon& d) {
   d.node_users.push_back([&d](const Node& n) {
-    return std::any_of(d.exports.begin(), d.exports.end(), [&](auto& kv) {
-      return export_node(d, kv.second) == &n;
-    });
+    return std::any_of(d.exports.begin(), d.exports.end(), [&](auto& kv) { return export_node(d, kv.second) == &n; });
   });
   d.registry.add({"nbd-server-start",
                   {{{"addr", ArgType::Struct, true, {}, {{"type", ArgType::Enum, true, kAddrTypes}}, true},

@@ -19,10 +19,23 @@ namespace {
 
 // QEMU 7.2's ObjectType values a storage daemon accepts (query-qmp-schema).
 const std::vector<std::string>& object_types() {
-  static const std::vector<std::string> kTypes = {
-      "authz-list", "authz-listfile", "authz-pam", "authz-simple", "iothread", "memory-backend-file",
-      "memory-backend-memfd", "memory-backend-ram", "rng-egd", "rng-random", "secret", "secret_keyring",
-      "throttle-group", "tls-cipher-suites", "tls-creds-anon", "tls-creds-psk", "tls-creds-x509"};
+  static const std::vector<std::string> kTypes = {"authz-list",
+                                                  "authz-listfile",
+                                                  "authz-pam",
+                                                  "authz-simple",
+                                                  "iothread",
+                                                  "memory-backend-file",
+                                                  "memory-backend-memfd",
+                                                  "memory-backend-ram",
+                                                  "rng-egd",
+                                                  "rng-random",
+                                                  "secret",
+                                                  "secret_keyring",
+                                                  "throttle-group",
+                                                  "tls-cipher-suites",
+                                                  "tls-creds-anon",
+                                                  "tls-creds-psk",
+                                                  "tls-creds-x509"};
   return kTypes;
 }
 
@@ -42,12 +55,9 @@ const std::vector<Arg>& throttle_group_schema() {
 // SecretProperties and SecretCommonProperties (qapi/qom.json). `loaded` is
 // in the schema but read-only in 7.2: setting it fails (secret_props_error).
 const std::vector<Arg>& secret_schema() {
-  static const std::vector<Arg> kSchema = {{"data", ArgType::Str},
-                                           {"file", ArgType::Str},
-                                           {"format", ArgType::Enum, false, {"raw", "base64"}},
-                                           {"keyid", ArgType::Str},
-                                           {"iv", ArgType::Str},
-                                           {"loaded", ArgType::Bool}};
+  static const std::vector<Arg> kSchema = {
+      {"data", ArgType::Str},  {"file", ArgType::Str}, {"format", ArgType::Enum, false, {"raw", "base64"}},
+      {"keyid", ArgType::Str}, {"iv", ArgType::Str},   {"loaded", ArgType::Bool}};
   return kSchema;
 }
 
@@ -152,8 +162,7 @@ void register_object_commands(Daemon& d) {
   d.registry.add({"object-add",
                   {{{"qom-type", ArgType::Enum, true, object_types()}, {"id", ArgType::Str, true}}, true},
                   [&d](const OJson& a) { return object_add(d, a); }});
-  d.registry.add({"object-del", {{{"id", ArgType::Str, true}}},
-                  [&d](const OJson& a) { return object_del(d, a); }});
+  d.registry.add({"object-del", {{{"id", ArgType::Str, true}}}, [&d](const OJson& a) { return object_del(d, a); }});
 }
 
 }  // namespace vblk::qmp

@@ -14,10 +14,10 @@
 
 #include <cstring>
 
-#include "vblk/open.h"
-#include "vblk/snapshot_info_json.h"
 #include "transaction.h"
 #include "vblk/node_ref.h"
+#include "vblk/open.h"
+#include "vblk/snapshot_info_json.h"
 
 namespace vblk::qmp {
 
@@ -54,8 +54,8 @@ class ExternalSnapshot final : public TxAction {
     co_await old_->drain();
     VBLK_CO_TRY(d.jobs.check_not_busy(old_.get(), old_->node_name()));
     if (auto p = backing_parent(d, *old_))
-      co_return Error(EBUSY, "Node '" + old_->node_name() + "' is busy: node is used as backing hd of '" +
-                                 p->node_name() + "'");
+      co_return Error(
+          EBUSY, "Node '" + old_->node_name() + "' is busy: node is used as backing hd of '" + p->node_name() + "'");
     if (!old_->read_only())
       if (auto st = co_await old_->flush(); !st) co_return Error(EIO, "An IO error has occurred");
     if (sync_) {
@@ -86,7 +86,8 @@ class ExternalSnapshot final : public TxAction {
     if (new_->child("backing")) co_return Error(EINVAL, "The overlay already has a backing image");
     if (!new_->caps().supports_backing) co_return Error(EINVAL, "The overlay does not support backing images");
     if (new_ == old_ || d.graph.parent_of(*old_, new_.get()))
-      co_return Error(EBUSY, "Node '" + old_->node_name() + "' has parent nodes: vblk cannot put an overlay under them");
+      co_return Error(EBUSY,
+                      "Node '" + old_->node_name() + "' has parent nodes: vblk cannot put an overlay under them");
     VBLK_CO_TRY(new_->attach_backing(old_));
     // The old node's users go to the overlay (exports write to it now).
     std::vector<NodeRef*> refs = old_->refs();
@@ -218,8 +219,8 @@ Task<Reply> delete_internal_snapshot(Daemon& d, const OJson& a) {
   co_await bs.drain();
   auto st = co_await bs.snapshot_delete(found->id, found->name);
   if (!st)
-    co_return Reply::fail("Failed to delete snapshot '" + found->id + "' on device '" + device + "': " +
-                          std::strerror(st.error().code));
+    co_return Reply::fail("Failed to delete snapshot '" + found->id + "' on device '" + device +
+                          "': " + std::strerror(st.error().code));
   co_return Reply::ok(snapshot_info_json(*found));
 }
 
@@ -234,12 +235,15 @@ std::unique_ptr<TxAction> make_blockdev_snapshot_sync(const OJson& args) {
 std::unique_ptr<TxAction> make_internal_snapshot(const OJson& args) { return std::make_unique<InternalSnapshot>(args); }
 
 void register_snapshot_commands(Daemon& d) {
-  d.registry.add({"blockdev-snapshot-sync", {kBlockdevSnapshotSyncArgs},
-                  [&d](const OJson& a) { return run_single_action(d, make_blockdev_snapshot_sync(a)); }});
-  d.registry.add({"blockdev-snapshot", {kBlockdevSnapshotArgs},
-                  [&d](const OJson& a) { return run_single_action(d, make_blockdev_snapshot(a)); }});
-  d.registry.add({"blockdev-snapshot-internal-sync", {kInternalSnapshotArgs},
-                  [&d](const OJson& a) { return run_single_action(d, make_internal_snapshot(a)); }});
+  d.registry.add({"blockdev-snapshot-sync", {kBlockdevSnapshotSyncArgs}, [&d](const OJson& a) {
+                    return run_single_action(d, make_blockdev_snapshot_sync(a));
+                  }});
+  d.registry.add({"blockdev-snapshot", {kBlockdevSnapshotArgs}, [&d](const OJson& a) {
+                    return run_single_action(d, make_blockdev_snapshot(a));
+                  }});
+  d.registry.add({"blockdev-snapshot-internal-sync", {kInternalSnapshotArgs}, [&d](const OJson& a) {
+                    return run_single_action(d, make_internal_snapshot(a));
+                  }});
   d.registry.add({"blockdev-snapshot-delete-internal-sync",
                   {{{"device", ArgType::Str, true}, {"id", ArgType::Str}, {"name", ArgType::Str}}},
                   [&d](const OJson& a) { return delete_internal_snapshot(d, a); }});

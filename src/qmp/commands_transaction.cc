@@ -15,7 +15,7 @@ Task<Status> run_transaction(Daemon& d, std::vector<std::unique_ptr<TxAction>> a
     ++prepared;
     if (grouped && !a->supports_grouped()) {
       st = Error(EINVAL, std::string("Action '") + a->name() +
-                                 "' does not support Transaction property completion-mode = grouped");
+                             "' does not support Transaction property completion-mode = grouped");
       break;
     }
     st = co_await a->prepare(tx);

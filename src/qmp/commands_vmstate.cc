@@ -101,8 +101,7 @@ bool local_only(int fd) {
   socklen_t len = sizeof ss;
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return false;
   if (ss.ss_family == AF_UNIX) return true;
-  if (ss.ss_family == AF_INET)
-    return (ntohl(reinterpret_cast<sockaddr_in*>(&ss)->sin_addr.s_addr) >> 24) == 127;
+  if (ss.ss_family == AF_INET) return (ntohl(reinterpret_cast<sockaddr_in*>(&ss)->sin_addr.s_addr) >> 24) == 127;
   if (ss.ss_family == AF_INET6) {
     const in6_addr& a6 = reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr;
     if (IN6_IS_ADDR_LOOPBACK(&a6)) return true;

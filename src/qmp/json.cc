@@ -1,11 +1,11 @@
-#include "vblk/qmp_json.h"
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+
+#include "vblk/qmp_json.h"
 
 namespace vblk::qmp {
 
@@ -85,10 +85,14 @@ int hex4(const std::string& s, size_t i) {
     if (i + k >= s.size()) return -1;
     char c = s[i + k];
     int d;
-    if (c >= '0' && c <= '9') d = c - '0';
-    else if (c >= 'a' && c <= 'f') d = 10 + c - 'a';
-    else if (c >= 'A' && c <= 'F') d = 10 + c - 'A';
-    else return -1;
+    if (c >= '0' && c <= '9')
+      d = c - '0';
+    else if (c >= 'a' && c <= 'f')
+      d = 10 + c - 'a';
+    else if (c >= 'A' && c <= 'F')
+      d = 10 + c - 'A';
+    else
+      return -1;
     cp = (cp << 4) | d;
   }
   return cp;
@@ -160,9 +164,7 @@ std::optional<std::string> Parser::string(const std::string& s) {
           utf8_append(out, cp);
           break;
         }
-        default:
-          error("invalid escape sequence in string");
-          return std::nullopt;
+        default: error("invalid escape sequence in string"); return std::nullopt;
       }
       continue;
     }
@@ -309,9 +311,7 @@ std::optional<OJson> Parser::value() {
       error("invalid keyword '" + k->second + "'");
       return std::nullopt;
     }
-    default:
-      error("expecting value");
-      return std::nullopt;
+    default: error("expecting value"); return std::nullopt;
   }
 }
 
@@ -343,9 +343,12 @@ void JsonStreamer::token(Tok t, std::vector<JsonMessage>& out) {
     default: break;
   }
   std::string limit;
-  if (token_bytes_ + text_.size() + 1 > kMaxTokenSize) limit = "JSON token size limit exceeded";
-  else if (tokens_.size() + 1 > kMaxTokenCount) limit = "JSON token count limit exceeded";
-  else if (braces_ + brackets_ > kMaxNesting) limit = "JSON nesting depth limit exceeded";
+  if (token_bytes_ + text_.size() + 1 > kMaxTokenSize)
+    limit = "JSON token size limit exceeded";
+  else if (tokens_.size() + 1 > kMaxTokenCount)
+    limit = "JSON token count limit exceeded";
+  else if (braces_ + brackets_ > kMaxNesting)
+    limit = "JSON nesting depth limit exceeded";
   if (!limit.empty()) {
     out.push_back({false, nullptr, limit});
     reset_message();
@@ -469,14 +472,19 @@ void JsonStreamer::feed_char(char ch, std::vector<JsonMessage>& out) {
         continue;
       case St::Sign:
         text_ += ch;
-        if (c == '0') state_ = St::Zero;
-        else if (c >= '1' && c <= '9') state_ = St::Digits;
-        else lex_error(out);
+        if (c == '0')
+          state_ = St::Zero;
+        else if (c >= '1' && c <= '9')
+          state_ = St::Digits;
+        else
+          lex_error(out);
         return;
       case St::Mantissa:
         text_ += ch;
-        if (is_digit(c)) state_ = St::MantissaDigits;
-        else lex_error(out);
+        if (is_digit(c))
+          state_ = St::MantissaDigits;
+        else
+          lex_error(out);
         return;
       case St::MantissaDigits:
         if (is_digit(c)) {
@@ -493,14 +501,19 @@ void JsonStreamer::feed_char(char ch, std::vector<JsonMessage>& out) {
         continue;
       case St::ExpE:
         text_ += ch;
-        if (c == '-' || c == '+') state_ = St::ExpSign;
-        else if (is_digit(c)) state_ = St::ExpDigits;
-        else lex_error(out);
+        if (c == '-' || c == '+')
+          state_ = St::ExpSign;
+        else if (is_digit(c))
+          state_ = St::ExpDigits;
+        else
+          lex_error(out);
         return;
       case St::ExpSign:
         text_ += ch;
-        if (is_digit(c)) state_ = St::ExpDigits;
-        else lex_error(out);
+        if (is_digit(c))
+          state_ = St::ExpDigits;
+        else
+          lex_error(out);
         return;
       case St::ExpDigits:
         if (is_digit(c)) {
@@ -532,10 +545,19 @@ void JsonStreamer::finish(std::vector<JsonMessage>& out) {
     case St::Start:
     case St::Recovery: break;
     case St::Zero:
-    case St::Digits: state_ = St::Start; token(Tok::Integer, out); break;
+    case St::Digits:
+      state_ = St::Start;
+      token(Tok::Integer, out);
+      break;
     case St::MantissaDigits:
-    case St::ExpDigits: state_ = St::Start; token(Tok::Float, out); break;
-    case St::Keyword: state_ = St::Start; token(Tok::Keyword, out); break;
+    case St::ExpDigits:
+      state_ = St::Start;
+      token(Tok::Float, out);
+      break;
+    case St::Keyword:
+      state_ = St::Start;
+      token(Tok::Keyword, out);
+      break;
     default: lex_error(out); break;
   }
   state_ = St::Start;
@@ -545,8 +567,10 @@ void JsonStreamer::finish(std::vector<JsonMessage>& out) {
   reset_message();
   Parser p{toks};
   auto v = p.value();
-  if (v && p.err.empty()) out.push_back({true, std::move(*v), {}});
-  else out.push_back({false, nullptr, p.err.empty() ? "JSON parse error, expecting value" : p.err});
+  if (v && p.err.empty())
+    out.push_back({true, std::move(*v), {}});
+  else
+    out.push_back({false, nullptr, p.err.empty() ? "JSON parse error, expecting value" : p.err});
 }
 
 JsonMessage parse_json_value(std::string_view text) {

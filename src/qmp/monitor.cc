@@ -1,9 +1,9 @@
-#include "vblk/qmp_monitor.h"
-#include "vblk/trace.h"
-
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
+
+#include "vblk/qmp_monitor.h"
+#include "vblk/trace.h"
 
 namespace vblk::qmp {
 
@@ -35,7 +35,8 @@ struct QmpServer::Session {
     queued += line.size();
     if (queued > kMaxQueuedOutput && !writer_gone) drained.reset();
     // Unbounded queue: push completes at once.
-    spawn_detached([](Session* s, std::string l) -> Task<void> { (void)co_await s->out.push(std::move(l)); }(this, std::move(line)));
+    spawn_detached([](Session* s, std::string l) -> Task<void> { (void)co_await s->out.push(std::move(l)); }(
+                                                     this, std::move(line)));
   }
   void sent(size_t n) {
     queued -= n;
@@ -198,9 +199,11 @@ Task<OJson> QmpServer::dispatch(Session& s, const OJson& req) {
     if (args.contains("enable")) {
       for (const auto& c : args.at("enable")) {
         // QEMU names list elements 'null' in this message.
-        if (!c.is_string()) co_return with_id(fail("GenericError", "Invalid parameter type for 'null', expected: string"));
+        if (!c.is_string())
+          co_return with_id(fail("GenericError", "Invalid parameter type for 'null', expected: string"));
         if (c.get<std::string>() != "oob")
-          co_return with_id(fail("GenericError", "Parameter 'null' does not accept value '" + c.get<std::string>() + "'"));
+          co_return with_id(
+              fail("GenericError", "Parameter 'null' does not accept value '" + c.get<std::string>() + "'"));
         oob = true;
       }
     }

@@ -1,6 +1,6 @@
-#include "vblk/qmp_registry.h"
-
 #include <algorithm>
+
+#include "vblk/qmp_registry.h"
 
 namespace vblk::qmp {
 
@@ -67,7 +67,8 @@ std::optional<std::string> check_args(const std::vector<Arg>& members, bool open
       continue;
     }
     if (!type_ok(m.type, *it)) return "Invalid parameter type for '" + full + "', expected: " + type_word(m.type);
-    if (m.type == ArgType::Enum && std::find(m.values.begin(), m.values.end(), it->get<std::string>()) == m.values.end())
+    if (m.type == ArgType::Enum &&
+        std::find(m.values.begin(), m.values.end(), it->get<std::string>()) == m.values.end())
       // QEMU names only the member itself here, not its path.
       return "Parameter '" + m.name + "' does not accept value '" + it->get<std::string>() + "'";
     if (m.type == ArgType::Struct) {

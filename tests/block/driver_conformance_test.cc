@@ -7,8 +7,8 @@
 #include <random>
 
 #include "block/drivers/drivers.h"
-#include "vblk/open.h"
 #include "vblk/buffer.h"
+#include "vblk/open.h"
 
 using namespace vblk;
 
@@ -19,7 +19,7 @@ struct Config {
   const char* driver;  // top driver
   bool direct;
   const char* aio;
-  uint64_t raw_offset;  // raw driver's offset option
+  uint64_t raw_offset;    // raw driver's offset option
   bool blockdev = false;  // put the file behind a loop device (host_device)
 };
 
@@ -118,9 +118,7 @@ TEST_P(DriverConformance, RandomWorkloadMatchesModel) {
         ASSERT_TRUE(std::equal(back.begin(), back.end(), model.begin() + static_cast<long>(off))) << "op " << i;
         break;
       }
-      case 3:
-        ASSERT_TRUE(loop.run(n->flush()).ok());
-        break;
+      case 3: ASSERT_TRUE(loop.run(n->flush()).ok()); break;
     }
   }
   std::vector<uint8_t> all(kSize);
@@ -191,16 +189,15 @@ TEST_P(DriverConformance, ReadOnlyOpenRefusesWrites) {
   EXPECT_EQ(st.error().code, EPERM);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Drivers, DriverConformance,
-    ::testing::Values(Config{"file_buffered_uring", "file", false, "io_uring", 0},
-                      Config{"file_direct_uring", "file", true, "io_uring", 0},
-                      Config{"file_direct_threads", "file", true, "threads", 0},
-                      Config{"raw_buffered_threads", "raw", false, "threads", 0},
-                      Config{"raw_direct_offset", "raw", true, "io_uring", 65536},
-                      Config{"host_device_direct", "file", true, "io_uring", 0, true},
-                      Config{"raw_host_device_threads", "raw", false, "threads", 0, true}),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Drivers, DriverConformance,
+                         ::testing::Values(Config{"file_buffered_uring", "file", false, "io_uring", 0},
+                                           Config{"file_direct_uring", "file", true, "io_uring", 0},
+                                           Config{"file_direct_threads", "file", true, "threads", 0},
+                                           Config{"raw_buffered_threads", "raw", false, "threads", 0},
+                                           Config{"raw_direct_offset", "raw", true, "io_uring", 65536},
+                                           Config{"host_device_direct", "file", true, "io_uring", 0, true},
+                                           Config{"raw_host_device_threads", "raw", false, "threads", 0, true}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST(NullDriver, ReadZeroesAndStatus) {
   Loop loop;

@@ -2,14 +2,15 @@
 // algorithm names, and known answers for PBKDF2 (RFC 7914 / RFC 6070), the
 // sector cipher's IV generators and the anti-forensic merge (computed with
 // Python's hashlib and cryptography, an independent implementation).
+#include "block/drivers/luks/luks.h"
+
 #include <gtest/gtest.h>
 
 #include <functional>
 
 #include "block/drivers/luks/create.h"
-#include "block/drivers/luks/luks.h"
-#include "vblk/secret_store.h"
 #include "vblk/loop.h"
+#include "vblk/secret_store.h"
 
 namespace vblk::luks {
 namespace {
@@ -266,8 +267,10 @@ TEST(LuksVolume, FormatThenOpenFromAnyPlace) {
 
 TEST(LuksVolume, CreateOptionsFromStrings) {
   CreateOptions o;
-  ASSERT_TRUE(parse_create_options({{"encrypt.cipher-alg", "aes-128"}, {"encrypt.iter-time", "0x10"},
-                                    {"encrypt.ivgen-alg", "essiv"}, {"cipher-mode", "ecb"}},
+  ASSERT_TRUE(parse_create_options({{"encrypt.cipher-alg", "aes-128"},
+                                    {"encrypt.iter-time", "0x10"},
+                                    {"encrypt.ivgen-alg", "essiv"},
+                                    {"cipher-mode", "ecb"}},
                                    "encrypt.", o)
                   .ok());
   EXPECT_EQ(o.cipher_alg, "aes-128");

@@ -4,6 +4,8 @@
 // any of many offsets, with a byte more, or with a byte changed in a
 // footer, the vmdesc or a RAM record; a synthetic stream built here is
 // refused at every cut; random bytes are refused.
+#include "vblk/migration_stream.h"
+
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -14,8 +16,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include "vblk/migration_stream.h"
 
 using namespace vblk;
 
@@ -216,8 +216,7 @@ TEST(MigrationStream, SyntheticStreamPassesAndEveryCutFails) {
     auto st = check(s, piece);
     EXPECT_TRUE(st) << st.error().what();
   }
-  for (size_t cut = 0; cut < s.size(); ++cut)
-    EXPECT_FALSE(check(std::span(s).first(cut))) << "cut at " << cut;
+  for (size_t cut = 0; cut < s.size(); ++cut) EXPECT_FALSE(check(std::span(s).first(cut))) << "cut at " << cut;
 }
 
 }  // namespace

@@ -1,11 +1,12 @@
 // Named dirty bitmaps: the registry on a node (vblk/named_bitmap.h), the
 // marking done by the generic request path, merge across granularities and
 // the digest x-debug-block-dirty-bitmap-sha256 prints.
+#include "vblk/named_bitmap.h"
+
 #include <gtest/gtest.h>
 
 #include "bare_disk.h"
 #include "vblk/sha256.h"
-#include "vblk/named_bitmap.h"
 
 using namespace vblk;
 using vblk::MemNode;
@@ -106,7 +107,7 @@ TEST(NamedBitmapTest, FailedWritesStillMark) {
 
 TEST(NamedBitmapTest, MergeAcrossGranularities) {
   DirtyBitmap fine(1 << 20, 512), coarse(1 << 20, 65536), same(1 << 20, 512);
-  fine.set(1000, 10);     // cluster 512..1023
+  fine.set(1000, 10);  // cluster 512..1023
   fine.set(200000, 1);
   coarse.merge_from(fine);
   EXPECT_EQ(coarse.dirty_clusters(), 2u);
@@ -161,7 +162,7 @@ TEST(NamedBitmapTest, SuccessorRecordsWhileBusyThenAbdicatesOrIsReclaimed) {
   EXPECT_FALSE(s.create_successor(*bm).ok());
   EXPECT_EQ(s.list().size(), 2u);
   EXPECT_EQ(s.find(""), nullptr);  // the successor is anonymous
-  s.mark(524288, 1);                // goes to the successor only
+  s.mark(524288, 1);               // goes to the successor only
   EXPECT_EQ(bm->bits.dirty_clusters(), 1u);
   EXPECT_EQ(bm->successor->bits.dirty_clusters(), 1u);
   bm = &s.reclaim_successor(*bm);  // failure: old bits and new writes

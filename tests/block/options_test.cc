@@ -1,6 +1,6 @@
-#include <gtest/gtest.h>
-
 #include "vblk/options.h"
+
+#include <gtest/gtest.h>
 
 using namespace vblk;
 
@@ -20,8 +20,8 @@ TEST(ParseSize, QemuVectors) {
     ASSERT_TRUE(r.ok()) << v.in;
     EXPECT_EQ(*r, v.out) << v.in;
   }
-  for (const char* bad : {"1.5", "1.5b", "1kB", "1KiB", "1e3", "1.5e3k", ".5G", "1Z", "abc", "", "0x", "-1",
-                          "1024 ", "1kk"}) {
+  for (const char* bad :
+       {"1.5", "1.5b", "1kB", "1KiB", "1e3", "1.5e3k", ".5G", "1Z", "abc", "", "0x", "-1", "1024 ", "1kk"}) {
     auto r = parse_size(bad);
     EXPECT_FALSE(r.ok()) << bad;
     if (!r.ok()) {

@@ -10,9 +10,9 @@
 
 #include "block/drivers/qcow2/format.h"
 #include "block/drivers/qcow2/qcow2.h"
-#include "vblk/open.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
+#include "vblk/open.h"
 
 using namespace vblk;
 
@@ -90,6 +90,8 @@ void rename_under_cuts(uint32_t cluster_size, const std::string& from, const std
 
 TEST(Qcow2BackingRename, AtomicUnderTornWrites64k) { rename_under_cuts(65536, "mid.qcow2", "base.qcow2"); }
 
-TEST(Qcow2BackingRename, AtomicUnderTornWrites4k) { rename_under_cuts(4096, "a-much-longer-name-of-the-middle-layer.qcow2", "b.qcow2"); }
+TEST(Qcow2BackingRename, AtomicUnderTornWrites4k) {
+  rename_under_cuts(4096, "a-much-longer-name-of-the-middle-layer.qcow2", "b.qcow2");
+}
 
 }  // namespace

@@ -8,8 +8,8 @@
 #include <random>
 
 #include "block/drivers/qcow2/qcow2.h"
-#include "vblk/open.h"
 #include "qcow2_temp_image.h"
+#include "vblk/open.h"
 
 using namespace vblk;
 
@@ -75,7 +75,8 @@ TEST_F(Qcow2Bitmaps, StoredOnCloseLoadedOnOpen) {
   EXPECT_EQ(n->can_store_new_bitmap("x", 256).error().what(),
             "Can't make bitmap 'x' persistent in '': Granularity is under minimum (512 bytes)");
   EXPECT_EQ(n->can_store_new_bitmap(std::string(1024, 'n'), 65536).error().what(),
-            "Can't make bitmap '" + std::string(1024, 'n') + "' persistent in '': Name length exceeds maximum (1023 characters)");
+            "Can't make bitmap '" + std::string(1024, 'n') +
+                "' persistent in '': Name length exceeds maximum (1023 characters)");
   // Removing a stored bitmap rewrites the directory at once.
   ASSERT_TRUE(loop.run(n->remove_persistent_bitmap("coarse")).ok());
   n->bitmaps().remove("coarse");

@@ -8,8 +8,8 @@
 #include <cstring>
 
 #include "block/drivers/qcow2/qcow2.h"
-#include "vblk/open.h"
 #include "qcow2_temp_image.h"
+#include "vblk/open.h"
 
 using namespace vblk;
 
@@ -51,9 +51,8 @@ TEST_F(Qcow2PrepareWrites, AllocatesOnlyTheTablesOfTheRanges) {
   auto n = image_.open(loop);
   ASSERT_TRUE(n);
   EXPECT_EQ(l1_on_disk(loop, n), (std::array<uint64_t, 4>{0, 0, 0, 0}));
-  const std::array<Node::WriteRange, 3> ranges{{{0, kCluster},
-                                                {3 * kPerTable + 5 * kCluster, 2 * kCluster},
-                                                {3 * kPerTable + 99 * kCluster, kCluster}}};
+  const std::array<Node::WriteRange, 3> ranges{
+      {{0, kCluster}, {3 * kPerTable + 5 * kCluster, 2 * kCluster}, {3 * kPerTable + 99 * kCluster, kCluster}}};
   ASSERT_TRUE(loop.run(n->prepare_writes(ranges)).ok());
   auto e = l1_on_disk(loop, n);
   const uint64_t copied = 1ull << 63;

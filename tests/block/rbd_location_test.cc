@@ -58,7 +58,10 @@ TEST(RbdLocation, BlockdevOptions) {
 TEST(RbdLocation, ImageOptsListsKeySecretAndEncrypt) {
   // --image-opts spells lists with numbered keys; key-secret stays out of
   // the json: name, as in QEMU.
-  Json o = {{"pool", "p"}, {"image", "i"}, {"key-secret", "s"}, {"auth-client-required", {{"0", "none"}}},
+  Json o = {{"pool", "p"},
+            {"image", "i"},
+            {"key-secret", "s"},
+            {"auth-client-required", {{"0", "none"}}},
             {"encrypt", {{"format", "luks2"}, {"key-secret", "pw"}}}};
   auto l = take_rbd_location(o);
   ASSERT_TRUE(l.ok()) << l.error().what();

@@ -28,7 +28,8 @@ TEST(SecretStore, AddLookupRemoveAndQemuErrors) {
   ASSERT_TRUE(s.add("a", {.data = "aGVsbG8=", .format = SecretFormat::kBase64}).ok());
   EXPECT_EQ(*s.lookup("a"), "hello");
   EXPECT_EQ(*s.lookup_base64("a"), "aGVsbG8=");
-  EXPECT_EQ(s.add("a", {.data = "y"}).error().what(), "attempt to add duplicate property 'a' to object (type 'container')");
+  EXPECT_EQ(s.add("a", {.data = "y"}).error().what(),
+            "attempt to add duplicate property 'a' to object (type 'container')");
   ASSERT_TRUE(s.add_other("tg").ok());
   EXPECT_EQ(s.lookup("tg").error().what(), "Object with id 'tg' is not a secret");
   EXPECT_EQ(s.lookup("zz").error().what(), "No secret with id 'zz'");

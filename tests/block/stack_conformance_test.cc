@@ -34,17 +34,17 @@
 
 #include "block/drivers/luks/create.h"
 #include "block/drivers/qcow2/qcow2.h"
-#include "vblk/open.h"
-#include "vblk/nbd_server.h"
-#include "vblk/secret_store.h"
 #include "vblk/buffer.h"
+#include "vblk/copy_drivers.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
 #include "vblk/mirror_top.h"
+#include "vblk/nbd_server.h"
 #include "vblk/net.h"
+#include "vblk/open.h"
+#include "vblk/secret_store.h"
 #include "vblk/sync.h"
 #include "vblk/throttle.h"
-#include "vblk/copy_drivers.h"
 
 using namespace vblk;
 
@@ -82,7 +82,7 @@ struct Stack {
   // Clusters no request has touched: compressed writes go only there, since
   // qcow2 (QEMU's too) fails one over an allocated cluster with EIO.
   std::vector<bool> touched = std::vector<bool>(kSize / 512, false);
-  uint64_t cluster = 0;     // their size
+  uint64_t cluster = 0;  // their size
   // Reopening from the media: the options, and whether qcow2's check runs.
   Json reopen;
   bool qcow2_check = false;

@@ -10,8 +10,8 @@
 #include <cstring>
 #include <vector>
 
-#include "vblk/open.h"
 #include "vblk/buffer.h"
+#include "vblk/open.h"
 
 using namespace vblk;
 
@@ -55,8 +55,8 @@ class StatusCacheTest : public ::testing::Test {
     auto n = open_node(ctx, top);
     EXPECT_TRUE(n.ok()) << (n.ok() ? "" : n.error().what());
     if (!n.ok()) return nullptr;
-    (*n)->set_claim(PermPair{kPermConsistentRead | kPermWrite,
-                             share_write ? kPermAll : kPermAll & ~(kPermWrite | kPermResize)});
+    (*n)->set_claim(
+        PermPair{kPermConsistentRead | kPermWrite, share_write ? kPermAll : kPermAll & ~(kPermWrite | kPermResize)});
     EXPECT_TRUE((*n)->refresh_perms().ok());
     return *n;
   }

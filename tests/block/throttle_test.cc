@@ -30,14 +30,16 @@ double burst(Loop& loop, Node& node, bool write, unsigned n, size_t bytes) {
   const uint64_t t0 = Loop::now_ns();
   for (unsigned i = 0; i < n; ++i) {
     wg.add();
-    spawn_detached([](Node& nd, bool w, std::vector<uint8_t>& b, uint64_t off, WaitGroup& g,
-                      unsigned& bad) -> Task<void> {
-      Status st;
-      if (w) st = co_await nd.write(off, b);
-      else st = co_await nd.read(off, b);
-      if (!st.ok()) ++bad;
-      g.done();
-    }(node, write, buf, uint64_t{i} * bytes % node.length(), wg, failed));
+    spawn_detached(
+        [](Node& nd, bool w, std::vector<uint8_t>& b, uint64_t off, WaitGroup& g, unsigned& bad) -> Task<void> {
+          Status st;
+          if (w)
+            st = co_await nd.write(off, b);
+          else
+            st = co_await nd.read(off, b);
+          if (!st.ok()) ++bad;
+          g.done();
+        }(node, write, buf, uint64_t{i} * bytes % node.length(), wg, failed));
   }
   loop.run(all_done(wg));
   EXPECT_EQ(failed, 0u);
@@ -46,9 +48,8 @@ double burst(Loop& loop, Node& node, bool write, unsigned n, size_t bytes) {
 
 std::shared_ptr<Node> open_throttled(Loop& loop, ThrottleGroups& groups, const std::string& group) {
   OpenContext ctx{.loop = loop, .throttle_groups = &groups};
-  auto n = open_node(ctx, Json{{"driver", "throttle"},
-                               {"throttle-group", group},
-                               {"file", {{"driver", "null-co"}, {"size", "64M"}}}});
+  auto n = open_node(
+      ctx, Json{{"driver", "throttle"}, {"throttle-group", group}, {"file", {{"driver", "null-co"}, {"size", "64M"}}}});
   EXPECT_TRUE(n.ok()) << (n.ok() ? "" : n.error().message);
   return n.ok() ? *n : nullptr;
 }
@@ -60,14 +61,16 @@ TEST(ThrottleLimits, ValidatesLikeQemu) {
             "bps/iops/max total values and read/write values cannot be used at the same time");
   EXPECT_EQ(limits_error({{"limits", {{"iops-total-max", 100}}}}),
             "bps_max/iops_max require corresponding bps/iops values");
-  EXPECT_EQ(limits_error({{"limits", {{"iops-total", -1}}}}), "bps/iops/max values must be within [0, 1000000000000000]");
+  EXPECT_EQ(limits_error({{"limits", {{"iops-total", -1}}}}),
+            "bps/iops/max values must be within [0, 1000000000000000]");
   EXPECT_EQ(limits_error({{"limits", {{"iops-size", 4096}}}}), "iops size requires an iops value to be set");
   EXPECT_EQ(limits_error({{"limits", {{"bps-total-max-length", 2}}}}), "burst length set without burst rate");
   EXPECT_EQ(limits_error({{"limits", {{"bps-total-max-length", 0}}}}), "the burst length cannot be 0");
   EXPECT_EQ(limits_error({{"limits", {{"bps-total", 10}, {"bps-total-max", 5}}}}),
             "bps_max/iops_max cannot be lower than bps/iops");
-  EXPECT_EQ(limits_error({{"limits", {{"bps-total", 10}, {"bps-total-max", 1000}, {"bps-total-max-length", 1ll << 40}}}}),
-            "bps-total-max-length value must be in the range [0, 4294967295]");
+  EXPECT_EQ(
+      limits_error({{"limits", {{"bps-total", 10}, {"bps-total-max", 1000}, {"bps-total-max-length", 1ll << 40}}}}),
+      "bps-total-max-length value must be in the range [0, 4294967295]");
   EXPECT_EQ(limits_error({{"x-bps-total", -5}}), "Property values cannot be negative");
   EXPECT_EQ(limits_error({{"limits", {{"foo", 1}}}}), "Parameter 'limits.foo' is unexpected");
   EXPECT_EQ(limits_error({{"limits", {{"bps-write", 1 << 20}}}, {"x-iops-total", 5}}), "");
@@ -76,7 +79,8 @@ TEST(ThrottleLimits, ValidatesLikeQemu) {
 TEST(ThrottleLimits, LegacyAndStructSpellingsFillTheSameBuckets) {
   ThrottleLimits a, b;
   ASSERT_TRUE(parse_throttle_limits({{"x-bps-write", 1000}, {"x-iops-read-max", 50}, {"x-iops-read", 10}}, a).ok());
-  ASSERT_TRUE(parse_throttle_limits({{"limits", {{"bps-write", 1000}, {"iops-read-max", 50}, {"iops-read", 10}}}}, b).ok());
+  ASSERT_TRUE(
+      parse_throttle_limits({{"limits", {{"bps-write", 1000}, {"iops-read-max", 50}, {"iops-read", 10}}}}, b).ok());
   for (int i = 0; i < kThrottleBuckets; ++i) {
     EXPECT_EQ(a.buckets[i].avg, b.buckets[i].avg) << i;
     EXPECT_EQ(a.buckets[i].max, b.buckets[i].max) << i;
@@ -107,7 +111,8 @@ TEST(ThrottleGroups, DuplicatesAndInUse) {
   EXPECT_EQ(gone.error().message, "object 'tg0' not found");
 
   OpenContext ctx{.loop = loop, .throttle_groups = &groups};
-  auto missing = open_node(ctx, Json{{"driver", "throttle"}, {"throttle-group", "nope"}, {"file", {{"driver", "null-co"}}}});
+  auto missing =
+      open_node(ctx, Json{{"driver", "throttle"}, {"throttle-group", "nope"}, {"file", {{"driver", "null-co"}}}});
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.error().message, "Throttle group 'nope' does not exist");
   auto unnamed = open_node(ctx, Json{{"driver", "throttle"}, {"file", {{"driver", "null-co"}}}});

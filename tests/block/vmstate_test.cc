@@ -4,6 +4,8 @@
 // positions that jump (backwards, gaps) stay correct, an injected write
 // error comes back from flush(); and over a real qcow2 image, the state a
 // snapshot carries reads back through that snapshot.
+#include "vblk/vmstate.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -12,10 +14,9 @@
 #include <random>
 
 #include "block/drivers/qcow2/qcow2.h"
-#include "vblk/open.h"
-#include "vblk/mem_node.h"
-#include "vblk/vmstate.h"
 #include "qcow2_temp_image.h"
+#include "vblk/mem_node.h"
+#include "vblk/open.h"
 
 using namespace vblk;
 

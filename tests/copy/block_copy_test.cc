@@ -8,8 +8,8 @@
 #include "test_disk.h"
 
 using namespace vblk;
-using vblk::testing::Concurrency;
 using vblk::MemNode;
+using vblk::testing::Concurrency;
 using vblk::testing::fill_pattern;
 using vblk::testing::run_until;
 
@@ -60,7 +60,9 @@ TEST(BlockCopyTest, ChunksFollowBlockStatus) {
   auto& s = f.src;
   // [0,1M) data, [1M,3M) zero, [3M,4M) unallocated (no backing: read as
   // data in a full copy), [4M,4M+4K) zero then data to 5M, [5M,8M) zero.
-  s.extents = {{1 * MiB, 2 * MiB, kStatusZero}, {3 * MiB, 1 * MiB, 0}, {4 * MiB, 4 * KiB, kStatusZero},
+  s.extents = {{1 * MiB, 2 * MiB, kStatusZero},
+               {3 * MiB, 1 * MiB, 0},
+               {4 * MiB, 4 * KiB, kStatusZero},
                {5 * MiB, 3 * MiB, kStatusZero}};
   std::fill(s.data().begin() + 1 * MiB, s.data().begin() + 3 * MiB, 0);
   std::fill(s.data().begin() + 4 * MiB, s.data().begin() + 4 * MiB + 4 * KiB, 0);
@@ -425,7 +427,7 @@ TEST(BlockCopyTest, OverlappingCallWaitsForTheTaskCopyingItsRange) {
   run_until(f.loop, [&] { return a->finished() && b->finished(); });
   EXPECT_TRUE(a->succeeded());
   EXPECT_TRUE(b->succeeded());
-  EXPECT_EQ(writes_when_b_done, 1u);  // b finished only after a's write landed
+  EXPECT_EQ(writes_when_b_done, 1u);                     // b finished only after a's write landed
   EXPECT_EQ(f.dst.count('w', 256 * KiB, 256 * KiB), 1);  // and nobody copied it twice
   EXPECT_EQ(f.src.count('r', 256 * KiB, 256 * KiB), 1);
   EXPECT_EQ(f.dst.data(), f.src.data());
@@ -446,8 +448,8 @@ TEST(BlockCopyTest, OverlappingCallRecopiesWhatAFailedTaskGaveBack) {
   EXPECT_FALSE(a->error_is_read());
   EXPECT_EQ(a->status().error().code, EIO);
   EXPECT_TRUE(b->succeeded());
-  EXPECT_TRUE(std::equal(f.src.data().begin() + 256 * KiB, f.src.data().begin() + 512 * KiB,
-                         f.dst.data().begin() + 256 * KiB));
+  EXPECT_TRUE(
+      std::equal(f.src.data().begin() + 256 * KiB, f.src.data().begin() + 512 * KiB, f.dst.data().begin() + 256 * KiB));
   // Exactly b's range was recopied; the rest of the failed chunk is dirty.
   EXPECT_EQ(f.dst.count('w', 256 * KiB, 256 * KiB), 2);
   EXPECT_FALSE(bcs.bitmap().get(256 * KiB));

@@ -5,8 +5,8 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "test_disk.h"
@@ -48,7 +48,7 @@ TEST(BlockCopyClaimTest, ClaimTakesDirtyClustersAndEndClaimKeepsOrGivesBack) {
   o.cluster_size = 64 * KiB;
   BlockCopyState bcs(src, dst, o);
   bcs.bitmap().set_all();
-  bcs.bitmap().reset(128 * KiB, 64 * KiB);  // cluster 2 already copied
+  bcs.bitmap().reset(128 * KiB, 64 * KiB);                      // cluster 2 already copied
   EXPECT_EQ(bcs.dirty_bytes(100 * KiB, 100 * KiB), 128 * KiB);  // clusters 1 and 3
   auto c = bcs.claim(100 * KiB, 100 * KiB);
   ASSERT_EQ(c->ranges().size(), 2u);
@@ -274,7 +274,7 @@ struct CbwFixture {
 TEST(CopyBeforeWriteBufferTest, GuestWritesDoNotWaitForTheTargetAndOldDataArrives) {
   CbwFixture f(1 * MiB, 0, "");
   double ms = f.guest_write(96 * KiB, 32 * KiB, 0xEE);
-  EXPECT_LT(ms, 25.0);  // less than one target write
+  EXPECT_LT(ms, 25.0);                                 // less than one target write
   EXPECT_FALSE(f.target_has_old(64 * KiB, 64 * KiB));  // its drain write is still on the way
   EXPECT_EQ(f.cbw->buffer_stats().used, 64 * KiB);
   f.drain_all();

@@ -1,10 +1,10 @@
 // DirtyBitmap against a plain vector<bool> model, plus the edge cases:
 // partial last cluster, word and summary-level boundaries, large sizes.
+#include "vblk/dirty_bitmap.h"
+
 #include <gtest/gtest.h>
 
 #include <random>
-
-#include "vblk/dirty_bitmap.h"
 
 using namespace vblk;
 

@@ -1,13 +1,13 @@
 // SlabPool: pieces sized to the request (power-of-two classes), recycled,
 // aligned, never overlapping, and the memory mapped bounded by what is in use
 // per class.
+#include "vblk/slab_pool.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
 #include <set>
-
-#include "vblk/slab_pool.h"
 
 using namespace vblk;
 
@@ -33,7 +33,8 @@ TEST(SlabPool, SmallRequestsTouchSmallPieces) {
     std::memset(in_use[i].data(), static_cast<int>(i), in_use[i].size());
   }
   for (size_t i = 0; i < in_use.size(); ++i)
-    EXPECT_TRUE(std::all_of(in_use[i].begin(), in_use[i].end(), [&](uint8_t b) { return b == static_cast<uint8_t>(i); }));
+    EXPECT_TRUE(
+        std::all_of(in_use[i].begin(), in_use[i].end(), [&](uint8_t b) { return b == static_cast<uint8_t>(i); }));
   for (auto p : in_use) pool.give(p);
   // Given back, they are taken again: no new slab.
   for (int i = 0; i < 64; ++i) in_use[i] = pool.take(64 * kKiB);

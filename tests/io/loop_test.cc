@@ -1,5 +1,7 @@
 // Event loop, Task and socket tests, run over both backends (io_uring and the
 // thread-pool/epoll fallback) so the fallback is proven, not assumed.
+#include "vblk/loop.h"
+
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/socket.h>
@@ -14,7 +16,6 @@
 #include <vector>
 
 #include "vblk/buffer.h"
-#include "vblk/loop.h"
 #include "vblk/net.h"
 #include "vblk/sync.h"
 
@@ -313,8 +314,8 @@ TEST_P(LoopTest, IdleSocketsDoNotStopOtherIo) {
   o.ring_entries = 8;
   Loop loop(o);
   constexpr int kIdle = 400;
-  std::vector<int> peers;   // the silent ends
-  std::vector<int> waiting; // the loop's ends, each with a pending receive
+  std::vector<int> peers;    // the silent ends
+  std::vector<int> waiting;  // the loop's ends, each with a pending receive
   for (int i = 0; i < kIdle; ++i) {
     int sv[2];
     int type = SOCK_STREAM | SOCK_CLOEXEC | (GetParam() ? 0 : SOCK_NONBLOCK);

@@ -8,9 +8,9 @@
 #include <random>
 
 #include "../copy/test_disk.h"
+#include "vblk/copy_drivers.h"
 #include "vblk/open.h"
 #include "wait_for.h"
-#include "vblk/copy_drivers.h"
 
 namespace vblk {
 namespace {
@@ -380,8 +380,8 @@ TEST(BackupTest, SyncNoneCopiesOnlyWhatGuestWritesForceOut) {
   e.loop.run(write_through(*e.device, kCluster + 500, d, &st));  // same cluster: no second copy
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(e.tgt->count('w', 0, e.tgt->length()), 1);
-  EXPECT_TRUE(std::equal(e.tgt->data().begin() + kCluster, e.tgt->data().begin() + 2 * kCluster,
-                         before.begin() + kCluster));
+  EXPECT_TRUE(
+      std::equal(e.tgt->data().begin() + kCluster, e.tgt->data().begin() + 2 * kCluster, before.begin() + kCluster));
   EXPECT_EQ(e.src->data()[kCluster + 10], 0xab);
   EXPECT_EQ(job->status(), JobStatus::Running);
   ASSERT_TRUE(job->user_cancel(true).ok());
@@ -471,7 +471,7 @@ TEST(CopyBeforeWriteTest, BreakGuestWriteFailsTheWrite) {
   e.loop.run(write_through(*f, 100, std::vector<uint8_t>(10, 1), &st));
   ASSERT_FALSE(st.ok());
   EXPECT_EQ(st.error().code, EIO);
-  EXPECT_TRUE(e.src->data() == before);  // the guest write did not happen
+  EXPECT_TRUE(e.src->data() == before);                                  // the guest write did not happen
   e.loop.run(write_through(*f, 100, std::vector<uint8_t>(10, 1), &st));  // retried: copies, then writes
   ASSERT_TRUE(st.ok());
   EXPECT_TRUE(std::equal(e.tgt->data().begin(), e.tgt->data().begin() + kCluster, before.begin()));
@@ -572,7 +572,7 @@ TEST(BackupTest, SyncBitmapCopiesOnlyDirtyClustersAndAbdicates) {
   Env e(4 << 20);
   auto b = e.src->bitmaps().create("b", e.src->length(), 4096);
   ASSERT_TRUE(b.ok());
-  (*b)->bits.set(100, 1);                  // cluster 0
+  (*b)->bits.set(100, 1);                   // cluster 0
   (*b)->bits.set(3 * kCluster + 5000, 10);  // cluster 3
   BackupArgs a = e.args("incremental");
   a.bitmap = "b";

@@ -105,7 +105,9 @@ TEST(CbwSnapshotTest, DiscardLeavesTheSnapshotAndTheCopy) {
   e.loop.run(guest_write(*f, kCluster, std::vector<uint8_t>(10, 5), st, done));
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(e.tgt->count('w', kCluster, kCluster), 0);
-  auto bs = [&](uint64_t off) -> Task<Result<BlockStatus>> { co_return co_await f->snapshot_block_status(off, kCluster); };
+  auto bs = [&](uint64_t off) -> Task<Result<BlockStatus>> {
+    co_return co_await f->snapshot_block_status(off, kCluster);
+  };
   EXPECT_FALSE(e.loop.run(bs(kCluster)).ok());
   EXPECT_TRUE(e.loop.run(bs(0)).ok());
 }

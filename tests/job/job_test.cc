@@ -98,10 +98,10 @@ struct JobTest : ::testing::Test {
 TEST(JobTables, TransitionsAreQemus) {
   // Every allowed (from, to) pair of QEMU's JobSTT; everything else refused.
   std::set<std::pair<S, S>> allowed = {
-      {S::Undefined, S::Created}, {S::Created, S::Running},   {S::Created, S::Aborting}, {S::Created, S::Null},
-      {S::Running, S::Paused},    {S::Running, S::Ready},     {S::Running, S::Waiting},  {S::Running, S::Aborting},
-      {S::Paused, S::Running},    {S::Ready, S::Standby},     {S::Ready, S::Waiting},    {S::Ready, S::Aborting},
-      {S::Standby, S::Ready},     {S::Waiting, S::Pending},   {S::Waiting, S::Aborting}, {S::Pending, S::Aborting},
+      {S::Undefined, S::Created}, {S::Created, S::Running},   {S::Created, S::Aborting},   {S::Created, S::Null},
+      {S::Running, S::Paused},    {S::Running, S::Ready},     {S::Running, S::Waiting},    {S::Running, S::Aborting},
+      {S::Paused, S::Running},    {S::Ready, S::Standby},     {S::Ready, S::Waiting},      {S::Ready, S::Aborting},
+      {S::Standby, S::Ready},     {S::Waiting, S::Pending},   {S::Waiting, S::Aborting},   {S::Pending, S::Aborting},
       {S::Pending, S::Concluded}, {S::Aborting, S::Aborting}, {S::Aborting, S::Concluded}, {S::Concluded, S::Null},
   };
   int n = 0;
@@ -242,8 +242,8 @@ TEST_F(JobTest, CancelRunningJob) {
   ASSERT_TRUE(j->user_cancel(false).ok());  // no soft cancel: behaves as forced
   EXPECT_TRUE(j->is_cancelled());
   spin();
-  EXPECT_EQ(trace(), (std::vector<std::string>{"created", "running", "aborting", "BLOCK_JOB_CANCELLED", "concluded",
-                                               "null"}));
+  EXPECT_EQ(trace(),
+            (std::vector<std::string>{"created", "running", "aborting", "BLOCK_JOB_CANCELLED", "concluded", "null"}));
   EXPECT_EQ(j->calls, (std::vector<std::string>{"abort", "clean"}));
   EXPECT_EQ(events[3].second, J::parse(R"({"type":"backup","device":"j4","len":100,"offset":2,"speed":0})"));
   EXPECT_EQ(j->result().error().code, ECANCELED);
@@ -292,8 +292,8 @@ TEST_F(JobTest, FailedJobReportsItsError) {
   spin();
   step(*j, 1);
   spin();
-  EXPECT_EQ(trace(), (std::vector<std::string>{"created", "running", "aborting", "BLOCK_JOB_COMPLETED", "concluded",
-                                               "null"}));
+  EXPECT_EQ(trace(),
+            (std::vector<std::string>{"created", "running", "aborting", "BLOCK_JOB_COMPLETED", "concluded", "null"}));
   EXPECT_EQ(events[3].second["error"], "Input/output error");
   EXPECT_EQ(j->calls, (std::vector<std::string>{"abort", "clean"}));
 }
@@ -370,20 +370,13 @@ TEST_F(JobTest, SetSpeed) {
 TEST_F(JobTest, EveryVerbInEveryObservableState) {
   auto call = [](StepJob& j, V v) -> Status {
     switch (v) {
-      case V::Cancel:
-        return j.apply_verb(v);  // checked only: cancelling would end the job
-      case V::Pause:
-        return j.apply_verb(v);
-      case V::Resume:
-        return j.apply_verb(v);
-      case V::SetSpeed:
-        return j.set_speed(0);
-      case V::Complete:
-        return j.apply_verb(v);
-      case V::Finalize:
-        return j.apply_verb(v);
-      case V::Dismiss:
-        return j.apply_verb(v);
+      case V::Cancel: return j.apply_verb(v);  // checked only: cancelling would end the job
+      case V::Pause: return j.apply_verb(v);
+      case V::Resume: return j.apply_verb(v);
+      case V::SetSpeed: return j.set_speed(0);
+      case V::Complete: return j.apply_verb(v);
+      case V::Finalize: return j.apply_verb(v);
+      case V::Dismiss: return j.apply_verb(v);
     }
     return {};
   };

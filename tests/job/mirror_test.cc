@@ -146,7 +146,8 @@ TEST(MirrorTest, CompleteReportsAFailingTargetFlush) {
   ASSERT_TRUE(test::wait_for(loop, [&] { return job->is_ready(); }));
   tgt->faults.push_back({'f', 0, 1, EIO, false});
   ASSERT_TRUE(job->complete().ok());
-  ASSERT_TRUE(test::wait_for(loop, [&] { return job->status() == JobStatus::Null; }, 5000));
+  ASSERT_TRUE(test::wait_for(
+      loop, [&] { return job->status() == JobStatus::Null; }, 5000));
   ASSERT_FALSE(job->result().ok());
   EXPECT_EQ(job->result().error().code, EIO);
   EXPECT_EQ(device.get(), src.get());  // not switched to a target that lost writes

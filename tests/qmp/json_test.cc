@@ -1,10 +1,9 @@
 // QMP JSON: message cutting, QEMU's error texts and recovery, and output
 // in QEMU's byte format (the interop test compares whole reply lines with
 // qemu-storage-daemon; these pin the pieces down without a daemon).
-#include "vblk/qmp_json.h"
-
 #include <gtest/gtest.h>
 
+#include "vblk/qmp_json.h"
 #include "vblk/qmp_registry.h"
 
 namespace vblk::qmp {
@@ -45,8 +44,8 @@ TEST(QmpJson, ErrorsAreQemus) {
   EXPECT_EQ(texts("\"\\ud800\""),
             (std::vector<std::string>{"ERR JSON parse error, \\ud800 is not a valid Unicode character"}));
   // A stray character: the error, then recovery at the next structural one.
-  EXPECT_EQ(texts("{\"a\": @}"), (std::vector<std::string>{"ERR JSON parse error, stray '@'",
-                                                          "ERR JSON parse error, expecting value"}));
+  EXPECT_EQ(texts("{\"a\": @}"),
+            (std::vector<std::string>{"ERR JSON parse error, stray '@'", "ERR JSON parse error, expecting value"}));
   EXPECT_EQ(texts("01 "), (std::vector<std::string>{"ERR JSON parse error, stray '01'"}));
   EXPECT_EQ(texts("Abc\n{}"), (std::vector<std::string>{"ERR JSON parse error, stray 'A'", "{}"}));
   // Single quotes are QEMU's extension.
@@ -69,7 +68,8 @@ TEST(QmpJson, OutputMatchesQemu) {
   EXPECT_EQ(to_qmp_text(v), "{\"micro\": 22, \"minor\": 2, \"major\": 7}");
   OJson ev = {{"event", "X"}, {"data", OJson::object()}, {"timestamp", 1}};
   EXPECT_EQ(to_qmp_text(ev), "{\"timestamp\": 1, \"event\": \"X\", \"data\": {}}");
-  EXPECT_EQ(to_qmp_text(OJson("a\xc3\xa9\n\"\\/\x01\xf0\x9f\x98\x80")), "\"a\\u00E9\\n\\\"\\\\/\\u0001\\uD83D\\uDE00\"");
+  EXPECT_EQ(to_qmp_text(OJson("a\xc3\xa9\n\"\\/\x01\xf0\x9f\x98\x80")),
+            "\"a\\u00E9\\n\\\"\\\\/\\u0001\\uD83D\\uDE00\"");
   EXPECT_EQ(to_qmp_text(OJson::array({1, -2, 1.5, nullptr, true})), "[1, -2, 1.5, null, true]");
   EXPECT_EQ(to_qmp_text(OJson(18446744073709551615ull)), "18446744073709551615");
 }

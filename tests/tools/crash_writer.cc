@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "vblk/open.h"
 #include "vblk/buffer.h"
+#include "vblk/open.h"
 #include "vblk/sync.h"
 
 using namespace vblk;
@@ -34,7 +34,6 @@ namespace {
   std::fprintf(stderr, "crash_writer: %s\n", st.error().what().c_str());
   std::abort();
 }
-
 
 constexpr uint64_t kBlock = 4096;
 
@@ -185,7 +184,12 @@ int main(int argc, char** argv) {
   int log_fd = ::open(argv[4], O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644);
   if (log_fd < 0) return 1;
   uint64_t cluster = (*node)->cluster_size() ? (*node)->cluster_size() : 65536;
-  State s{loop, **node, log_fd, std::mt19937_64(std::stoull(argv[3])), 0, (*node)->length() / kBlock,
+  State s{loop,
+          **node,
+          log_fd,
+          std::mt19937_64(std::stoull(argv[3])),
+          0,
+          (*node)->length() / kBlock,
           std::max<uint64_t>(1, cluster / kBlock)};
   s.snapshots = argc == 6;
   loop.run(run(s));  // runs until killed

@@ -34,9 +34,7 @@ struct Model {
     durable = current;
     for (auto& s : since) s.clear();
   }
-  bool allowed(uint64_t sector, uint64_t id) const {
-    return durable[sector].count(id) || since[sector].count(id);
-  }
+  bool allowed(uint64_t sector, uint64_t id) const { return durable[sector].count(id) || since[sector].count(id); }
 };
 
 // Every guest sector of `disk` is allowed by the model; the first that is

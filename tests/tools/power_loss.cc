@@ -38,15 +38,15 @@
 #include "guest_model.h"
 #include "image_check.h"
 #include "tool_args.h"
-#include "vblk/open.h"
-#include "vblk/nbd_server.h"
-#include "vblk/net.h"
-#include "vblk/throttle.h"
 #include "vblk/buffer.h"
+#include "vblk/copy_drivers.h"
 #include "vblk/graph.h"
 #include "vblk/mem_node.h"
+#include "vblk/nbd_server.h"
+#include "vblk/net.h"
+#include "vblk/open.h"
 #include "vblk/sync.h"
-#include "vblk/copy_drivers.h"
+#include "vblk/throttle.h"
 
 using namespace vblk;
 using namespace vblk::power;
@@ -56,11 +56,11 @@ namespace {
 struct Scenario {
   std::string name;
   qcow2::Qcow2Node::CreateOptions create;
-  Json open_opts;        // extra qcow2 options (small caches)
-  uint64_t max_op = 0;   // largest guest request
+  Json open_opts;       // extra qcow2 options (small caches)
+  uint64_t max_op = 0;  // largest guest request
   int rounds = 0;
   bool snapshots = false;
-  bool bitmap = false;   // a persistent bitmap, stored by a close and reopen midway
+  bool bitmap = false;  // a persistent bitmap, stored by a close and reopen midway
   bool compressed = false;
   // What the guest writes through: "" the qcow2 node itself; "nbd" vblk's
   // NBD client talking to vblk's server, which exports the qcow2 node;
@@ -203,8 +203,7 @@ struct Guest {
       std::vector<uint64_t> touched;
       for (const auto& op : ops) {
         if (op.kind == 'd') continue;  // see below
-        for (uint64_t s = op.offset / kSector; s < (op.offset + op.bytes) / kSector; ++s)
-          model.since[s].insert(op.id);
+        for (uint64_t s = op.offset / kSector; s < (op.offset + op.bytes) / kSector; ++s) model.since[s].insert(op.id);
       }
       for (const auto& op : ops) {
         if (op.kind != 'd') continue;
@@ -388,11 +387,11 @@ struct Via {
 };
 
 struct RunResult {
-  uint64_t writes = 0;                 // write-type requests that reached the medium
+  uint64_t writes = 0;  // write-type requests that reached the medium
   std::optional<std::vector<uint8_t>> cut;
-  std::vector<uint8_t> end;            // the medium after an uncut run
-  uint64_t bitmap_stored_at = 0;       // write-type requests when the close had stored the bitmap
-  std::string error;                   // the workload itself broke (no cut)
+  std::vector<uint8_t> end;       // the medium after an uncut run
+  uint64_t bitmap_stored_at = 0;  // write-type requests when the close had stored the bitmap
+  std::string error;              // the workload itself broke (no cut)
 };
 
 // One run of the scenario's workload from `base` (the freshly created
@@ -432,8 +431,10 @@ RunResult run_workload(const Scenario& sc, const std::vector<uint8_t>& base, uin
         model.flushed();  // a clean close flushes everything
         if (!mem->cut_image()) res.bitmap_stored_at = mem->writes_submitted();
         node = open_qcow2(loop, mem, sc.open_opts, false, &err);
-        if (node) loop.run(g.run(*node, sc.rounds - first, snaps));
-        else if (!mem->cut_image()) res.error = "reopen: " + err;
+        if (node)
+          loop.run(g.run(*node, sc.rounds - first, snaps));
+        else if (!mem->cut_image())
+          res.error = "reopen: " + err;
       } else if (!mem->cut_image()) {
         res.error = "close: " + st.error().what();
       }
@@ -468,14 +469,15 @@ std::string verify_point(const Scenario& sc, const std::vector<uint8_t>& img, co
     // so not trusted; but listed, so the chain is not silently lost).
     out.clear();
     rc = run_cmd({qemu_img, "info", "-U", "--output=json", "-f", "qcow2", path}, &out);
-    if (rc != 0 || out.find("\"name\": \"b0\"") == std::string::npos)
-      problem = "the stored bitmap b0 is gone: " + out;
+    if (rc != 0 || out.find("\"name\": \"b0\"") == std::string::npos) problem = "the stored bitmap b0 is gone: " + out;
   }
   if (problem.empty()) {
     out.clear();
     rc = run_cmd({qemu_img, "convert", "-U", "-f", "qcow2", "-O", "raw", path, raw}, &out);
-    if (rc != 0) problem = "qemu-img convert rc " + std::to_string(rc) + ": " + out;
-    else problem = verify_content(read_file(raw), model, "qemu-img");
+    if (rc != 0)
+      problem = "qemu-img convert rc " + std::to_string(rc) + ": " + out;
+    else
+      problem = verify_content(read_file(raw), model, "qemu-img");
   }
   if (problem.empty()) {
     Loop loop;
@@ -487,8 +489,10 @@ std::string verify_point(const Scenario& sc, const std::vector<uint8_t>& img, co
     } else {
       AlignedBuffer buf(sc.create.size);
       Status st = loop.run(node->read(0, buf.span()));
-      if (!st) problem = "vblk read: " + st.error().what();
-      else problem = verify_content(std::vector<uint8_t>(buf.data(), buf.data() + buf.size()), model, "vblk");
+      if (!st)
+        problem = "vblk read: " + st.error().what();
+      else
+        problem = verify_content(std::vector<uint8_t>(buf.data(), buf.data() + buf.size()), model, "vblk");
       (void)loop.run(node->close());
     }
   }
@@ -565,10 +569,11 @@ int main(int argc, char** argv) {
         continue;
       }
       std::string problem;
-      if (!r.error.empty()) problem = r.error;
+      if (!r.error.empty())
+        problem = r.error;
       else
-        problem = verify_point(*sc, *r.cut, model, qemu_img, dir, sc->name + "-" + std::to_string(k),
-                               !keep_dir.empty(), stats, r.bitmap_stored_at && k > r.bitmap_stored_at);
+        problem = verify_point(*sc, *r.cut, model, qemu_img, dir, sc->name + "-" + std::to_string(k), !keep_dir.empty(),
+                               stats, r.bitmap_stored_at && k > r.bitmap_stored_at);
       if (problem.empty()) {
         ++sc_pass;
       } else {

@@ -39,7 +39,6 @@
 #include <vector>
 
 #include "block/drivers/qcow2/qcow2.h"
-#include "vblk/open.h"
 #include "guest_model.h"
 #include "image_check.h"
 #include "tool_args.h"
@@ -52,6 +51,7 @@
 #include "vblk/mem_node.h"
 #include "vblk/mirror.h"
 #include "vblk/node_ref.h"
+#include "vblk/open.h"
 #include "vblk/stream.h"
 #include "vblk/sync.h"
 
@@ -72,7 +72,16 @@ struct Image {
 // Convert: no job and no guest during the copy: the block-copy engine as
 // `vblk convert` drives it, from the device image (after its prefill) to
 // an empty qcow2 target, then the target's flush.
-enum class Kind { Mirror, MirrorBlocking, CommitActive, CommitIntermediate, Stream, Backup, Convert, ConvertCompressed };
+enum class Kind {
+  Mirror,
+  MirrorBlocking,
+  CommitActive,
+  CommitIntermediate,
+  Stream,
+  Backup,
+  Convert,
+  ConvertCompressed
+};
 
 struct Scenario {
   std::string name;
@@ -177,8 +186,10 @@ struct Guest {
 
 Result<std::shared_ptr<Node>> open_qcow2(OpenContext& ctx, const std::string& name, const std::string& backing) {
   Json opts = {{"driver", "qcow2"}, {"node-name", name}, {"file", "m-" + name}};
-  if (backing.empty()) opts["backing"] = nullptr;
-  else opts["backing"] = backing;
+  if (backing.empty())
+    opts["backing"] = nullptr;
+  else
+    opts["backing"] = backing;
   return open_node(ctx, std::move(opts));
 }
 
@@ -357,8 +368,7 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
   }
   switch (sc.kind) {
     case Kind::Convert:
-    case Kind::ConvertCompressed:
-      break;
+    case Kind::ConvertCompressed: break;
     case Kind::Mirror:
     case Kind::MirrorBlocking: {
       MirrorArgs a;
@@ -368,8 +378,10 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
       a.sync = "full";
       a.write_blocking = sc.kind == Kind::MirrorBlocking;
       auto r = start_mirror(mgr, graph, a);
-      if (r) job = *r;
-      else err = r.error().what();
+      if (r)
+        job = *r;
+      else
+        err = r.error().what();
       break;
     }
     case Kind::CommitActive:
@@ -383,8 +395,10 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
         a.backing_file = "base.qcow2";
       }
       auto r = start_commit(mgr, graph, a);
-      if (r) job = *r;
-      else err = r.error().what();
+      if (r)
+        job = *r;
+      else
+        err = r.error().what();
       break;
     }
     case Kind::Stream: {
@@ -392,8 +406,10 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
       a.job_id = "job";
       a.device = device_image(sc)->name;
       auto r = start_stream(mgr, graph, a);
-      if (r) job = *r;
-      else err = r.error().what();
+      if (r)
+        job = *r;
+      else
+        err = r.error().what();
       break;
     }
     case Kind::Backup: {
@@ -403,8 +419,10 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
       a.target = sc.target;
       a.sync = "full";
       auto r = start_backup(mgr, graph, a);
-      if (r) job = *r;
-      else err = r.error().what();
+      if (r)
+        job = *r;
+      else
+        err = r.error().what();
       break;
     }
   }
@@ -425,7 +443,8 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
       if (completes) {
         // Guest writes go on until the job is in sync, then the switch.
         for (int i = 0; i < 4000 && !job->is_ready() && !gone() && !guest.failed; ++i) co_await between();
-        for (int i = 0; i < 20000 && !job->is_ready() && !gone(); ++i) co_await loop.sleep(std::chrono::microseconds(250));
+        for (int i = 0; i < 20000 && !job->is_ready() && !gone(); ++i)
+          co_await loop.sleep(std::chrono::microseconds(250));
         res.window_begin = supply->submitted;
         if (job->is_ready()) (void)job->complete();
       } else {
@@ -437,13 +456,18 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
       // And after the switch.
       co_await guest.rounds(device, 10);
       if (!guest.failed) {
-        if (co_await device->flush()) model.flushed();
-        else guest.failed = true;
+        if (co_await device->flush())
+          model.flushed();
+        else
+          guest.failed = true;
       }
     }());
-    if (!err.empty()) res.error = err;
-    else if (!supply->cut && !job->result().ok()) res.error = "job: " + job->error_text();
-    else if (!supply->cut && guest.failed) res.error = "a guest request failed without a cut";
+    if (!err.empty())
+      res.error = err;
+    else if (!supply->cut && !job->result().ok())
+      res.error = "job: " + job->error_text();
+    else if (!supply->cut && guest.failed)
+      res.error = "a guest request failed without a cut";
   }
   if (!supply->cut) res.on_device_at_cut = holder();
   last_holder = holder();
@@ -502,8 +526,9 @@ std::string verify(const Scenario& sc, const RunResult& r, const Model& model, c
       for (uint64_t s = 0; s < sectors; ++s) {
         const int64_t id = decode_sector(copy.data() + s * kSector, s);
         const bool pit = id >= 0 && r.at_start[s].count(static_cast<uint64_t>(id));
-        if (!pit && (end || id != 0)) return "backup target sector " + std::to_string(s) + " holds " +
-                                              (id < 0 ? std::string("garbage") : "write " + std::to_string(id));
+        if (!pit && (end || id != 0))
+          return "backup target sector " + std::to_string(s) + " holds " +
+                 (id < 0 ? std::string("garbage") : "write " + std::to_string(id));
       }
     } else if (std::string p = verify_no_garbage(copy, sectors, "mirror target"); !p.empty()) {
       return p;
@@ -585,11 +610,10 @@ int main(int argc, char** argv) {
         if (keep_dir.empty()) remove_dir(pdir);
       }
     }
-    std::printf("%-22s %6" PRIu64 " writes  %4" PRIu64 " points (%" PRIu64 " after the switch)  %4" PRIu64
-                " passed (%" PRIu64 " dirty, %" PRIu64 " COPIED behind)  %4" PRIu64 " failed  %" PRIu64
-                " not reached\n",
-                sc->name.c_str(), full.writes, per, after_switch, sc_pass, stats.dirty, stats.copied_behind, sc_fail,
-                missed);
+    std::printf(
+        "%-22s %6" PRIu64 " writes  %4" PRIu64 " points (%" PRIu64 " after the switch)  %4" PRIu64 " passed (%" PRIu64
+        " dirty, %" PRIu64 " COPIED behind)  %4" PRIu64 " failed  %" PRIu64 " not reached\n",
+        sc->name.c_str(), full.writes, per, after_switch, sc_pass, stats.dirty, stats.copied_behind, sc_fail, missed);
     std::fflush(stdout);
     passed += sc_pass;
     failed += sc_fail;

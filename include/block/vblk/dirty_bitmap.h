@@ -81,8 +81,8 @@ class DirtyBitmap {
   uint64_t size_;
   uint64_t gran_;
   unsigned shift_;
-  uint64_t nbits_;          // clusters
-  uint64_t dirty_bits_ = 0;  // set bits at level 0
+  uint64_t nbits_;                             // clusters
+  uint64_t dirty_bits_ = 0;                    // set bits at level 0
   std::vector<std::vector<uint64_t>> levels_;  // levels_[0] is the leaf
 };
 

@@ -110,15 +110,15 @@ class MigrationStreamCheck {
   bool ignore_shared_ = false;  // capability x-ignore-shared: blocks carry an address
   uint32_t caps_left_ = 0;
   bool any_section_ = false;
-  uint32_t cur_id_ = 0;         // the section being read
+  uint32_t cur_id_ = 0;  // the section being read
   std::set<uint32_t> used_ids_;
   std::set<uint32_t> open_ram_, open_other_;  // START seen, END not yet
   std::set<uint32_t> ram_ids_;
-  uint64_t ram_left_ = 0;       // MEM_SIZE bytes not yet given to blocks
-  bool ram_start_ = false;      // the next RAM record must be MEM_SIZE
+  uint64_t ram_left_ = 0;   // MEM_SIZE bytes not yet given to blocks
+  bool ram_start_ = false;  // the next RAM record must be MEM_SIZE
   std::map<std::string, Block> blocks_;
   const Block* cur_block_ = nullptr;
-  size_t scan_ = 0;             // Device: payload bytes searched for a footer
+  size_t scan_ = 0;  // Device: payload bytes searched for a footer
   uint32_t vmdesc_len_ = 0;
   std::vector<std::pair<std::string, uint32_t>> full_;  // FULL sections, in order
 };

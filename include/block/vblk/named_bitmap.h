@@ -27,8 +27,7 @@ namespace vblk {
 inline constexpr size_t kMaxBitmapNameSize = 1023;
 
 struct NamedBitmap {
-  NamedBitmap(std::string n, uint64_t size, uint64_t granularity)
-      : name(std::move(n)), bits(size, granularity) {}
+  NamedBitmap(std::string n, uint64_t size, uint64_t granularity) : name(std::move(n)), bits(size, granularity) {}
 
   std::string name;
   DirtyBitmap bits;
@@ -45,8 +44,6 @@ struct NamedBitmap {
 
   bool recording() const { return enabled || (successor && successor->enabled); }
 };
-
-
 
 // What an operation needs of a bitmap (QEMU's BdrvDirtyBitmap flags for
 // bdrv_dirty_bitmap_check).

@@ -79,10 +79,10 @@ const char* prealloc_name(Prealloc p);
 
 struct BlockStatus {
   uint32_t flags = 0;
-  uint64_t bytes = 0;     // length of the run with these flags (> 0 unless at EOF)
-  uint64_t map = 0;       // host offset in `file` when kStatusOffsetValid
-  Node* file = nullptr;   // the node `map` refers to
-  int depth = 0;          // for status through a backing chain
+  uint64_t bytes = 0;    // length of the run with these flags (> 0 unless at EOF)
+  uint64_t map = 0;      // host offset in `file` when kStatusOffsetValid
+  Node* file = nullptr;  // the node `map` refers to
+  int depth = 0;         // for status through a backing chain
 };
 
 // Limits, read once per node at open.
@@ -96,13 +96,13 @@ struct BlockLimits {
 
 // Capabilities, read once per node at open.
 struct NodeCaps {
-  bool native_fua = false;      // do_write honours kReqFua itself
-  bool zeroes = false;          // do_write_zeroes is implemented
-  bool discard = false;         // do_discard is implemented
-  bool copy_range = false;      // do_copy_range_to is implemented
-  bool serialise_zeroes = false;  // zeroes/discard change metadata: no overlap allowed
-  bool supports_backing = false;  // unallocated ranges fall through to "backing"
-  bool compressed_writes = false; // do_write honours kReqCompressed
+  bool native_fua = false;         // do_write honours kReqFua itself
+  bool zeroes = false;             // do_write_zeroes is implemented
+  bool discard = false;            // do_discard is implemented
+  bool copy_range = false;         // do_copy_range_to is implemented
+  bool serialise_zeroes = false;   // zeroes/discard change metadata: no overlap allowed
+  bool supports_backing = false;   // unallocated ranges fall through to "backing"
+  bool compressed_writes = false;  // do_write honours kReqCompressed
   // do_block_status answers whole extents that only this node's requests
   // change, plain (map == offset, file == this): block_status() keeps them
   // in the node's StatusCache (status_cache.h). Protocol drivers set it.
@@ -112,9 +112,9 @@ struct NodeCaps {
 // Consistency checks (qemu-img check): QEMU's BdrvCheckMode bits and its
 // BdrvCheckResult with BlockFragInfo folded in.
 enum CheckMode : uint32_t {
-  kCheckReport = 0,          // only report
-  kCheckFixLeaks = 1u << 0,  // -r leaks: drop refcounts nothing references
-  kCheckFixErrors = 1u << 1, // -r all (with kCheckFixLeaks): fix everything fixable
+  kCheckReport = 0,           // only report
+  kCheckFixLeaks = 1u << 0,   // -r leaks: drop refcounts nothing references
+  kCheckFixErrors = 1u << 1,  // -r all (with kCheckFixLeaks): fix everything fixable
 };
 
 struct CheckResult {

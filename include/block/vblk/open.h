@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "vblk/options.h"
 #include "vblk/node.h"
+#include "vblk/options.h"
 
 namespace vblk {
 
@@ -21,9 +21,9 @@ class ThrottleGroups;
 
 struct OpenContext {
   Loop& loop;
-  Graph* graph = nullptr;   // for child references by node name (may be null)
+  Graph* graph = nullptr;                     // for child references by node name (may be null)
   ThrottleGroups* throttle_groups = nullptr;  // the `throttle` driver's groups (vblk serve)
-  bool read_only = false;   // default for nodes that do not say
+  bool read_only = false;                     // default for nodes that do not say
   // Generic cache options, inherited by children unless they set their own.
   bool cache_direct = false;
   bool cache_no_flush = false;
@@ -62,9 +62,9 @@ using DriverProbeFn = int (*)(std::span<const uint8_t> head);
 
 struct DriverInfo {
   const char* name;
-  bool is_protocol;      // file, null-co, nbd...: error wording says "protocol"
+  bool is_protocol;  // file, null-co, nbd...: error wording says "protocol"
   DriverOpenFn open;
-  DriverProbeFn probe;   // formats only; nullptr for protocols
+  DriverProbeFn probe;  // formats only; nullptr for protocols
 };
 
 const DriverInfo* find_driver(const std::string& name);
@@ -86,12 +86,12 @@ Result<std::shared_ptr<Node>> open_child(OpenContext& ctx, Json& parent_opts, co
 // qemu-img style: opens `filename` with `format` ("" = probe). Returns the
 // top node; *probed_raw is set when probing fell back to raw.
 struct ImageOpenOptions {
-  std::string format;   // "" probes
+  std::string format;  // "" probes
   bool read_only = true;
   bool direct = false;    // cache.direct
   bool no_flush = false;  // cache=unsafe
   bool writethrough = false;
-  std::string aio;        // "" default, "threads", "io_uring", "native"
+  std::string aio;          // "" default, "threads", "io_uring", "native"
   bool no_backing = false;  // do not open backing files (qemu-img info does not)
   bool no_io = false;       // see OpenContext::no_io
 };

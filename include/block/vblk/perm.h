@@ -30,7 +30,7 @@ enum Perm : uint32_t {
 inline constexpr int kPermBits = 4;
 
 struct PermPair {
-  uint32_t perm = 0;         // what is needed
+  uint32_t perm = 0;           // what is needed
   uint32_t shared = kPermAll;  // what others may do meanwhile
   bool operator==(const PermPair&) const = default;
 };

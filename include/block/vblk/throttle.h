@@ -25,8 +25,8 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "vblk/loop.h"

@@ -43,7 +43,7 @@
 namespace vblk {
 
 struct VmstateOptions {
-  unsigned workers = 8;      // buffers written at once (at least 1)
+  unsigned workers = 8;  // buffers written at once (at least 1)
   // 0: max(cluster size, 4 MiB), rounded up to 4 KiB. 4 MiB, not QEMU's
   // series' 1 MiB: each qcow2 write pays an allocation, and a 2 MiB
   // multiple is huge-page backed; bench_vmstate measured 1 MiB x 8 at
@@ -80,8 +80,8 @@ class VmstateWriter {
 
   Node& node_;
   uint64_t buf_size_;
-  CoSemaphore slots_;   // workers not busy
-  WaitGroup busy_;      // workers in flight
+  CoSemaphore slots_;  // workers not busy
+  WaitGroup busy_;     // workers in flight
   std::vector<AlignedBuffer> free_;
   AlignedBuffer cur_;
   uint64_t cur_pos_ = 0;  // stream position of cur_[0], a multiple of buf_size_
@@ -124,7 +124,7 @@ class VmstateReader {
   uint64_t buf_size_;
   std::vector<Slot> slots_;  // a ring: unit u (bytes from u * buf_size_) goes to slot u % size
   WaitGroup busy_;
-  uint64_t next_ = 0;        // next unit to start reading
+  uint64_t next_ = 0;  // next unit to start reading
 };
 
 }  // namespace vblk

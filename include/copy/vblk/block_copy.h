@@ -87,9 +87,9 @@ struct BlockCopyOptions {
 };
 
 // The engine's own chunk limits (max_chunk = 0).
-inline constexpr uint64_t kBlockCopyDataChunk = 1 << 20;       // read+write
-inline constexpr uint64_t kBlockCopyRangeChunk = 16 << 20;     // copy_range, once it has worked
-inline constexpr uint64_t kBlockCopyZeroChunk = 1ull << 30;    // write_zeroes / skip
+inline constexpr uint64_t kBlockCopyDataChunk = 1 << 20;     // read+write
+inline constexpr uint64_t kBlockCopyRangeChunk = 16 << 20;   // copy_range, once it has worked
+inline constexpr uint64_t kBlockCopyZeroChunk = 1ull << 30;  // write_zeroes / skip
 
 class BlockCopyCall {
  public:
@@ -129,8 +129,8 @@ class BlockCopyCall {
   uint64_t error_offset_ = 0, error_bytes_ = 0;
   Status status_;
   std::function<void(BlockCopyCall&)> on_done_;
-  CoSemaphore workers_;   // task slots of this call
-  WaitGroup running_;     // this call's tasks in flight
+  CoSemaphore workers_;  // task slots of this call
+  WaitGroup running_;    // this call's tasks in flight
   CoEvent done_;
   std::stop_source sleep_stop_;  // kicks the rate-limit sleep
 };
@@ -176,8 +176,7 @@ class BlockCopyState {
   // call's coroutine: it must not destroy the state). max_workers caps this
   // call's tasks below the state's (0: the state's).
   std::shared_ptr<BlockCopyCall> copy_async(uint64_t offset, uint64_t bytes, bool ignore_ratelimit = false,
-                                            std::function<void(BlockCopyCall&)> on_done = {},
-                                            unsigned max_workers = 0);
+                                            std::function<void(BlockCopyCall&)> on_done = {}, unsigned max_workers = 0);
 
   // ---- copies made outside the engine (the COW buffer)
   //
@@ -260,9 +259,9 @@ class BlockCopyState {
   uint64_t in_flight_bytes_ = 0;
   uint64_t pending_bytes_ = 0;  // claimed and kept, not yet copied
   bool held_ = false;
-  uint64_t foreground_ns_ = 0;  // last note_foreground(), 0: never
-  std::vector<InFlight*> in_flight_;          // tasks of all calls
-  std::vector<BlockCopyCall*> calls_;         // running calls (for kicks)
+  uint64_t foreground_ns_ = 0;         // last note_foreground(), 0: never
+  std::vector<InFlight*> in_flight_;   // tasks of all calls
+  std::vector<BlockCopyCall*> calls_;  // running calls (for kicks)
   // Data buffers from huge-page slabs: a 1 MiB O_DIRECT request spans one
   // or two physical segments instead of 256 pages (the virtio queue allows
   // 254), and recycled pieces cost no mmap or freshly zeroed pages per

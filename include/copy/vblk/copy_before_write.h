@@ -136,7 +136,7 @@ class CopyBeforeWrite : public FilterNode {
   WaitGroup inside_;  // writes past the gate
 
   std::unique_ptr<CowBuffer> buffer_;
-  uint64_t sync_copies_ = 0;  // copies made synchronously because the buffer was full
+  uint64_t sync_copies_ = 0;    // copies made synchronously because the buffer was full
   CowBufferStats final_stats_;  // the buffer's counters when stop_buffer freed it
   Status drain_error_;
   bool drain_paused_ = false;

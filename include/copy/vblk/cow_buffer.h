@@ -143,18 +143,18 @@ class CowBuffer {
   CowBufferOptions opts_;
   int spill_fd_ = -1;
   bool spill_direct_ = false;
-  uint64_t mem_slots_ = 0, spill_slots_ = 0;     // capacity
-  uint64_t mem_used_ = 0, spill_used_ = 0;       // slots in use
+  uint64_t mem_slots_ = 0, spill_slots_ = 0;  // capacity
+  uint64_t mem_used_ = 0, spill_used_ = 0;    // slots in use
   uint64_t mem_peak_ = 0, spill_peak_ = 0;
-  uint64_t spill_next_ = 0;                      // never-used spill slots start here
+  uint64_t spill_next_ = 0;  // never-used spill slots start here
   std::vector<int64_t> spill_free_;
   std::vector<AlignedBuffer> slabs_;
   std::vector<uint8_t*> free_pieces_;
   uint64_t pieces_made_ = 0;
-  uint64_t staging_out_ = 0;  // staging pieces lent out
-  std::map<uint64_t, Entry> entries_;            // by offset
-  std::map<uint64_t, uint64_t> by_age_;          // seq -> offset
-  std::map<uint64_t, uint64_t> mem_by_age_;      // seq -> offset, entries in memory
+  uint64_t staging_out_ = 0;                 // staging pieces lent out
+  std::map<uint64_t, Entry> entries_;        // by offset
+  std::map<uint64_t, uint64_t> by_age_;      // seq -> offset
+  std::map<uint64_t, uint64_t> mem_by_age_;  // seq -> offset, entries in memory
   uint64_t seq_ = 0;
   uint64_t bytes_ = 0;
   unsigned spill_outs_ = 0;  // spill-out writes in flight

@@ -10,9 +10,9 @@
 
 #include <chrono>
 #include <functional>
-#include <stop_token>
 #include <map>
 #include <memory>
+#include <stop_token>
 #include <string>
 
 #include "vblk/net.h"

@@ -21,7 +21,7 @@ inline void frame_free(void* p, std::size_t) { ::operator delete(p); }
 class FramePool {
  public:
   static constexpr std::size_t kStep = 64;
-  static constexpr std::size_t kClasses = 32;  // up to 2 KiB
+  static constexpr std::size_t kClasses = 32;      // up to 2 KiB
   static constexpr std::size_t kMaxCached = 4096;  // per class
 
   void* alloc(std::size_t n) {

@@ -37,7 +37,21 @@ class Loop;
 
 namespace detail {
 struct IoRequest {
-  enum class Op : uint8_t { Read, Write, Fsync, Fdatasync, Fallocate, Recv, Send, SendMsg, Accept, Connect, Blocking, PollIn, PollOut };
+  enum class Op : uint8_t {
+    Read,
+    Write,
+    Fsync,
+    Fdatasync,
+    Fallocate,
+    Recv,
+    Send,
+    SendMsg,
+    Accept,
+    Connect,
+    Blocking,
+    PollIn,
+    PollOut
+  };
   Op op = Op::Read;
   AioMode mode = AioMode::IoUring;
   int fd = -1;
@@ -101,7 +115,7 @@ class Loop {
   struct Options {
     bool allow_io_uring = true;  // false: force the thread-pool/epoll fallback
     unsigned ring_entries = 512;
-    unsigned max_threads = 64;   // thread pool size cap (like QEMU's pool)
+    unsigned max_threads = 64;  // thread pool size cap (like QEMU's pool)
   };
 
   Loop();

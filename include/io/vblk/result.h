@@ -47,16 +47,31 @@ class [[nodiscard]] Result {
   bool ok() const { return v_.index() == 0; }
   explicit operator bool() const { return ok(); }
 
-  T& value() & { assert(ok()); return std::get<0>(v_); }
-  const T& value() const& { assert(ok()); return std::get<0>(v_); }
-  T&& value() && { assert(ok()); return std::get<0>(std::move(v_)); }
+  T& value() & {
+    assert(ok());
+    return std::get<0>(v_);
+  }
+  const T& value() const& {
+    assert(ok());
+    return std::get<0>(v_);
+  }
+  T&& value() && {
+    assert(ok());
+    return std::get<0>(std::move(v_));
+  }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
 
-  const Error& error() const { assert(!ok()); return std::get<1>(v_); }
-  Error&& take_error() { assert(!ok()); return std::get<1>(std::move(v_)); }
+  const Error& error() const {
+    assert(!ok());
+    return std::get<1>(v_);
+  }
+  Error&& take_error() {
+    assert(!ok());
+    return std::get<1>(std::move(v_));
+  }
 
  private:
   std::variant<T, Error> v_;
@@ -70,8 +85,14 @@ class [[nodiscard]] Result<void> {
 
   bool ok() const { return !failed_; }
   explicit operator bool() const { return ok(); }
-  const Error& error() const { assert(failed_); return err_; }
-  Error&& take_error() { assert(failed_); return std::move(err_); }
+  const Error& error() const {
+    assert(failed_);
+    return err_;
+  }
+  Error&& take_error() {
+    assert(failed_);
+    return std::move(err_);
+  }
 
  private:
   Error err_;
@@ -89,9 +110,9 @@ inline Status status_from_ret(long ret) {
 }  // namespace vblk
 
 // Propagates a failed Result out of a coroutine returning Task<Result<...>>.
-#define VBLK_CO_TRY(expr)                                   \
-  do {                                                      \
-    auto&& vblk_try_r_ = (expr);                            \
+#define VBLK_CO_TRY(expr)                                      \
+  do {                                                         \
+    auto&& vblk_try_r_ = (expr);                               \
     if (!vblk_try_r_.ok()) co_return vblk_try_r_.take_error(); \
   } while (0)
 

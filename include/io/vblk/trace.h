@@ -65,7 +65,7 @@ void emit(Category c, std::string_view text);
 
 // VBLK_TRACE(kQcow2, "alloc cluster {:#x}", offset): formats and writes only
 // when the category is on.
-#define VBLK_TRACE(cat, ...)                                                                      \
-  do {                                                                                            \
+#define VBLK_TRACE(cat, ...)                                                                                        \
+  do {                                                                                                              \
     if (::vblk::trace::on(::vblk::trace::cat)) ::vblk::trace::emit(::vblk::trace::cat, ::fmt::format(__VA_ARGS__)); \
   } while (0)

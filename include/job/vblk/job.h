@@ -42,7 +42,19 @@
 
 namespace vblk {
 
-enum class JobStatus { Undefined, Created, Running, Paused, Ready, Standby, Waiting, Pending, Aborting, Concluded, Null };
+enum class JobStatus {
+  Undefined,
+  Created,
+  Running,
+  Paused,
+  Ready,
+  Standby,
+  Waiting,
+  Pending,
+  Aborting,
+  Concluded,
+  Null
+};
 inline constexpr int kJobStatusCount = 11;
 enum class JobVerb { Cancel, Pause, Resume, SetSpeed, Complete, Finalize, Dismiss };
 inline constexpr int kJobVerbCount = 7;

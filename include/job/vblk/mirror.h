@@ -139,16 +139,16 @@ class MirrorJob : public BlockJob {
   bool should_complete_ = false;
   bool exited_ = false, cleaned_ = false;
   bool quiesced_ = false;  // before_exit held every request at the filter
-  Status active_error_;  // a write-blocking target write failed under report
-  Status ignored_error_; // a stream's first error under `ignore`: it ends with it
+  Status active_error_;    // a write-blocking target write failed under report
+  Status ignored_error_;   // a stream's first error under `ignore`: it ends with it
   uint64_t len_ = 0;
   // stream: the new backing (nullptr: none); intermediate commit: the node
   // whose backing becomes the base. The name and format recorded for it.
   std::shared_ptr<Node> new_backing_, overlay_, target_backing_;
   bool owns_target_ = false, switched_ = false;
   std::string backing_str_;
-  bool started_copy_ = false;  // past the size check: progress counts
-  bool idle_ = false;          // ready and waiting for guest writes
+  bool started_copy_ = false;                  // past the size check: progress counts
+  bool idle_ = false;                          // ready and waiting for guest writes
   uint64_t final_done_ = 0, final_total_ = 0;  // progress once the engine is gone
 };
 

@@ -109,8 +109,7 @@ class MirrorTop : public FilterNode {
     std::vector<std::coroutine_handle<>> waiters;
   };
   // The write path shared by the three kinds of write.
-  Task<Status> write_common(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
-                            uint32_t flags);
+  Task<Status> write_common(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf, uint32_t flags);
   Task<Status> do_method(Node& n, Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
                          uint32_t flags);
   // Waits for overlapping write-blocking writes and engine tasks on
@@ -118,11 +117,9 @@ class MirrorTop : public FilterNode {
   Task<void> enter_range(ActiveOp& op);
   void leave_range(ActiveOp& op);
   // covering: the source write with its clusters claimed, then clean.
-  Task<Status> write_covering(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
-                              uint32_t flags);
+  Task<Status> write_covering(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf, uint32_t flags);
   // write-blocking: source, then target, with the bitmap kept exact.
-  Task<Status> write_blocking(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf,
-                              uint32_t flags);
+  Task<Status> write_blocking(Method m, uint64_t offset, uint64_t bytes, std::span<const uint8_t> buf, uint32_t flags);
   Node& dest() const { return dest_ ? *dest_ : filtered(); }
 
   BlockCopyState* bcs_ = nullptr;

@@ -39,9 +39,9 @@
 namespace vblk {
 
 struct VmstateJobNodes {
-  std::shared_ptr<Node> vmstate;                 // carries the stream; also in devices
-  std::vector<std::shared_ptr<Node>> devices;    // snapshotted / reverted together
-  std::vector<std::string> names;                // devices' names, for messages
+  std::shared_ptr<Node> vmstate;               // carries the stream; also in devices
+  std::vector<std::shared_ptr<Node>> devices;  // snapshotted / reverted together
+  std::vector<std::string> names;              // devices' names, for messages
 };
 
 class SnapshotSaveJob : public Job {

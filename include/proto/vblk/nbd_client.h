@@ -37,8 +37,7 @@ class Client : public std::enable_shared_from_this<Client> {
   struct Options {
     bool structured = true;  // ask for structured replies (and base:allocation)
   };
-  static Task<Result<std::shared_ptr<Client>>> connect(Loop& loop, Address addr, std::string export_name,
-                                                       Options opts);
+  static Task<Result<std::shared_ptr<Client>>> connect(Loop& loop, Address addr, std::string export_name, Options opts);
   ~Client();
 
   uint64_t size() const { return size_; }

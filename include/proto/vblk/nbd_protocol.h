@@ -13,8 +13,8 @@
 namespace vblk::nbd {
 
 // ---- handshake
-constexpr uint64_t kMagicInit = 0x4e42444d41474943ull;    // "NBDMAGIC"
-constexpr uint64_t kMagicOpt = 0x49484156454F5054ull;     // "IHAVEOPT"
+constexpr uint64_t kMagicInit = 0x4e42444d41474943ull;  // "NBDMAGIC"
+constexpr uint64_t kMagicOpt = 0x49484156454F5054ull;   // "IHAVEOPT"
 constexpr uint64_t kMagicOptReply = 0x3e889045565a9ull;
 constexpr uint16_t kFlagFixedNewstyle = 1 << 0;
 constexpr uint16_t kFlagNoZeroes = 1 << 1;
@@ -129,10 +129,13 @@ enum WireErr : uint32_t {
 };
 inline uint32_t errno_to_wire(int e) {
   switch (e) {
-    case EPERM: case EROFS: return kErrPerm;
+    case EPERM:
+    case EROFS: return kErrPerm;
     case EIO: return kErrIo;
     case ENOMEM: return kErrNoMem;
-    case ENOSPC: case EFBIG: case EDQUOT: return kErrNoSpc;
+    case ENOSPC:
+    case EFBIG:
+    case EDQUOT: return kErrNoSpc;
     case EOVERFLOW: return kErrOverflow;
     case ENOTSUP: return kErrNotSup;
     case ESHUTDOWN: return kErrShutdown;
@@ -157,9 +160,9 @@ inline int wire_to_errno(uint32_t e) {
 }
 
 // Limits. Names and option payloads beyond these are refused rather than read.
-constexpr uint32_t kMaxStringSize = 4096;        // names, descriptions, queries
-constexpr uint32_t kMaxOptionSize = 64 * 1024;   // one option's payload
-constexpr uint32_t kMaxBufferSize = 32u << 20;   // one read or write (as QEMU)
+constexpr uint32_t kMaxStringSize = 4096;       // names, descriptions, queries
+constexpr uint32_t kMaxOptionSize = 64 * 1024;  // one option's payload
+constexpr uint32_t kMaxBufferSize = 32u << 20;  // one read or write (as QEMU)
 
 // ---- big-endian fields
 inline void put16(uint8_t* p, uint16_t v) {
@@ -174,7 +177,8 @@ inline void put64(uint8_t* p, uint64_t v) {
 }
 inline uint16_t get16(const uint8_t* p) { return static_cast<uint16_t>(p[0] << 8 | p[1]); }
 inline uint32_t get32(const uint8_t* p) {
-  return static_cast<uint32_t>(p[0]) << 24 | static_cast<uint32_t>(p[1]) << 16 | static_cast<uint32_t>(p[2]) << 8 | p[3];
+  return static_cast<uint32_t>(p[0]) << 24 | static_cast<uint32_t>(p[1]) << 16 | static_cast<uint32_t>(p[2]) << 8 |
+         p[3];
 }
 inline uint64_t get64(const uint8_t* p) { return static_cast<uint64_t>(get32(p)) << 32 | get32(p + 4); }
 

@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
+#include "vblk/graph.h"
+#include "vblk/job.h"
 #include "vblk/nbd_server.h"
 #include "vblk/qmp_monitor.h"
 #include "vblk/qmp_registry.h"
-#include "vblk/graph.h"
-#include "vblk/job.h"
 #include "vblk/throttle.h"
 
 namespace vblk::qmp {
@@ -37,9 +37,9 @@ struct NodeSettings {
 
 struct BlockExport {
   std::string id;
-  std::string type;       // "nbd"
+  std::string type;  // "nbd"
   std::string node_name;
-  std::string nbd_name;   // the name clients ask for
+  std::string nbd_name;  // the name clients ask for
 };
 
 struct Daemon {
@@ -64,7 +64,7 @@ struct Daemon {
 
   // NBD server (nbd-server-start / --nbd-server) and exports by id.
   nbd::Server* nbd = nullptr;  // owned by its serve task (freed when it ends)
-  std::string nbd_unix_path;  // unlinked when the server stops
+  std::string nbd_unix_path;   // unlinked when the server stops
   WaitGroup nbd_running;
   std::map<std::string, BlockExport> exports;
   std::vector<std::string> export_order;  // ids, oldest first

@@ -50,8 +50,21 @@ class JsonStreamer {
     std::string text;
   };
   enum class St : uint8_t {
-    Start, Recovery, DqString, DqEscape, SqString, SqEscape, Zero, ExpDigits, ExpSign, ExpE,
-    Mantissa, MantissaDigits, Digits, Sign, Keyword
+    Start,
+    Recovery,
+    DqString,
+    DqEscape,
+    SqString,
+    SqEscape,
+    Zero,
+    ExpDigits,
+    ExpSign,
+    ExpE,
+    Mantissa,
+    MantissaDigits,
+    Digits,
+    Sign,
+    Keyword
   };
   void feed_char(char c, std::vector<JsonMessage>& out);
   void token(Tok t, std::vector<JsonMessage>& out);

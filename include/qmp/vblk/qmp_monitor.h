@@ -17,8 +17,8 @@
 #include <memory>
 #include <string>
 
-#include "vblk/qmp_registry.h"
 #include "vblk/net.h"
+#include "vblk/qmp_registry.h"
 #include "vblk/sync.h"
 
 namespace vblk::qmp {

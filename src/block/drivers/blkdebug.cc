@@ -22,17 +22,54 @@ namespace {
 
 // QEMU 7.2's BlkdebugEvent names (the ones vblk can fire are marked in the
 // comment at the top; the others are accepted and never fire).
-const char* const kEvents[] = {
-    "l1_update", "l1_grow_alloc_table", "l1_grow_write_table", "l1_grow_activate_table", "l2_load",
-    "l2_update", "l2_update_compressed", "l2_alloc_cow_read", "l2_alloc_write", "read_aio",
-    "read_backing_aio", "read_compressed", "write_aio", "write_compressed", "vmstate_load", "vmstate_save",
-    "cow_read", "cow_write", "reftable_load", "reftable_grow", "reftable_update", "refblock_load",
-    "refblock_update", "refblock_update_part", "refblock_alloc", "refblock_alloc_hookup",
-    "refblock_alloc_write", "refblock_alloc_write_blocks", "refblock_alloc_write_table",
-    "refblock_alloc_switch_table", "cluster_alloc", "cluster_alloc_bytes", "cluster_free", "flush_to_os",
-    "flush_to_disk", "pwritev_rmw_head", "pwritev_rmw_after_head", "pwritev_rmw_tail",
-    "pwritev_rmw_after_tail", "pwritev", "pwritev_zero", "pwritev_done", "empty_image_prepare",
-    "l1_shrink_write_table", "l1_shrink_free_l2_clusters", "cor_write", "cluster_alloc_space", "none"};
+const char* const kEvents[] = {"l1_update",
+                               "l1_grow_alloc_table",
+                               "l1_grow_write_table",
+                               "l1_grow_activate_table",
+                               "l2_load",
+                               "l2_update",
+                               "l2_update_compressed",
+                               "l2_alloc_cow_read",
+                               "l2_alloc_write",
+                               "read_aio",
+                               "read_backing_aio",
+                               "read_compressed",
+                               "write_aio",
+                               "write_compressed",
+                               "vmstate_load",
+                               "vmstate_save",
+                               "cow_read",
+                               "cow_write",
+                               "reftable_load",
+                               "reftable_grow",
+                               "reftable_update",
+                               "refblock_load",
+                               "refblock_update",
+                               "refblock_update_part",
+                               "refblock_alloc",
+                               "refblock_alloc_hookup",
+                               "refblock_alloc_write",
+                               "refblock_alloc_write_blocks",
+                               "refblock_alloc_write_table",
+                               "refblock_alloc_switch_table",
+                               "cluster_alloc",
+                               "cluster_alloc_bytes",
+                               "cluster_free",
+                               "flush_to_os",
+                               "flush_to_disk",
+                               "pwritev_rmw_head",
+                               "pwritev_rmw_after_head",
+                               "pwritev_rmw_tail",
+                               "pwritev_rmw_after_tail",
+                               "pwritev",
+                               "pwritev_zero",
+                               "pwritev_done",
+                               "empty_image_prepare",
+                               "l1_shrink_write_table",
+                               "l1_shrink_free_l2_clusters",
+                               "cor_write",
+                               "cluster_alloc_space",
+                               "none"};
 
 enum class Io { Read, Write, WriteZeroes, Discard, Flush };
 
@@ -41,8 +78,8 @@ struct Rule {
   int err = EIO;
   int64_t sector = -1;
   bool once = false;
-  int64_t state = 0;     // 0: any state
-  int64_t new_state = 0; // set-state rules
+  int64_t state = 0;      // 0: any state
+  int64_t new_state = 0;  // set-state rules
   uint32_t iotypes = ~0u;
 };
 

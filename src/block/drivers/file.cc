@@ -194,15 +194,15 @@ class FileNode final : public Node {
     co_return s;
   }
 
-  Task<Status> do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes,
-                                uint32_t) override;
+  Task<Status> do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes, uint32_t) override;
 
   Task<Status> do_truncate(uint64_t length, bool) override {
     if (blockdev_) {
       if (length > this->length()) co_return Error(EINVAL, "Cannot grow device files");
       co_return Status{};
     }
-    if (::ftruncate(fd_, static_cast<off_t>(length)) < 0) co_return Error(errno, std::string("Failed to resize the file: ") + std::strerror(errno));
+    if (::ftruncate(fd_, static_cast<off_t>(length)) < 0)
+      co_return Error(errno, std::string("Failed to resize the file: ") + std::strerror(errno));
     exact_length_ = length;
     set_length(align_up(length, 512));
     co_return Status{};
@@ -313,7 +313,8 @@ Result<std::shared_ptr<Node>> open_posix(OpenContext& ctx, Json& opts, bool host
   auto filename = take_string(opts, "filename");
   VBLK_TRY(filename);
   if (!*filename || filename->value().empty())
-    return Error(EINVAL, std::string("The '") + (host_device ? "host_device" : "file") + "' block driver requires a file name");
+    return Error(EINVAL,
+                 std::string("The '") + (host_device ? "host_device" : "file") + "' block driver requires a file name");
   std::string path = **filename;
   if (path.rfind("file:", 0) == 0) path = path.substr(5);
   // cache.* is a generic option: open_node() put it in the context.

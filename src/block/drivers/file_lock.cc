@@ -76,8 +76,7 @@ Status ImageLock::apply(PermPair p) {
   }
   for (int i = 0; i < kPermBits; ++i) {
     uint32_t b = 1u << i;
-    if ((want_perm & b) && held_by_others(kSharedBase + i))
-      return fail("Failed to get \"" + perm_names(b) + "\" lock");
+    if ((want_perm & b) && held_by_others(kSharedBase + i)) return fail("Failed to get \"" + perm_names(b) + "\" lock");
   }
   for (int i = 0; i < kPermBits; ++i) {
     uint32_t b = 1u << i;

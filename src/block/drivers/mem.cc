@@ -1,11 +1,11 @@
 // MemNode (include/block/vblk/mem_node.h): memory as the medium, with faults,
 // latency, a request record and a volatile write cache that power_cut()
 // can drop.
-#include "vblk/mem_node.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+
+#include "vblk/mem_node.h"
 
 namespace vblk {
 
@@ -132,8 +132,10 @@ std::vector<uint8_t> MemNode::power_cut(CutMode mode, uint64_t seed) const {
     // FUA writes are on the medium already, but a later one of a sector
     // must still win over an earlier unflushed write picked here: replay
     // in order.
-    if (p.fua) apply(img, p, nullptr);
-    else if (mode == CutMode::Reorder) apply(img, p, &rng);
+    if (p.fua)
+      apply(img, p, nullptr);
+    else if (mode == CutMode::Reorder)
+      apply(img, p, &rng);
   }
   return img;
 }
@@ -226,8 +228,9 @@ Task<Status> MemNode::do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_
   if (offset > volatile_.size() || bytes > volatile_.size() - offset) co_return Error(EINVAL);
   if (!d->fits(dst_offset, bytes) || !d->grow(dst_offset + bytes)) co_return Error(ENOSPC);
   std::memcpy(d->volatile_.data() + dst_offset, volatile_.data() + offset, bytes);
-  d->remember({'w', dst_offset, bytes, std::vector<uint8_t>(volatile_.begin() + static_cast<long>(offset),
-                                                            volatile_.begin() + static_cast<long>(offset + bytes)),
+  d->remember({'w', dst_offset, bytes,
+               std::vector<uint8_t>(volatile_.begin() + static_cast<long>(offset),
+                                    volatile_.begin() + static_cast<long>(offset + bytes)),
                false});
   if (d->opts_.record) d->ops_.push_back({'c', dst_offset, bytes, flags, Loop::now_ns(), Loop::now_ns()});
   co_return Status{};

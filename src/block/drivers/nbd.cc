@@ -7,9 +7,9 @@
 #include <fmt/format.h>
 
 #include "drivers/drivers.h"
-#include "vblk/options.h"
 #include "vblk/nbd_client.h"
 #include "vblk/nbd_protocol.h"
+#include "vblk/options.h"
 
 namespace vblk {
 namespace {
@@ -99,7 +99,7 @@ class NbdNode final : public Node {
 };
 
 Task<Result<std::vector<std::shared_ptr<nbd::Client>>>> connect_all(Loop& loop, nbd::Address addr, std::string name,
-                                                                     unsigned count) {
+                                                                    unsigned count) {
   std::vector<std::shared_ptr<nbd::Client>> conns;
   auto first = co_await nbd::Client::connect(loop, addr, name, {});
   if (!first) co_return first.take_error();

@@ -76,8 +76,8 @@ namespace drivers {
 Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts) {
   // A JSON number beyond int64 (QMP, JSON --blockdev): the QObject input
   // visitor's words; a key=value string: the keyval visitor's (below).
-  if (auto it = opts.find("size"); it != opts.end() && it->is_number_unsigned() &&
-                                   it->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+  if (auto it = opts.find("size");
+      it != opts.end() && it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
     return Error(EINVAL, "Invalid parameter type for 'size', expected: integer");
   auto size = take_size(opts, "size");
   VBLK_TRY(size);

@@ -15,7 +15,7 @@ class RawNode final : public Node {
       : Node(loop, "raw"), offset_(offset), file_(file.get()) {
     limits_ = file_->limits();
     caps_ = file_->caps();
-    caps_.native_fua = true;  // FUA is passed down; the child emulates it if needed
+    caps_.native_fua = true;     // FUA is passed down; the child emulates it if needed
     caps_.cache_status = false;  // its answers are the child's, cached there
     set_length(size);
     add_child("file", std::move(file));
@@ -76,7 +76,8 @@ class RawNode final : public Node {
     co_return co_await file_->discard(offset + offset_, bytes);
   }
   Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override {
-    co_return BlockStatus{.flags = kStatusRaw | kStatusOffsetValid, .bytes = bytes, .map = offset + offset_, .file = file_};
+    co_return BlockStatus{
+        .flags = kStatusRaw | kStatusOffsetValid, .bytes = bytes, .map = offset + offset_, .file = file_};
   }
   Task<Status> do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_offset, uint64_t bytes,
                                 uint32_t flags) override {
@@ -123,7 +124,10 @@ Result<std::shared_ptr<Node>> open_raw(OpenContext& ctx, Json& opts) {
   VBLK_TRY(check_write_without_resize(**file));
   uint64_t off = offset->value_or(0);
   uint64_t flen = (*file)->length();
-  if (off > flen) return Error(EINVAL, "The sum of offset (" + std::to_string(off) + ") and size (0) has to be smaller or equal to the  actual size of the containing file (" + std::to_string(flen) + ")");
+  if (off > flen)
+    return Error(EINVAL, "The sum of offset (" + std::to_string(off) +
+                             ") and size (0) has to be smaller or equal to the  actual size of the containing file (" +
+                             std::to_string(flen) + ")");
   uint64_t len = size->value_or(flen - off);
   if (*size && off + len > flen)
     return Error(EINVAL, "The sum of offset (" + std::to_string(off) + ") and size (" + std::to_string(len) +

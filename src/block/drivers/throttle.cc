@@ -3,11 +3,12 @@
 // group (include/block/vblk/throttle.h); flush and block status go straight
 // through. Options: `throttle-group` (the id of a throttle-group object,
 // required) and `file`.
+#include "vblk/throttle.h"
+
 #include <cerrno>
 
 #include "drivers/drivers.h"
 #include "vblk/filter_node.h"
-#include "vblk/throttle.h"
 
 namespace vblk {
 namespace {
@@ -25,8 +26,8 @@ class ThrottleNode final : public FilterNode {
     if (child.rfind("json:", 0) == 0) {
       child = child.substr(5);
     } else {
-      child = "{\"driver\": " + nlohmann::json(filtered().driver()).dump() + ", \"filename\": " +
-              nlohmann::json(child).dump() + "}";
+      child = "{\"driver\": " + nlohmann::json(filtered().driver()).dump() +
+              ", \"filename\": " + nlohmann::json(child).dump() + "}";
     }
     return "json:{\"throttle-group\": " + nlohmann::json(group_->id()).dump() +
            ", \"driver\": \"throttle\", \"file\": " + child + "}";

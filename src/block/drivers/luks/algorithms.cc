@@ -24,7 +24,7 @@ struct Hash {
   const char* name;
   size_t len;
 };
-constexpr Hash kHashes[] = {{"md5", 16},    {"sha1", 20},   {"sha224", 28},    {"sha256", 32},
+constexpr Hash kHashes[] = {{"md5", 16},    {"sha1", 20},   {"sha224", 28},   {"sha256", 32},
                             {"sha384", 48}, {"sha512", 64}, {"ripemd160", 20}};
 
 bool known(const char* const* names, size_t n, const std::string& s) {
@@ -66,8 +66,7 @@ Result<Algorithms> parse_algorithms(const Header& h) {
   Algorithms a;
   // <mode>-<ivgen>[:<ivhash>]
   size_t dash = h.cipher_mode.find('-');
-  if (dash == std::string::npos)
-    return Error(EINVAL, "Unexpected cipher mode string format '" + h.cipher_mode + "'");
+  if (dash == std::string::npos) return Error(EINVAL, "Unexpected cipher mode string format '" + h.cipher_mode + "'");
   std::string mode = h.cipher_mode.substr(0, dash);
   std::string ivgen = h.cipher_mode.substr(dash + 1);
   size_t colon = ivgen.find(':');

@@ -60,17 +60,16 @@ Result<std::unique_ptr<SectorCipher>> SectorCipher::create(const Algorithms& a, 
   std::string name = openssl_cipher_name(a.cipher_alg, a.cipher_mode);
   CipherRef c{name.empty() ? nullptr : EVP_CIPHER_fetch(nullptr, name.c_str(), nullptr)};
   if (!c.c)
-    return Error(ENOTSUP, "Cipher algorithm '" + a.cipher_alg + "' in mode '" + a.cipher_mode +
-                              "' is not supported by vblk");
+    return Error(ENOTSUP,
+                 "Cipher algorithm '" + a.cipher_alg + "' in mode '" + a.cipher_mode + "' is not supported by vblk");
   if (static_cast<size_t>(EVP_CIPHER_get_key_length(c.c)) != key.size())
-    return Error(EINVAL, "Cipher key length " + std::to_string(key.size()) + " does not match " + a.cipher_alg +
-                             "-" + a.cipher_mode);
+    return Error(EINVAL, "Cipher key length " + std::to_string(key.size()) + " does not match " + a.cipher_alg + "-" +
+                             a.cipher_mode);
   std::unique_ptr<SectorCipher> s(new SectorCipher());
   s->niv_ = a.cipher_mode == "ecb" ? 0 : static_cast<size_t>(EVP_CIPHER_get_iv_length(c.c));
   s->enc_ = new_ctx(c.c, key, 1);
   s->dec_ = new_ctx(c.c, key, 0);
-  if (!s->enc_ || !s->dec_)
-    return Error(EINVAL, "Cannot initialize cipher " + a.cipher_alg + "-" + a.cipher_mode);
+  if (!s->enc_ || !s->dec_) return Error(EINVAL, "Cannot initialize cipher " + a.cipher_alg + "-" + a.cipher_mode);
   if (a.ivgen_alg == "plain") {
     s->ivgen_ = Ivgen::kPlain;
   } else if (a.ivgen_alg == "essiv") {

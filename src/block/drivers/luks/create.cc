@@ -15,7 +15,7 @@
 
 namespace vblk::luks {
 
-const char* const kCipherAlgs[] = {"aes-128",     "aes-192",     "aes-256",     "des",        "3des",
+const char* const kCipherAlgs[] = {"aes-128",     "aes-192",     "aes-256",     "des",         "3des",
                                    "cast5-128",   "serpent-128", "serpent-192", "serpent-256", "twofish-128",
                                    "twofish-192", "twofish-256", "sm4"};
 const size_t kNumCipherAlgs = std::size(kCipherAlgs);
@@ -63,7 +63,8 @@ Result<uint64_t> count_iters(const std::string& hash, std::span<const uint8_t> k
 Result<uint32_t> scale_iters(uint64_t per_sec, int64_t iter_time, uint64_t divisor, uint32_t min) {
   auto t = static_cast<uint64_t>(iter_time);
   if (t && per_sec > ULLONG_MAX / t)
-    return Error(ERANGE, "PBKDF iterations " + std::to_string(per_sec) + " too large to scale: Numerical result out of range");
+    return Error(ERANGE,
+                 "PBKDF iterations " + std::to_string(per_sec) + " too large to scale: Numerical result out of range");
   uint64_t iters = per_sec * t / 1000 / divisor;
   if (iters > UINT32_MAX)
     return Error(ERANGE, "PBKDF iterations " + std::to_string(iters) + " larger than " + std::to_string(UINT32_MAX) +

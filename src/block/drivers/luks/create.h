@@ -50,9 +50,9 @@ Status parse_create_options(const std::map<std::string, std::string>& opts, cons
 // eighth of it, as QEMU does. `prefix` names key-secret in "Parameter
 // '<prefix>key-secret' is required for cipher".
 struct Formatted {
-  Volume v;                       // with the payload cipher
-  std::vector<uint8_t> header;    // kHeaderSize bytes
-  std::vector<uint8_t> material;  // slot 0's key material
+  Volume v;                                               // with the payload cipher
+  std::vector<uint8_t> header;                            // kHeaderSize bytes
+  std::vector<uint8_t> material;                          // slot 0's key material
   uint64_t area() const { return v.h.payload_offset(); }  // header and key slots
 };
 Result<Formatted> format(const CreateOptions& o, const std::string& prefix = {});

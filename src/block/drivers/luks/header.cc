@@ -53,8 +53,8 @@ Status check_header(const Header& h) {
       uint64_t start2 = s2.key_offset_sector;
       uint64_t len2 = key_material_sectors(h.master_key_len, s2.stripes);
       if (start1 < start2 + len2 && start2 < start1 + len1)
-        return Error(EINVAL, "Keyslots " + std::to_string(i) + " and " + std::to_string(j) +
-                                 " are overlapping in the header");
+        return Error(EINVAL,
+                     "Keyslots " + std::to_string(i) + " and " + std::to_string(j) + " are overlapping in the header");
     }
   }
   return {};

@@ -60,8 +60,8 @@ Status pbkdf2(const std::string& hash, std::span<const uint8_t> password, std::s
   MdRef ref{*md};
   // OpenSSL takes the count as an int.
   if (iterations == 0 || iterations > INT32_MAX) return Error(EINVAL, "PBKDF2 iteration count out of range");
-  if (PKCS5_PBKDF2_HMAC(reinterpret_cast<const char*>(password.data()), static_cast<int>(password.size()),
-                        salt.data(), static_cast<int>(salt.size()), static_cast<int>(iterations), ref.md,
+  if (PKCS5_PBKDF2_HMAC(reinterpret_cast<const char*>(password.data()), static_cast<int>(password.size()), salt.data(),
+                        static_cast<int>(salt.size()), static_cast<int>(iterations), ref.md,
                         static_cast<int>(out.size()), out.data()) != 1)
     return Error(EIO, "PBKDF2 failed");
   return {};
@@ -90,7 +90,8 @@ Status af_split(const std::string& hash, uint32_t stripes, std::span<const uint8
   MdRef ref{*md};
   KeyBuffer block(blen);
   for (uint32_t i = 0; i + 1 < stripes; ++i) {
-    if (RAND_bytes(out.data() + i * blen, static_cast<int>(blen)) != 1) return Error(EIO, "Unable to read random bytes");
+    if (RAND_bytes(out.data() + i * blen, static_cast<int>(blen)) != 1)
+      return Error(EIO, "Unable to read random bytes");
     xor_into(out.data() + i * blen, block.data(), block.data(), blen);
     VBLK_TRY(diffuse(ref.md, block.span()));
   }

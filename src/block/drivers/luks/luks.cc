@@ -7,11 +7,12 @@
 // image (info: no_io), which parses the header only, as QEMU does. Reads
 // decrypt in place; writes encrypt into a bounce buffer (the caller's buffer
 // stays untouched), at most 1 MiB at a time as QEMU's block_crypto does.
+#include "drivers/luks/luks.h"
+
 #include <algorithm>
 #include <cstring>
 
 #include "drivers/drivers.h"
-#include "drivers/luks/luks.h"
 #include "perm_rules.h"
 #include "vblk/buffer.h"
 

@@ -6,10 +6,9 @@
 
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
-
-#include <nlohmann/json.hpp>
 
 #include "drivers/luks/algorithms.h"
 #include "drivers/luks/cipher.h"

@@ -64,13 +64,15 @@ Task<Result<std::vector<BitmapDirEntry>>> Qcow2Node::read_bitmap_directory() {
   const uint64_t dir_size = be64(x.data() + 8), dir_offset = be64(x.data() + 16);
   if (be32(x.data() + 4) != 0) co_return Error(EINVAL, "bitmaps_ext: Reserved field is not zero");
   if (nb > kMaxBitmaps)
-    co_return Error(EINVAL, fmt::format("bitmaps_ext: File {} has {} bitmaps, exceeding the QEMU supported maximum of {}",
-                                        file_->filename(), nb, kMaxBitmaps));
+    co_return Error(EINVAL,
+                    fmt::format("bitmaps_ext: File {} has {} bitmaps, exceeding the QEMU supported maximum of {}",
+                                file_->filename(), nb, kMaxBitmaps));
   if (nb == 0) co_return Error(EINVAL, "found bitmaps extension with zero bitmaps");
   if (dir_offset % cs_) co_return Error(EINVAL, "bitmaps_ext: invalid bitmap directory offset");
   if (dir_size > kMaxBitmapDirectorySize)
-    co_return Error(EINVAL, fmt::format("bitmaps_ext: bitmap directory size ({}) exceeds the maximum supported size ({})",
-                                        dir_size, kMaxBitmapDirectorySize));
+    co_return Error(
+        EINVAL, fmt::format("bitmaps_ext: bitmap directory size ({}) exceeds the maximum supported size ({})", dir_size,
+                            kMaxBitmapDirectorySize));
 
   AlignedBuffer dir(align_up(std::max<uint64_t>(dir_size, 1), 512));
   dir.zero();
@@ -99,8 +101,7 @@ Task<Result<std::vector<BitmapDirEntry>>> Qcow2Node::read_bitmap_directory() {
     bool bad = e.table_size == 0 || e.table_offset == 0 || e.table_offset % cs_ || e.table_size > kBmeMaxTableSize ||
                e.granularity_bits > kBmeMaxGranularityBits || e.granularity_bits < kBmeMinGranularityBits ||
                (e.flags & kBmeReservedFlags) || name_size > kBmeMaxNameSize || e.type != kDirtyTrackingBitmap ||
-               phys > kBmeMaxPhysSize ||
-               (!(e.flags & kBmeInUse) && length() > ((phys * 8) << e.granularity_bits));
+               phys > kBmeMaxPhysSize || (!(e.flags & kBmeInUse) && length() > ((phys * 8) << e.granularity_bits));
     if (bad) co_return Error(EINVAL, "Bitmap '" + e.name + "' doesn't satisfy the constraints");
     entries.push_back(std::move(e));
     pos += entry_size(name_size, extra_size);
@@ -108,7 +109,6 @@ Task<Result<std::vector<BitmapDirEntry>>> Qcow2Node::read_bitmap_directory() {
   if (entries.size() != nb) co_return Error(EINVAL, "Less bitmaps found than specified in header extension");
   if (pos != dir_size) co_return Error(EINVAL, "Broken bitmap directory");
   co_return entries;
-
 }
 
 bool Qcow2Node::table_past_eof(const BitmapDirEntry& e) const {
@@ -165,7 +165,8 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
       const uint64_t cover = covered_bytes(cs_, e.granularity_bits);
       AlignedBuffer tb(align_up(uint64_t{e.table_size} * 8, 512));
       auto rt = co_await file_->read(e.table_offset, tb.span());
-      if (!rt) co_return rt.error().prefixed("Could not read bitmap_table table from image for bitmap '" + e.name + "'");
+      if (!rt)
+        co_return rt.error().prefixed("Could not read bitmap_table table from image for bitmap '" + e.name + "'");
       // QEMU's bitmap_table_load checks every entry, then load_bitmap_data
       // wants exactly the table this disk needs: anything else is refused
       // before the image is touched.
@@ -173,8 +174,8 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
         uint64_t ent = be64(tb.data() + i * 8);
         uint64_t off = ent & kBmeOffsetMask;
         if ((ent & kBmeReservedMask) || (off && ((ent & kBmeAllOnes) || off % cs_)))
-          co_return Error(EINVAL, "Could not read bitmap_table table from image for bitmap '" + e.name +
-                                      "': Invalid argument");
+          co_return Error(EINVAL,
+                          "Could not read bitmap_table table from image for bitmap '" + e.name + "': Invalid argument");
       }
       if (n != e.table_size)
         co_return Error(EINVAL, "Could not read bitmap '" + e.name + "' from image: Invalid argument");
@@ -189,8 +190,8 @@ Task<Status> Qcow2Node::load_bitmaps(bool ro) {
         auto rd = co_await file_->read(off, data.span());
         if (!rd) co_return rd.error().prefixed("Could not read bitmap data");
         // Bits little-endian within each byte: bit k covers base + k << granularity.
-        const uint64_t nbits = std::min<uint64_t>(cs_ * 8, (length() - base + (1ull << e.granularity_bits) - 1) >>
-                                                              e.granularity_bits);
+        const uint64_t nbits =
+            std::min<uint64_t>(cs_ * 8, (length() - base + (1ull << e.granularity_bits) - 1) >> e.granularity_bits);
         uint64_t run = UINT64_MAX;
         for (uint64_t k = 0; k <= nbits; ++k) {
           bool set = k < nbits && ((data.data()[k / 8] >> (k % 8)) & 1);
@@ -328,7 +329,8 @@ Task<Status> Qcow2Node::store_bitmaps() {
       if (!b.bits.next_dirty(i * cover, (i + 1) * cover)) continue;
       data.zero();
       for (uint64_t w = 0; w < words_per_cluster && i * words_per_cluster + w < words.size(); ++w)
-        for (int j = 0; j < 8; ++j) data.data()[w * 8 + j] = static_cast<uint8_t>(words[i * words_per_cluster + w] >> (8 * j));
+        for (int j = 0; j < 8; ++j)
+          data.data()[w * 8 + j] = static_cast<uint8_t>(words[i * words_per_cluster + w] >> (8 * j));
       auto r = co_await alloc_clusters(1);
       if (!r) co_return r.take_error();
       VBLK_CO_TRY(co_await checked_write(0, *r, data.span()));
@@ -380,7 +382,8 @@ Status Qcow2Node::can_store_new_bitmap(const std::string& name, uint64_t granula
   const uint64_t bitmap_bytes = (bits + 7) / 8;
   if (bitmap_bytes > kBmeMaxPhysSize || bitmap_bytes > kBmeMaxTableSize * cs_)
     return fail("Too much space will be occupied by the bitmap. Use larger granularity");
-  if (name.size() > kBmeMaxNameSize) return fail(fmt::format("Name length exceeds maximum ({} characters)", kBmeMaxNameSize));
+  if (name.size() > kBmeMaxNameSize)
+    return fail(fmt::format("Name length exceeds maximum ({} characters)", kBmeMaxNameSize));
   if (stored_bitmaps_.empty()) return {};
   if (stored_bitmaps_.size() >= kMaxBitmaps) return fail("Maximum number of persistent bitmaps is already reached");
   uint64_t dir_size = 0;
@@ -397,8 +400,10 @@ Task<Status> Qcow2Node::remove_persistent_bitmap(const std::string& name) {
   std::vector<BitmapDirEntry> dir;
   const BitmapDirEntry* gone = nullptr;
   for (const auto& e : stored_bitmaps_) {
-    if (e.name == name) gone = &e;
-    else dir.push_back(e);
+    if (e.name == name)
+      gone = &e;
+    else
+      dir.push_back(e);
   }
   if (!gone) co_return Status{};  // never stored: nothing on disk
   const uint64_t offset = gone->table_offset;
@@ -417,8 +422,10 @@ Task<Result<std::vector<std::string>>> Qcow2Node::drop_bitmaps_past_eof() {
   auto dir = co_await read_bitmap_directory();
   if (!dir) co_return gone;
   for (const auto& e : *dir) {
-    if (table_past_eof(e)) gone.push_back(e.name);
-    else keep.push_back(e);
+    if (table_past_eof(e))
+      gone.push_back(e.name);
+    else
+      keep.push_back(e);
   }
   if (gone.empty()) co_return gone;
   const uint64_t dir_offset = be64(h_.bitmaps_extension.data() + 16);

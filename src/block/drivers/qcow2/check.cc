@@ -49,8 +49,8 @@ constexpr uint64_t kL2BitmapAllZeroes = 0xffffffff00000000ull;
 
 // Snapshot table (QCowSnapshotHeader is 40 bytes, then extra data, id, name).
 constexpr uint64_t kSnapshotHeaderSize = 40;
-constexpr uint32_t kSnapshotKnownExtra = 24;   // QCowSnapshotExtraData
-constexpr uint32_t kSnapshotMinExtraV3 = 16;   // vm_state_size_large + disk_size
+constexpr uint32_t kSnapshotKnownExtra = 24;  // QCowSnapshotExtraData
+constexpr uint32_t kSnapshotMinExtraV3 = 16;  // vm_state_size_large + disk_size
 
 constexpr uint64_t kMaxSnapshotsSize = 1024ull * kMaxSnapshots;
 
@@ -110,8 +110,7 @@ struct Qcow2Checker {
   const uint64_t cs;
   const uint32_t bits;
 
-  explicit Qcow2Checker(Qcow2Node& node)
-      : q(node), file(*node.file_), cs(node.cs_), bits(node.h_.cluster_bits) {}
+  explicit Qcow2Checker(Qcow2Node& node) : q(node), file(*node.file_), cs(node.cs_), bits(node.h_.cluster_bits) {}
 
   // The in-memory refcount table: refcounts packed like refcount blocks (so
   // a rebuild writes slices of it), its byte size a whole number of
@@ -202,7 +201,8 @@ struct Qcow2Checker {
 
   int overlaps(int ign, uint64_t offset, uint64_t size) const {
     const int chk = (kOlMainHeader | kOlActiveL1 | kOlActiveL2 | kOlRefcountTable | kOlRefcountBlock |
-                     kOlSnapshotTable | kOlInactiveL1 | kOlBitmapDirectory) & ~ign;
+                     kOlSnapshotTable | kOlInactiveL1 | kOlBitmapDirectory) &
+                    ~ign;
     if (!size) return 0;
     if ((chk & kOlMainHeader) && offset < cs) return kOlMainHeader;
     size = round_up((offset & (cs - 1)) + size, cs);
@@ -424,8 +424,7 @@ struct Qcow2Checker {
           VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(offset), static_cast<int64_t>(cs)));
           break;
         }
-        case L2Type::ZeroPlain:
-          break;
+        case L2Type::ZeroPlain: break;
         case L2Type::Unallocated:
           if (bm & kL2BitmapAllAlloc) {
             res.corruptions++;
@@ -771,7 +770,8 @@ struct Qcow2Checker {
       }
       auto st = co_await pre_write_check(0, static_cast<uint64_t>(rb_offset), cs);
       if (st) st = co_await file.write(static_cast<uint64_t>(rb_offset), {t.block(static_cast<uint64_t>(rbi)), cs});
-      if (!st) co_return Error(st.error().code, std::string("ERROR writing refblock: ") + std::strerror(st.error().code));
+      if (!st)
+        co_return Error(st.error().code, std::string("ERROR writing refblock: ") + std::strerror(st.error().code));
       cluster = rb_start + per_block - 1;
     }
     co_return grown;
@@ -849,7 +849,8 @@ struct Qcow2Checker {
         if (repair) {
           q.l1_.set(i, *rc == 1 ? (l1e | kOflagCopied) : (l1e & ~kOflagCopied));
           const uint64_t sector = q.h_.l1_table_offset + (i & ~uint64_t{63}) * 8;
-          auto st = co_await pre_write_check(kOlActiveL1, sector, std::min<uint64_t>(512, (q.l1_.size() - (i & ~uint64_t{63})) * 8));
+          auto st = co_await pre_write_check(kOlActiveL1, sector,
+                                             std::min<uint64_t>(512, (q.l1_.size() - (i & ~uint64_t{63})) * 8));
           if (st) st = co_await q.write_l1_entry(i);
           if (!st) {
             res.check_errors++;

@@ -1,7 +1,8 @@
 // L1/L2: mapping guest offsets to host clusters, and making L2 tables
 // writable (allocating or copying them). Lock held throughout.
-#include <algorithm>
 #include <fmt/format.h>
+
+#include <algorithm>
 
 #include "drivers/qcow2/qcow2.h"
 
@@ -74,8 +75,8 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes, boo
       return;
     }
     if (host % cs_) {
-      out = Error(EIO, fmt::format("Cluster allocation offset {} unaligned (L2 offset: {}, L2 index: {})",
-                                   hex(host), hex(l2_off), hex(idx)));
+      out = Error(EIO, fmt::format("Cluster allocation offset {} unaligned (L2 offset: {}, L2 index: {})", hex(host),
+                                   hex(l2_off), hex(idx)));
       return;
     }
     if (l2_entry_size_ == 16) {
@@ -85,14 +86,20 @@ Task<Result<Mapping>> Qcow2Node::lookup(uint64_t offset, uint64_t max_bytes, boo
         out = Error(EIO, fmt::format("Subcluster {} of L2 index {} is both allocated and zero", sub, hex(idx)));
         return;
       }
-      if (zero) out = host ? Classified{ClusterType::ZeroAlloc, host} : Classified{ClusterType::ZeroPlain, 0};
-      else if (alloc) out = host ? Classified{ClusterType::Normal, host} : Classified{ClusterType::Unallocated, 0};
-      else out = host ? Classified{ClusterType::UnallocatedAlloc, host} : Classified{ClusterType::Unallocated, 0};
+      if (zero)
+        out = host ? Classified{ClusterType::ZeroAlloc, host} : Classified{ClusterType::ZeroPlain, 0};
+      else if (alloc)
+        out = host ? Classified{ClusterType::Normal, host} : Classified{ClusterType::Unallocated, 0};
+      else
+        out = host ? Classified{ClusterType::UnallocatedAlloc, host} : Classified{ClusterType::Unallocated, 0};
       return;
     }
-    if (e & kOflagZero) out = Classified{host ? ClusterType::ZeroAlloc : ClusterType::ZeroPlain, host};
-    else if (host) out = Classified{ClusterType::Normal, host};
-    else out = Classified{ClusterType::Unallocated, 0};
+    if (e & kOflagZero)
+      out = Classified{host ? ClusterType::ZeroAlloc : ClusterType::ZeroPlain, host};
+    else if (host)
+      out = Classified{ClusterType::Normal, host};
+    else
+      out = Classified{ClusterType::Unallocated, 0};
   };
 
   uint64_t sub = (in_cluster / unit);
@@ -249,8 +256,7 @@ Task<Status> Qcow2Node::prepare_writes(std::span<const WriteRange> ranges) {
   constexpr size_t kBatch = 32;
   for (size_t b = 0; b < missing.size(); b += kBatch) {
     std::vector<uint64_t> idx;
-    for (size_t k = b; k < std::min(missing.size(), b + kBatch); ++k)
-      idx.push_back(missing[k]);
+    for (size_t k = b; k < std::min(missing.size(), b + kBatch); ++k) idx.push_back(missing[k]);
     if (idx.empty()) continue;
     auto where = co_await alloc_clusters(idx.size());
     if (!where) co_return where.take_error();

@@ -63,8 +63,8 @@ Task<Status> Qcow2Node::resize(uint64_t size, Prealloc prealloc) {
   // QEMU's generic truncate asks for it to read as zeroes then. falloc and
   // full preallocation get zeroes from the file already (QEMU's qcow2 hands
   // the request down with the file's truncate and zeroes nothing itself).
-  const bool zero_new = size > old_size && backing_ && backing_->length() > old_size &&
-                        prealloc != Prealloc::Falloc && prealloc != Prealloc::Full;
+  const bool zero_new = size > old_size && backing_ && backing_->length() > old_size && prealloc != Prealloc::Falloc &&
+                        prealloc != Prealloc::Full;
   const uint64_t unit = l2_entry_size_ == 16 ? cs_ / kSubclusters : cs_;
   const uint64_t zero_start = std::min(align_up(old_size, unit), size);
   {

@@ -75,8 +75,7 @@ Task<Status> Qcow2Node::set_up_encryption(const luks::Formatted& f) {
   const uint64_t clusters = (len + cs_ - 1) / cs_;
   auto g = co_await lock_.scoped();
   auto at = co_await alloc_clusters(clusters);
-  if (!at)
-    co_return at.error().prefixed(fmt::format("Cannot allocate cluster for LUKS header size {}", len));
+  if (!at) co_return at.error().prefixed(fmt::format("Cannot allocate cluster for LUKS header size {}", len));
   if (auto st = co_await file_->write_zeroes(*at, clusters * cs_); !st)
     co_return st.error().prefixed("Could not zero fill encryption header");
   VBLK_CO_TRY(co_await luks::write_volume(*file_, *at, f));

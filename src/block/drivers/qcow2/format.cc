@@ -14,9 +14,9 @@ struct Feature {
 
 // The feature name table vblk writes (and QEMU writes the same names).
 const Feature kFeatures[] = {
-    {0, 0, "dirty bit"},          {0, 1, "corrupt bit"},     {0, 2, "external data file"},
-    {0, 3, "compression type"},   {0, 4, "extended L2 entries"}, {1, 0, "lazy refcounts"},
-    {2, 0, "bitmaps"},            {2, 1, "raw external data"},
+    {0, 0, "dirty bit"},        {0, 1, "corrupt bit"},         {0, 2, "external data file"},
+    {0, 3, "compression type"}, {0, 4, "extended L2 entries"}, {1, 0, "lazy refcounts"},
+    {2, 0, "bitmaps"},          {2, 1, "raw external data"},
 };
 
 Error invalid(const std::string& msg) { return Error(EINVAL, msg); }
@@ -106,27 +106,25 @@ Result<Header> parse_header(std::span<const uint8_t> head, uint64_t file_size) {
         h.feature_table = data;
         break;
       case kExtCrypto:
-        if (h.crypt_method > kCryptLuks) return invalid(fmt::format("Unsupported encryption method {}", h.crypt_method));
-        if (h.crypt_method != kCryptLuks) return invalid("CRYPTO header extension only expected with LUKS encryption method");
+        if (h.crypt_method > kCryptLuks)
+          return invalid(fmt::format("Unsupported encryption method {}", h.crypt_method));
+        if (h.crypt_method != kCryptLuks)
+          return invalid("CRYPTO header extension only expected with LUKS encryption method");
         if (len != kCryptoExtSize)
           return invalid(fmt::format("CRYPTO header extension size {}, but expected size {}", len, kCryptoExtSize));
         h.has_crypto_header = true;
         h.crypto_offset = be64(data.data());
         h.crypto_length = be64(data.data() + 8);
         if (h.crypto_offset % cs)
-          return invalid(fmt::format("Encryption header offset '{}' is not a multiple of cluster size '{}'",
-                                     h.crypto_offset, cs));
+          return invalid(
+              fmt::format("Encryption header offset '{}' is not a multiple of cluster size '{}'", h.crypto_offset, cs));
         break;
       case kExtBitmaps:
         h.has_bitmaps_extension = true;
         h.bitmaps_extension = std::move(data);
         break;
-      case kExtDataFile:
-        h.data_file.assign(data.begin(), data.end());
-        break;
-      default:
-        h.unknown_extensions.push_back({type, std::move(data)});
-        break;
+      case kExtDataFile: h.data_file.assign(data.begin(), data.end()); break;
+      default: h.unknown_extensions.push_back({type, std::move(data)}); break;
     }
     off += (len + 7) & ~7ull;
   }
@@ -138,7 +136,8 @@ Result<Header> parse_header(std::span<const uint8_t> head, uint64_t file_size) {
   if (h.compression_type != kCompressionZlib && !(h.incompatible_features & kIncompatCompression))
     return invalid("qcow2: Compression type incompatible feature bit must be set");
   if (h.incompatible_features & ~kIncompatKnown)
-    return Error(ENOTSUP, "Unsupported qcow2 feature(s): " + incompatible_feature_names(h.incompatible_features & ~kIncompatKnown, h.feature_table));
+    return Error(ENOTSUP, "Unsupported qcow2 feature(s): " +
+                              incompatible_feature_names(h.incompatible_features & ~kIncompatKnown, h.feature_table));
   if (h.incompatible_features & kIncompatDataFile)
     return Error(ENOTSUP, "Unsupported qcow2 feature(s): external data file");
   if (h.extended_l2() && cs / kSubclusters < 512)
@@ -224,7 +223,8 @@ Result<std::vector<uint8_t>> serialize_header(const Header& h) {
     // Where the name already is, if that is past the extensions: a header
     // rewrite then leaves the name's bytes as they are (Qcow2Node::
     // set_backing moves a name in two steps, crash-safe).
-    if (h.backing_file_offset >= off && h.backing_file_offset + h.backing_file.size() <= cs) off = h.backing_file_offset;
+    if (h.backing_file_offset >= off && h.backing_file_offset + h.backing_file.size() <= cs)
+      off = h.backing_file_offset;
     if (off + h.backing_file.size() > cs) return Error(ENOSPC, "Backing file name too long");
     put64(p + 8, off);
     put32(p + 16, static_cast<uint32_t>(h.backing_file.size()));

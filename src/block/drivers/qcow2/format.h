@@ -23,9 +23,9 @@ constexpr uint32_t kMaxClusterBits = 21;
 constexpr uint64_t kMaxL1Bytes = 32ull << 20;            // QEMU's QCOW_MAX_L1_SIZE
 constexpr uint64_t kMaxRefcountTableBytes = 8ull << 20;  // QCOW_MAX_REFTABLE_SIZE
 constexpr uint32_t kMaxSnapshots = 65536;
-constexpr uint32_t kSnapshotHeaderBytes = 40;         // QCowSnapshotHeader
-constexpr uint32_t kSnapshotExtraBytes = 24;          // QCowSnapshotExtraData (known part)
-constexpr uint32_t kMaxSnapshotExtraData = 1024;      // QCOW_MAX_SNAPSHOT_EXTRA_DATA
+constexpr uint32_t kSnapshotHeaderBytes = 40;                     // QCowSnapshotHeader
+constexpr uint32_t kSnapshotExtraBytes = 24;                      // QCowSnapshotExtraData (known part)
+constexpr uint32_t kMaxSnapshotExtraData = 1024;                  // QCOW_MAX_SNAPSHOT_EXTRA_DATA
 constexpr uint64_t kMaxSnapshotsBytes = 1024ull * kMaxSnapshots;  // QCOW_MAX_SNAPSHOTS_SIZE
 
 // Incompatible feature bits.
@@ -34,8 +34,8 @@ constexpr uint64_t kIncompatCorrupt = 1ull << 1;
 constexpr uint64_t kIncompatDataFile = 1ull << 2;
 constexpr uint64_t kIncompatCompression = 1ull << 3;
 constexpr uint64_t kIncompatExtendedL2 = 1ull << 4;
-constexpr uint64_t kIncompatKnown = kIncompatDirty | kIncompatCorrupt | kIncompatDataFile | kIncompatCompression |
-                                    kIncompatExtendedL2;
+constexpr uint64_t kIncompatKnown =
+    kIncompatDirty | kIncompatCorrupt | kIncompatDataFile | kIncompatCompression | kIncompatExtendedL2;
 // Compatible feature bits.
 constexpr uint64_t kCompatLazyRefcounts = 1ull << 0;
 // Autoclear feature bits.
@@ -75,7 +75,8 @@ constexpr uint32_t kSubclusters = 32;
 
 inline uint16_t be16(const uint8_t* p) { return static_cast<uint16_t>(p[0] << 8 | p[1]); }
 inline uint32_t be32(const uint8_t* p) {
-  return static_cast<uint32_t>(p[0]) << 24 | static_cast<uint32_t>(p[1]) << 16 | static_cast<uint32_t>(p[2]) << 8 | p[3];
+  return static_cast<uint32_t>(p[0]) << 24 | static_cast<uint32_t>(p[1]) << 16 | static_cast<uint32_t>(p[2]) << 8 |
+         p[3];
 }
 inline uint64_t be64(const uint8_t* p) { return static_cast<uint64_t>(be32(p)) << 32 | be32(p + 4); }
 inline void put16(uint8_t* p, uint16_t v) {

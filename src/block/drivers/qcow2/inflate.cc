@@ -90,8 +90,8 @@ bool zstd_inflate(const uint8_t* in, size_t in_len, uint8_t* out, size_t out_len
 }  // namespace
 
 Status inflate_cluster(InflateKind kind, const uint8_t* in, size_t in_len, uint8_t* out, size_t out_len) {
-  bool ok = kind == InflateKind::Zstd ? zstd_inflate(in, in_len, out, out_len)
-                                      : deflate_inflate(in, in_len, out, out_len);
+  bool ok =
+      kind == InflateKind::Zstd ? zstd_inflate(in, in_len, out, out_len) : deflate_inflate(in, in_len, out, out_len);
   // QEMU answers EIO with no more detail (qemu-img: "error while reading
   // at byte N: Input/output error"); so does vblk.
   if (!ok) return Error(EIO);

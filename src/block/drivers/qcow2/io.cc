@@ -78,21 +78,17 @@ Task<Status> Qcow2Node::read_compressed_run(CompressedRun run) {
 
 Task<Status> Qcow2Node::read_mapping(uint64_t offset, const Mapping& m, std::span<uint8_t> out) {
   switch (m.type) {
-    case ClusterType::Normal:
-      co_return co_await read_data(m.host, out);
-    case ClusterType::Compressed:
-      co_return co_await read_compressed(m.host, offset & (cs_ - 1), out);
+    case ClusterType::Normal: co_return co_await read_data(m.host, out);
+    case ClusterType::Compressed: co_return co_await read_compressed(m.host, offset & (cs_ - 1), out);
     case ClusterType::ZeroPlain:
-    case ClusterType::ZeroAlloc:
-      std::memset(out.data(), 0, out.size());
-      co_return Status{};
+    case ClusterType::ZeroAlloc: std::memset(out.data(), 0, out.size()); co_return Status{};
     case ClusterType::Unallocated:
-    case ClusterType::UnallocatedAlloc:
-      break;
+    case ClusterType::UnallocatedAlloc: break;
   }
   // Unallocated: the backing file shows through; beyond its end, zeroes.
   uint64_t from_backing = 0;
-  if (backing_ && offset < backing_->length()) from_backing = std::min<uint64_t>(out.size(), backing_->length() - offset);
+  if (backing_ && offset < backing_->length())
+    from_backing = std::min<uint64_t>(out.size(), backing_->length() - offset);
   if (from_backing) VBLK_CO_TRY(co_await backing_->read(offset, out.subspan(0, from_backing)));
   if (from_backing < out.size()) std::memset(out.data() + from_backing, 0, out.size() - from_backing);
   co_return Status{};
@@ -175,14 +171,12 @@ Task<Result<bool>> Qcow2Node::reads_as_zero(uint64_t offset, uint64_t bytes) {
     if (!r) co_return r.take_error();
     switch (r->type) {
       case ClusterType::ZeroPlain:
-      case ClusterType::ZeroAlloc:
-        break;
+      case ClusterType::ZeroAlloc: break;
       case ClusterType::Unallocated:
       case ClusterType::UnallocatedAlloc:
         if (backing_ && offset < backing_->length()) co_return false;
         break;
-      default:
-        co_return false;
+      default: co_return false;
     }
     uint64_t k = std::min(r->bytes, bytes);
     offset += k;
@@ -389,7 +383,8 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
   AllocClaim claim(*this, ci, ci);
   guard.unlock();
 
-  if (uint32_t ol = overlaps(0, target + from, to - from)) co_return co_await refuse_overlap(ol, target + from, to - from);
+  if (uint32_t ol = overlaps(0, target + from, to - from))
+    co_return co_await refuse_overlap(ol, target + from, to - from);
   Status st{};
   if (from == in && to == in + n) {
     st = co_await write_data(target + in, buf.subspan(0, n));
@@ -491,20 +486,14 @@ Task<Result<BlockStatus>> Qcow2Node::do_block_status(uint64_t offset, uint64_t b
       s.map = r->host;
       s.file = file_;
       break;
-    case ClusterType::Compressed:
-      s.flags = kStatusData;
-      break;
+    case ClusterType::Compressed: s.flags = kStatusData; break;
     case ClusterType::ZeroAlloc:
       s.flags = kStatusZero | kStatusOffsetValid;
       s.map = r->host;
       s.file = file_;
       break;
-    case ClusterType::ZeroPlain:
-      s.flags = kStatusZero;
-      break;
-    case ClusterType::Unallocated:
-      s.flags = 0;
-      break;
+    case ClusterType::ZeroPlain: s.flags = kStatusZero; break;
+    case ClusterType::Unallocated: s.flags = 0; break;
     case ClusterType::UnallocatedAlloc:
       s.flags = kStatusOffsetValid;
       s.map = r->host;

@@ -60,8 +60,8 @@ Task<Status> Qcow2Node::set_backing(std::shared_ptr<Node> backing, const std::st
     Header h = h_;
     h.backing_file = backing ? file : std::string();
     h.backing_format = backing ? fmt : std::string();
-    const bool rename = !h.backing_file.empty() && !h_.backing_file.empty() &&
-                        h.backing_format == h_.backing_format && h.backing_file != h_.backing_file;
+    const bool rename = !h.backing_file.empty() && !h_.backing_file.empty() && h.backing_format == h_.backing_format &&
+                        h.backing_file != h_.backing_file;
     if (rename) {
       VBLK_CO_TRY(co_await rename_backing(std::move(h)));
     } else {

@@ -85,7 +85,8 @@ Result<uint32_t> take_overlap_options(Json& opts) {
     if (v->value_or(*bits & (1u << i))) out |= 1u << i;
   }
   if (!flags.empty())
-    return Error(EINVAL, "Block format 'qcow2' does not support the option 'overlap-check." + flags.begin().key() + "'");
+    return Error(EINVAL,
+                 "Block format 'qcow2' does not support the option 'overlap-check." + flags.begin().key() + "'");
   return out;
 }
 

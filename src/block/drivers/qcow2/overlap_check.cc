@@ -52,9 +52,9 @@ uint32_t Qcow2Node::metadata_overlap(uint32_t chk, uint64_t offset, uint64_t siz
 }
 
 Task<Status> Qcow2Node::refuse_overlap(uint32_t ol, uint64_t offset, uint64_t size) {
-  (void)co_await signal_corruption(true, static_cast<int64_t>(offset), static_cast<int64_t>(size),
-                                   fmt::format("Preventing invalid write on metadata (overlaps with {})",
-                                               overlap_name(ol)));
+  (void)co_await signal_corruption(
+      true, static_cast<int64_t>(offset), static_cast<int64_t>(size),
+      fmt::format("Preventing invalid write on metadata (overlaps with {})", overlap_name(ol)));
   co_return Error(EIO);
 }
 

@@ -23,14 +23,12 @@ namespace {
 
 // An entry that can stay as it is: a cluster of its own (COPIED), not
 // compressed. Anything else gets a new cluster.
-bool keeps_cluster(uint64_t e) {
-  return (e & kL2OffsetMask) && (e & kOflagCopied) && !(e & kOflagCompressed);
-}
+bool keeps_cluster(uint64_t e) { return (e & kL2OffsetMask) && (e & kOflagCopied) && !(e & kOflagCompressed); }
 
 }  // namespace
 
 Task<Result<uint64_t>> Qcow2Node::link_run(uint64_t first, uint64_t n, uint64_t host, uint64_t head_end,
-                                            uint64_t tail_from) {
+                                           uint64_t tail_from) {
   if (head_end % cs_ && head_end / cs_ == first) {
     // The guest bytes of the cluster before the old end move along.
     // (do_read would take the lock we hold: look up and read here.)
@@ -73,7 +71,7 @@ Task<Result<uint64_t>> Qcow2Node::link_run(uint64_t first, uint64_t n, uint64_t 
     for (uint64_t e : old) VBLK_CO_TRY(co_await free_entry(e));
     done += count;
   }
-  co_return host + n * cs_;
+  co_return host + n* cs_;
 }
 
 Task<Status> Qcow2Node::prealloc_metadata(uint64_t from, uint64_t to) {

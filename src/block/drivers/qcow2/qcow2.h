@@ -43,8 +43,8 @@
 #include "drivers/qcow2/cache.h"
 #include "drivers/qcow2/format.h"
 #include "drivers/qcow2/overlap.h"
-#include "vblk/open.h"
 #include "vblk/node.h"
+#include "vblk/open.h"
 #include "vblk/sync.h"
 
 namespace vblk::qcow2 {
@@ -56,9 +56,9 @@ enum class ClusterType { Unallocated, UnallocatedAlloc, ZeroPlain, ZeroAlloc, No
 // Where a guest range lives: a run of bytes from the looked-up offset.
 struct Mapping {
   ClusterType type = ClusterType::Unallocated;
-  uint64_t host = 0;   // Normal: host offset of the first byte; Compressed: the L2 entry
-  uint64_t bytes = 0;  // length of the run with this type (and contiguous host)
-  bool copied = false; // Normal: refcount is exactly one, writable in place
+  uint64_t host = 0;    // Normal: host offset of the first byte; Compressed: the L2 entry
+  uint64_t bytes = 0;   // length of the run with this type (and contiguous host)
+  bool copied = false;  // Normal: refcount is exactly one, writable in place
 };
 
 // One entry of the snapshot table (QEMU's QCowSnapshot).
@@ -294,7 +294,7 @@ class Qcow2Node final : public Node {
   nlohmann::ordered_json encrypt_info() const;
   std::optional<std::string> encrypt_format_;  // the open options' encrypt.format
   std::optional<std::string> key_secret_;      // encrypt.key-secret
-  std::unique_ptr<luks::Volume> crypt_;       // the LUKS header; its cipher once unlocked
+  std::unique_ptr<luks::Volume> crypt_;        // the LUKS header; its cipher once unlocked
 
   // ---- io.cc
   Task<Result<bool>> detect_metadata_preallocation();
@@ -304,7 +304,7 @@ class Qcow2Node final : public Node {
   // file (as qemu-img convert -c and QEMU's compressed writes leave them):
   // one file read for all, then one inflate job for the batch.
   struct CompressedRun {
-    uint64_t host_lo = 0, host_hi = 0;  // the stored bytes of every cluster
+    uint64_t host_lo = 0, host_hi = 0;                              // the stored bytes of every cluster
     std::vector<std::pair<uint64_t, std::span<uint8_t>>> clusters;  // (L2 entry, output)
   };
   // The stored byte range of a compressed cluster's L2 entry.
@@ -335,11 +335,11 @@ class Qcow2Node final : public Node {
   Header h_;
   Node* file_;
   Node* backing_ = nullptr;
-  uint64_t cs_ = 0;              // cluster size
-  uint32_t l2_bits_ = 0;         // log2(entries per L2 table)
+  uint64_t cs_ = 0;       // cluster size
+  uint32_t l2_bits_ = 0;  // log2(entries per L2 table)
   uint64_t l2_entries_ = 0;
-  uint32_t l2_entry_size_ = 8;   // 16 with extended L2
-  uint64_t rb_entries_ = 0;      // refcount entries per block
+  uint32_t l2_entry_size_ = 8;  // 16 with extended L2
+  uint64_t rb_entries_ = 0;     // refcount entries per block
   uint32_t refcount_bits_ = 16;
   uint64_t refcount_max_ = 0;
   OffsetTable l1_{kL1OffsetMask};
@@ -481,6 +481,7 @@ class Qcow2Node final : public Node {
   // ---- check.cc: qemu-img check and repair (QEMU's qcow2_co_check)
  public:
   Task<Result<CheckResult>> check(uint32_t fix) override;
+
  private:
   friend struct Qcow2Checker;
   bool check_signaled_ = false;  // a corruption was reported (QEMU reports once)

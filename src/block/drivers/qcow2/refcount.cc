@@ -9,7 +9,9 @@ namespace vblk::qcow2 {
 
 uint64_t Qcow2Node::refcount_get(const uint8_t* b, uint64_t i) const {
   switch (refcount_bits_) {
-    case 1: case 2: case 4: {
+    case 1:
+    case 2:
+    case 4: {
       uint64_t bit = i * refcount_bits_;
       return (b[bit / 8] >> (bit % 8)) & ((1u << refcount_bits_) - 1);
     }
@@ -22,7 +24,9 @@ uint64_t Qcow2Node::refcount_get(const uint8_t* b, uint64_t i) const {
 
 void Qcow2Node::refcount_set(uint8_t* b, uint64_t i, uint64_t v) const {
   switch (refcount_bits_) {
-    case 1: case 2: case 4: {
+    case 1:
+    case 2:
+    case 4: {
       uint64_t bit = i * refcount_bits_;
       uint8_t mask = static_cast<uint8_t>(((1u << refcount_bits_) - 1) << (bit % 8));
       b[bit / 8] = static_cast<uint8_t>((b[bit / 8] & ~mask) | ((v << (bit % 8)) & mask));
@@ -182,7 +186,8 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
     if (!rb) co_return rb.take_error();
     if (!*rb) {
       if (delta < 0) {
-        (void)co_await mark_corrupt(fmt::format("Decreasing the refcount of cluster {} that has no refcount block", hex(ci)));
+        (void)co_await mark_corrupt(
+            fmt::format("Decreasing the refcount of cluster {} that has no refcount block", hex(ci)));
         co_return Error(EIO);
       }
       auto more = co_await ensure_refblocks(ci, 1);
@@ -193,8 +198,8 @@ Task<Status> Qcow2Node::update_refcount(uint64_t offset, uint64_t length, int64_
     uint64_t old = refcount_get(t->data(), ci % rb_entries_);
     if ((delta < 0 && old < static_cast<uint64_t>(-delta)) ||
         (delta > 0 && refcount_max_ - old < static_cast<uint64_t>(delta))) {
-      (void)co_await mark_corrupt(fmt::format("Refcount of cluster {} would {} (is {})", hex(ci),
-                                        delta < 0 ? "underflow" : "overflow", old));
+      (void)co_await mark_corrupt(
+          fmt::format("Refcount of cluster {} would {} (is {})", hex(ci), delta < 0 ? "underflow" : "overflow", old));
       co_return Error(delta < 0 ? EIO : ERANGE);
     }
     uint64_t nv = old + static_cast<uint64_t>(delta);
@@ -233,7 +238,7 @@ Task<Result<uint64_t>> Qcow2Node::alloc_clusters(uint64_t n) {
     VBLK_CO_TRY(co_await update_refcount(*start * cs_, n * cs_, +1));
     free_cluster_index_ = *start + n;
     VBLK_TRACE(kQcow2, "'{}' alloc {} cluster(s) at {:#x}", node_name(), n, *start * cs_);
-    co_return *start * cs_;
+    co_return *start* cs_;
   }
 }
 

@@ -21,9 +21,9 @@
 
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <unordered_map>
-#include <cstdlib>
 
 #include "drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
@@ -52,7 +52,9 @@ Task<Status> Qcow2Node::read_snapshots() {
   snapshots_size_ = 0;
   const uint64_t start = h_.snapshots_offset;
   uint64_t offset = start, table_length = 0;
-  auto fail = [](const Error& e) { return Error(e.code, std::string("Failed to read snapshot table: ") + std::strerror(e.code)); };
+  auto fail = [](const Error& e) {
+    return Error(e.code, std::string("Failed to read snapshot table: ") + std::strerror(e.code));
+  };
   for (uint32_t i = 0; i < h_.nb_snapshots; ++i) {
     table_length = align_up(table_length, 8);
     offset = align_up(offset, 8);
@@ -472,8 +474,9 @@ Task<Status> Qcow2Node::snapshot_delete(const std::string& id, const std::string
   std::vector<Snapshot> table = snapshots_;
   table.erase(table.begin() + idx);
   auto st = co_await write_snapshots(std::move(table));
-  if (!st) co_return Error(st.error().code, std::string("Failed to remove snapshot from snapshot list: ") +
-                                                std::strerror(st.error().code));
+  if (!st)
+    co_return Error(st.error().code,
+                    std::string("Failed to remove snapshot from snapshot list: ") + std::strerror(st.error().code));
   // 2. Its references go (a crash from here on only leaks).
   st = co_await l1_refcounts(*snl1, -1);
   if (st && sn.l1_size) st = co_await free_unreferenced(sn.l1_table_offset, uint64_t{sn.l1_size} * 8);

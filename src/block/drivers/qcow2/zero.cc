@@ -44,8 +44,7 @@ Task<Result<bool>> Qcow2Node::is_zero_fast(uint64_t offset, uint64_t bytes) {
     uint64_t n = std::min(m->bytes, bytes);
     switch (m->type) {
       case ClusterType::ZeroPlain:
-      case ClusterType::ZeroAlloc:
-        break;
+      case ClusterType::ZeroAlloc: break;
       case ClusterType::Unallocated:
       case ClusterType::UnallocatedAlloc:
         if (backing_) {
@@ -60,8 +59,7 @@ Task<Result<bool>> Qcow2Node::is_zero_fast(uint64_t offset, uint64_t bytes) {
           if (!*z) co_return false;
         }
         break;
-      default:
-        co_return false;
+      default: co_return false;
     }
     offset += n;
     bytes -= n;
@@ -82,8 +80,10 @@ Task<Status> Qcow2Node::zero_clusters(uint64_t a, uint64_t e, bool may_unmap) {
     const bool allocated = compressed || (old & kL2OffsetMask);
     const bool unmap = compressed || (may_unmap && allocated);
     uint64_t nw = unmap ? 0 : old, bitmap = old_bitmap;
-    if (l2_entry_size_ == 16) bitmap = kAllZeroes;
-    else nw |= kOflagZero;
+    if (l2_entry_size_ == 16)
+      bitmap = kAllZeroes;
+    else
+      nw |= kOflagZero;
     if (nw == old && bitmap == old_bitmap) continue;
     set_l2_entry(*t, l2i, nw, bitmap);
     if (unmap) VBLK_CO_TRY(co_await free_entry(old));
@@ -150,8 +150,10 @@ Task<Status> Qcow2Node::zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) 
     // Split as QEMU's generic layer does: the partial head unit, the aligned
     // middle, the partial tail unit.
     uint64_t num = end - pos;
-    if (pos % unit) num = std::min(num, unit - pos % unit);
-    else if (end % unit && num > unit) num -= end % unit;
+    if (pos % unit)
+      num = std::min(num, unit - pos % unit);
+    else if (end % unit && num > unit)
+      num -= end % unit;
     const uint64_t u0 = pos / unit * unit;
     uint64_t tail = (pos + num + unit - 1) / unit * unit - (pos + num);
     if (pos + num == length()) tail = 0;

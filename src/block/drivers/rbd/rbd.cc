@@ -33,8 +33,8 @@
 namespace vblk {
 namespace {
 
-using rbd::RbdAio;
 using rbd::rbd_lib;
+using rbd::RbdAio;
 
 // rbd_diff_iterate2's callback may stop the walk with its own negative code.
 constexpr int kStopDiff = -9000;
@@ -62,9 +62,13 @@ int diff_cb(uint64_t offs, size_t len, int exists, void* opaque) {
 
 class RbdNode final : public Node {
  public:
-  RbdNode(Loop& loop, std::unique_ptr<rbd::RbdConnection> conn, rbd_image_t image, rbd::RbdLocation loc,
-          uint64_t size, uint64_t obj_size)
-      : Node(loop, "rbd"), conn_(std::move(conn)), image_(image), loc_(std::move(loc)), size_(size),
+  RbdNode(Loop& loop, std::unique_ptr<rbd::RbdConnection> conn, rbd_image_t image, rbd::RbdLocation loc, uint64_t size,
+          uint64_t obj_size)
+      : Node(loop, "rbd"),
+        conn_(std::move(conn)),
+        image_(image),
+        loc_(std::move(loc)),
+        size_(size),
         obj_size_(obj_size) {
     caps_.zeroes = true;
     caps_.discard = true;
@@ -123,7 +127,8 @@ class RbdNode final : public Node {
   }
 
   Task<Status> do_discard(uint64_t offset, uint64_t bytes) override {
-    long r = co_await RbdAio(loop(), [&](rbd_completion_t c) { return rbd_lib().rbd_aio_discard(image_, offset, bytes, c); });
+    long r = co_await RbdAio(loop(),
+                             [&](rbd_completion_t c) { return rbd_lib().rbd_aio_discard(image_, offset, bytes, c); });
     if (r < 0) co_return Error(static_cast<int>(-r));
     co_return Status{};
   }
@@ -243,7 +248,8 @@ class RbdNode final : public Node {
     }
     std::function<long()> fn = [this, name]() -> long { return rbd_lib().rbd_snap_remove(image_, name.c_str()); };
     long r = co_await loop().run_blocking(fn);
-    if (r < 0) co_return Error(static_cast<int>(-r), std::string("Failed to remove the snapshot: ") + std::strerror(-r));
+    if (r < 0)
+      co_return Error(static_cast<int>(-r), std::string("Failed to remove the snapshot: ") + std::strerror(-r));
     co_return Status{};
   }
 
@@ -284,7 +290,8 @@ Result<std::shared_ptr<Node>> open_rbd(OpenContext& ctx, Json& opts) {
   VBLK_TRY(conn);
   rbd_image_t image = nullptr;
   // Always opened read-write, as QEMU does (the image lock follows writers).
-  int r = rbd_lib().rbd_open((*conn)->ioctx(), loc->image.c_str(), &image, loc->snapshot ? loc->snapshot->c_str() : nullptr);
+  int r = rbd_lib().rbd_open((*conn)->ioctx(), loc->image.c_str(), &image,
+                             loc->snapshot ? loc->snapshot->c_str() : nullptr);
   if (r < 0) return Error(-r, "error reading header from " + loc->image + ": " + std::strerror(-r));
   if (loc->encrypt) {
     // The image reads decrypted from here on; its size is the payload's.

@@ -20,8 +20,8 @@
 
 #include <coroutine>
 
-#include "vblk/loop.h"
 #include "drivers/rbd/rbd_lib.h"
+#include "vblk/loop.h"
 
 namespace vblk::rbd {
 

@@ -1,7 +1,6 @@
 #include "drivers/rbd/rbd_connection.h"
 
 #include <rbd/librbd.h>
-
 #include <string.h>
 
 #include <cstring>

@@ -1,12 +1,12 @@
 // RBD image encryption: see rbd_encryption.h.
 #include "drivers/rbd/rbd_encryption.h"
-#include "drivers/rbd/rbd_lib.h"
 
 #include <string.h>
 
 #include <array>
 #include <cstring>
 
+#include "drivers/rbd/rbd_lib.h"
 #include "vblk/secret_store.h"
 
 namespace vblk::rbd {

@@ -27,11 +27,11 @@ void load() {
     return;
   }
   RbdLib lib;
-#define VBLK_RBD_RESOLVE(f)                                                  \
-  lib.f = reinterpret_cast<decltype(lib.f)>(::dlsym(h, #f));                 \
-  if (!lib.f) {                                                              \
-    g_why = "could not load librbd: " #f " not found";                       \
-    return;                                                                  \
+#define VBLK_RBD_RESOLVE(f)                                  \
+  lib.f = reinterpret_cast<decltype(lib.f)>(::dlsym(h, #f)); \
+  if (!lib.f) {                                              \
+    g_why = "could not load librbd: " #f " not found";       \
+    return;                                                  \
   }
   VBLK_RBD_FUNCTIONS(VBLK_RBD_RESOLVE)
 #undef VBLK_RBD_RESOLVE

@@ -17,6 +17,8 @@
 
 namespace vblk::rbd {
 
+// The X-macro list is kept packed by hand.
+// clang-format off
 #define VBLK_RBD_FUNCTIONS(X)                                                                                      \
   X(rados_create) X(rados_conf_read_file) X(rados_conf_set) X(rados_connect) X(rados_ioctx_create)              \
   X(rados_ioctx_set_namespace) X(rados_ioctx_destroy) X(rados_shutdown) X(rbd_namespace_exists) X(rbd_create)   \
@@ -26,6 +28,7 @@ namespace vblk::rbd {
   X(rbd_snap_rollback) X(rbd_encryption_format) X(rbd_encryption_load) X(rbd_aio_create_completion)             \
   X(rbd_aio_get_return_value) X(rbd_aio_release) X(rbd_aio_read) X(rbd_aio_write) X(rbd_aio_write_zeroes)      \
   X(rbd_aio_discard) X(rbd_aio_flush)
+// clang-format on
 
 struct RbdLib {
 #define VBLK_RBD_MEMBER(f) decltype(&::f) f = nullptr;

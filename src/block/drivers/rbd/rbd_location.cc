@@ -45,9 +45,9 @@ std::string unescape(const std::string& s) {
 }  // namespace
 
 // QEMU 7.2's QCryptoCipherAlgorithm, in order (its number shows in errors).
-static const std::array<const char*, 12> kCipherAlgs = {
-    "aes-128", "aes-192", "aes-256", "des", "3des", "cast5-128", "serpent-128", "serpent-192",
-    "serpent-256", "twofish-128", "twofish-192", "twofish-256"};
+static const std::array<const char*, 12> kCipherAlgs = {"aes-128",     "aes-192",     "aes-256",     "des",
+                                                        "3des",        "cast5-128",   "serpent-128", "serpent-192",
+                                                        "serpent-256", "twofish-128", "twofish-192", "twofish-256"};
 
 int cipher_alg_number(const std::string& name) {
   for (size_t i = 0; i < kCipherAlgs.size(); ++i)

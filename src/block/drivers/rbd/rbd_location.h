@@ -46,8 +46,8 @@ struct RbdLocation {
   std::optional<std::string> user;
   std::optional<std::string> key_secret;
   std::vector<std::string> auth_client_required;  // "cephx", "none"
-  std::vector<RbdServer> servers;                  // mon_host override
-  std::optional<RbdEncryption> encrypt;            // loaded after rbd_open (rbd_encryption.h)
+  std::vector<RbdServer> servers;                 // mon_host override
+  std::optional<RbdEncryption> encrypt;           // loaded after rbd_open (rbd_encryption.h)
   // Ceph options from the filename, in order (QEMU's "=keyvalue-pairs").
   std::vector<std::pair<std::string, std::string>> keypairs;
 };
