@@ -30,7 +30,10 @@ class Choices {
   }
   // Up to `max` raw bytes, length first.
   std::string bytes(size_t max) {
-    size_t n = std::min<size_t>(pick(max + 1), d_.size() - std::min(pos_, d_.size()));
+    // The length byte first: pick() moves pos_, so it must not share an
+    // expression with what is left (argument order is unspecified).
+    const size_t want = pick(max + 1);
+    size_t n = std::min<size_t>(want, d_.size() - std::min(pos_, d_.size()));
     std::string s(reinterpret_cast<const char*>(d_.data()) + pos_, n);
     pos_ += n;
     return s;
