@@ -11,30 +11,30 @@
 
 namespace vblk {
 
+namespace drivers {
+#define VBLK_DRIVER(id) extern const DriverInfo id##_driver;
+#include "drivers/list.h"
+#undef VBLK_DRIVER
+}  // namespace drivers
+
 namespace {
 
 // The registry: the block layer's own drivers in a fixed order (the probe
-// order), then what higher layers add through register_driver (no
-// self-registering objects: static libraries drop those nobody
-// references). Filled on first use, on the loop thread.
+// order, drivers/list.h), then what higher layers add through
+// register_driver (no self-registering objects: static libraries drop those
+// nobody references). Filled on first use, on the loop thread.
 std::vector<DriverInfo>& registry() {
   static std::vector<DriverInfo> r = {
-      {"blkdebug", true, drivers::open_blkdebug, nullptr},
-      {"file", true, drivers::open_file, nullptr},
-      {"host_device", true, drivers::open_host_device, nullptr},
-      {"nbd", true, drivers::open_nbd, nullptr},
-      {"luks", false, drivers::open_luks, drivers::probe_luks},
-      {"null-co", true, drivers::open_null, nullptr},
-      {"qcow2", false, drivers::open_qcow2, drivers::probe_qcow2},
-      {"raw", false, drivers::open_raw, drivers::probe_raw},
-      {"rbd", true, drivers::open_rbd, nullptr},
-      {"throttle", false, drivers::open_throttle, nullptr},
+#define VBLK_DRIVER(id) drivers::id##_driver,
+#include "drivers/list.h"
+#undef VBLK_DRIVER
+      {.name = "null-co", .kind = DriverKind::Protocol, .open = drivers::open_null},
   };
   return r;
 }
 
 std::string leftover_error(const DriverInfo& d, const std::string& key) {
-  if (d.is_protocol) return "Block protocol '" + std::string(d.name) + "' doesn't support the option '" + key + "'";
+  if (d.is_protocol()) return "Block protocol '" + std::string(d.name) + "' doesn't support the option '" + key + "'";
   return "Block format '" + std::string(d.name) + "' does not support the option '" + key + "'";
 }
 
@@ -57,6 +57,13 @@ const std::vector<DriverInfo>& registered_drivers() { return registry(); }
 
 void register_driver(const DriverInfo& d) {
   if (!find_driver(d.name)) registry().push_back(d);
+}
+
+const DriverInfo& protocol_for_filename(const std::string& filename) {
+  for (const auto& d : registry())
+    for (const char* p : d.prefixes)
+      if (filename.rfind(p, 0) == 0) return d;
+  return *find_driver("file");
 }
 
 Status check_write_without_resize(const Node& file) {
@@ -195,11 +202,8 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
   struct stat st;
   bool is_dev = ::stat(filename.c_str(), &st) == 0 && (S_ISBLK(st.st_mode) || S_ISCHR(st.st_mode));
   file["driver"] = is_dev ? "host_device" : "file";
-  // NBD URIs name the protocol themselves (qemu-img's protocol prefixes).
-  if (filename.rfind("nbd://", 0) == 0 || filename.rfind("nbd+unix://", 0) == 0 || filename.rfind("nbd+tcp://", 0) == 0)
-    file["driver"] = "nbd";
-  // As does QEMU's "rbd:" prefix.
-  if (filename.rfind("rbd:", 0) == 0) file["driver"] = "rbd";
+  // NBD URIs and rbd: names say their protocol (qemu-img's protocol prefixes).
+  if (const DriverInfo& p = protocol_for_filename(filename); p.name != std::string("file")) file["driver"] = p.name;
   file["filename"] = filename;
   if (o.direct) file["cache"]["direct"] = true;
   if (o.no_flush) file["cache"]["no-flush"] = true;

@@ -35,8 +35,8 @@
 #include <vector>
 
 #include "common.h"
-#include "drivers/drivers.h"
 #include "progress.h"
+#include "vblk/create.h"
 #include "vblk/graph.h"
 #include "vblk/job.h"
 #include "vblk/named_bitmap.h"
@@ -190,11 +190,7 @@ int cmd_backup(int argc, char** argv) {
     std::optional<DirtyBitmap> reused_bits;
     ~UndoUnlessDone() {
       if (done) return;
-      if (path.rfind("rbd:", 0) == 0) {
-        (void)drivers::remove_rbd(path);
-      } else {
-        ::unlink(path.c_str());
-      }
+      (void)delete_image(path);
       if (!created_bitmap.empty()) src.bitmaps().remove(created_bitmap);
       // Looked up again: the job replaces a bitmap's record on success.
       if (NamedBitmap* b = src.bitmaps().find(reused_bitmap); b && reused_bits) b->bits = *reused_bits;

@@ -1,17 +1,18 @@
-// vblk create: make a new image (qemu-img create). raw for now; qcow2 joins
-// with its driver.
-#include "drivers/luks/create.h"
+// vblk create: make a new image (qemu-img create). The options each
+// format and protocol take, and the creating itself, come from the driver
+// registry (vblk/create.h); this file is QemuOpts parsing and qemu-img's
+// order of checks and messages.
+#include "vblk/create.h"
 
 #include <getopt.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
-#include <span>
 #include <vector>
 
 #include "common.h"
-#include "drivers/drivers.h"
-#include "drivers/qcow2/qcow2.h"
+#include "vblk/open.h"
 #include "vblk/options.h"
 
 namespace vblk::cli {
@@ -24,72 +25,6 @@ namespace {
 // the image [x]?"), as qemu-img create prints them.
 std::string with_hint(const Error& e) { return e.hint.empty() ? e.what() : e.what() + "\n" + e.hint; }
 
-enum class OptKind { Size, Bool, String, Number };
-struct OptSpec {
-  const char* name;
-  OptKind kind;
-  const char* def;  // printed (and used) when not given; nullptr: printed only if given
-};
-
-// Creation options in qemu-img's print order: the format's, then the
-// protocol's (`file`) that the format does not have.
-const OptSpec kRawOptions[] = {
-    {"size", OptKind::Size, nullptr},
-    {"nocow", OptKind::Bool, nullptr},
-    {"preallocation", OptKind::String, nullptr},
-    {"extent_size_hint", OptKind::Size, nullptr},
-};
-// raw on an rbd: target: the rbd protocol's options (qemu_rbd_create_opts,
-// in its order: the "Formatting" line lists them so).
-const OptSpec kRawRbdOptions[] = {
-    {"size", OptKind::Size, nullptr},
-    {"cluster_size", OptKind::Size, nullptr},
-    {"password-secret", OptKind::String, nullptr},
-    {"encrypt.format", OptKind::String, nullptr},
-    {"encrypt.cipher-alg", OptKind::String, nullptr},
-    {"encrypt.key-secret", OptKind::String, nullptr},
-};
-const OptSpec kQcow2Options[] = {
-    {"encrypt", OptKind::Bool, nullptr},
-    {"encrypt.format", OptKind::String, nullptr},
-    {"encrypt.key-secret", OptKind::String, nullptr},
-    {"encrypt.cipher-alg", OptKind::String, nullptr},
-    {"encrypt.cipher-mode", OptKind::String, nullptr},
-    {"encrypt.ivgen-alg", OptKind::String, nullptr},
-    {"encrypt.ivgen-hash-alg", OptKind::String, nullptr},
-    {"encrypt.hash-alg", OptKind::String, nullptr},
-    {"encrypt.iter-time", OptKind::Number, nullptr},
-    {"cluster_size", OptKind::Size, "65536"},
-    {"extended_l2", OptKind::Bool, "off"},
-    {"preallocation", OptKind::String, nullptr},
-    {"compression_type", OptKind::String, "zlib"},
-    {"size", OptKind::Size, nullptr},
-    {"compat", OptKind::String, nullptr},
-    {"backing_file", OptKind::String, nullptr},
-    {"backing_fmt", OptKind::String, nullptr},
-    {"data_file", OptKind::String, nullptr},
-    {"data_file_raw", OptKind::Bool, nullptr},
-    {"lazy_refcounts", OptKind::Bool, "off"},
-    {"refcount_bits", OptKind::Number, "16"},
-    {"nocow", OptKind::Bool, nullptr},
-    {"extent_size_hint", OptKind::Size, nullptr},
-};
-
-// luks's own options, then the file protocol's (qemu-img's print order).
-const OptSpec kLuksOptions[] = {
-    {"size", OptKind::Size, nullptr},
-    {"key-secret", OptKind::String, nullptr},
-    {"cipher-alg", OptKind::String, nullptr},
-    {"cipher-mode", OptKind::String, nullptr},
-    {"ivgen-alg", OptKind::String, nullptr},
-    {"ivgen-hash-alg", OptKind::String, nullptr},
-    {"hash-alg", OptKind::String, nullptr},
-    {"iter-time", OptKind::Number, nullptr},
-    {"nocow", OptKind::Bool, nullptr},
-    {"preallocation", OptKind::String, nullptr},
-    {"extent_size_hint", OptKind::Size, nullptr},
-};
-
 bool valid_option_list(const std::string& s) {
   if (s.empty() || s[0] == ',') return false;
   size_t n = 0;
@@ -97,147 +32,21 @@ bool valid_option_list(const std::string& s) {
   return n % 2 == 0;
 }
 
-void print_raw_help(bool with_file) {
-  if (with_file) {
-    std::printf(
-        "Supported options:\n"
-        "  extent_size_hint=<size> - Extent size hint for the image file, 0 to disable\n"
-        "  nocow=<bool (on/off)>  - Turn off copy-on-write (valid only on btrfs)\n"
-        "  preallocation=<str>    - Preallocation mode (allowed values: off, falloc, full)\n"
-        "  size=<size>            - Virtual disk size\n");
-  } else {
-    std::printf(
-        "Supported raw options:\n"
-        "  size=<size>            - Virtual disk size\n"
-        "\n"
-        "The protocol level may support further options.\n"
-        "Specify the target filename to include those options.\n");
+// `-o help` (QEMU's qemu_opts_print_help): sorted by name, the help column
+// at 24 characters.
+void print_create_help(std::vector<CreateOpt> opts, const std::string& caption) {
+  std::sort(opts.begin(), opts.end(),
+            [](const CreateOpt& a, const CreateOpt& b) { return std::string(a.name) < b.name; });
+  std::printf("%s\n", caption.c_str());
+  for (const CreateOpt& o : opts) {
+    const char* type = o.kind == CreateOptKind::Size     ? "size"
+                       : o.kind == CreateOptKind::Bool   ? "bool (on/off)"
+                       : o.kind == CreateOptKind::Number ? "num"
+                                                         : "str";
+    std::string item = std::string("  ") + o.name + "=<" + type + ">";
+    if (item.size() < 24) item.resize(24, ' ');
+    std::printf("%s - %s\n", item.c_str(), o.help);
   }
-}
-
-void print_luks_help() {
-  std::printf(
-      "Supported options:\n"
-      "  cipher-alg=<str>       - Name of encryption cipher algorithm\n"
-      "  cipher-mode=<str>      - Name of encryption cipher mode\n"
-      "  extent_size_hint=<size> - Extent size hint for the image file, 0 to disable\n"
-      "  hash-alg=<str>         - Name of encryption hash algorithm\n"
-      "  iter-time=<num>        - Time to spend in PBKDF in milliseconds\n"
-      "  ivgen-alg=<str>        - Name of IV generator algorithm\n"
-      "  ivgen-hash-alg=<str>   - Name of IV generator hash algorithm\n"
-      "  key-secret=<str>       - ID of the secret that provides the keyslot passphrase\n"
-      "  nocow=<bool (on/off)>  - Turn off copy-on-write (valid only on btrfs)\n"
-      "  preallocation=<str>    - Preallocation mode (allowed values: off, falloc, full)\n"
-      "  size=<size>            - Virtual disk size\n");
-}
-
-// Validates luks creation options (QEMU's enum checks, in its member
-// order), then makes the file and formats it; a failed format removes the
-// file again, as qemu-img create does.
-template <class Fail>
-int create_luks(const std::string& filename, uint64_t size, std::map<std::string, std::string>& opts, Fail fail) {
-  luks::CreateOptions o;
-  o.size = size;
-  if (auto st = luks::parse_create_options(opts, "", o); !st) return fail(st.error().what());
-  std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
-  auto pm = parse_prealloc(prealloc);
-  // block/crypto.c parses it with qapi_enum_parse: its own words.
-  if (!pm) return fail("invalid parameter value: " + prealloc);
-  o.preallocation = *pm;
-  auto st = drivers::create_file(filename, 0, "off");
-  if (!st) return fail(with_hint(st.error()));
-  auto remove_and_fail = [&](const std::string& msg) {
-    ::unlink(filename.c_str());
-    return fail(msg);
-  };
-  Loop loop;
-  OpenContext ctx{loop};
-  ctx.read_only = false;
-  auto file = open_node(ctx, Json{{"driver", "file"}, {"filename", filename}});
-  if (!file) return remove_and_fail(with_hint(file.error()));
-  (*file)->set_claim(PermPair{kPermWrite | kPermResize, kPermAll});
-  if (Status lk = (*file)->refresh_perms(); !lk) return fail(with_hint(lk.error()));
-  auto cr = loop.run(luks::create(**file, o));
-  if (!cr) return remove_and_fail(cr.error().what());
-  return 0;
-}
-
-// Validates qcow2 creation options (QEMU's wording) and creates the image.
-template <class Fail>
-int create_qcow2(const std::string& filename, uint64_t size, std::map<std::string, std::string>& opts,
-                 std::map<std::string, uint64_t>& sizes, Fail fail) {
-  qcow2::Qcow2Node::CreateOptions o;
-  o.size = align_up(size, 512);
-  std::string compat = opts.count("compat") ? opts["compat"] : "1.1";
-  if (compat == "0.10" || compat == "v2") {
-    o.version = 2;
-  } else if (compat == "1.1" || compat == "v3") {
-    o.version = 3;
-  } else {
-    return fail("Parameter 'version' does not accept value '" + compat + "'");
-  }
-  // encrypt.*: QCryptoBlockCreateOptions, format first.
-  std::optional<luks::CreateOptions> enc;
-  bool any_encrypt = false;
-  for (const auto& [k, v] : opts) any_encrypt |= k.rfind("encrypt.", 0) == 0;
-  if (any_encrypt) {
-    if (!opts.count("encrypt.format")) return fail("Parameter 'encrypt.format' is missing");
-    const std::string& ef = opts["encrypt.format"];
-    if (ef == "aes" || ef == "qcow")
-      return fail("AES-encrypted qcow2 images (encrypt.format=" + ef + ") are not supported by vblk");
-    if (ef != "luks") return fail("Parameter 'format' does not accept value '" + ef + "'");
-    enc.emplace();
-    if (auto st = luks::parse_create_options(opts, "encrypt.", *enc); !st) return fail(st.error().what());
-  }
-  if (opts.count("data_file")) return fail("External data files are not supported by vblk");
-  // Option values are parsed first (QEMU's QAPI visitor, in the schema's
-  // member order), then qcow2_co_create's checks run on the whole set.
-  std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
-  if (prealloc != "off" && prealloc != "metadata" && prealloc != "falloc" && prealloc != "full")
-    return fail("Parameter 'preallocation' does not accept value '" + prealloc + "'");
-  auto bits = parse_ulong(opts.count("refcount_bits") ? opts["refcount_bits"] : "16", 64);
-  if (!bits) return fail("Refcount width must be a power of two and may not exceed 64 bits");
-  std::string ct = opts.count("compression_type") ? opts["compression_type"] : "zlib";
-  if (ct == "zstd") {
-    o.compression_type = qcow2::kCompressionZstd;
-  } else if (ct != "zlib") {
-    return fail("Parameter 'compression-type' does not accept value '" + ct + "'");
-  }
-  o.cluster_size = static_cast<uint32_t>(std::min<uint64_t>(sizes["cluster_size"], UINT32_MAX));
-  if (sizes["cluster_size"] > UINT32_MAX) o.cluster_size = 1000;  // refused below as QEMU refuses it
-  o.extended_l2 = opts.count("extended_l2") && opts["extended_l2"] == "on";
-  o.lazy_refcounts = opts.count("lazy_refcounts") && opts["lazy_refcounts"] == "on";
-  if (opts.count("backing_file")) o.backing_file = opts["backing_file"];
-  if (opts.count("backing_fmt")) o.backing_format = opts["backing_fmt"];
-  o.preallocation = prealloc;
-  if (auto st = qcow2::Qcow2Node::check_create_options(o, static_cast<int64_t>(std::min<uint64_t>(*bits, 128))); !st)
-    return fail(st.error().what());
-  o.refcount_bits = static_cast<uint32_t>(*bits);
-  if (auto st = qcow2::Qcow2Node::check_create_size(o.size, o.cluster_size, o.extended_l2); !st)
-    return fail(st.error().what());
-  if (enc) {
-    // The volume (secret, algorithms, PBKDF2) before the file is touched;
-    // QEMU fails after creating it, and removes the file then.
-    auto f = luks::format(*enc, "encrypt.");
-    if (!f) {
-      ::unlink(filename.c_str());
-      return fail(f.error().what());
-    }
-    o.encrypt = std::make_shared<const luks::Formatted>(std::move(*f));
-  }
-  auto st = drivers::create_file(filename, 0, "off");
-  if (!st) return fail(with_hint(st.error()));
-  Loop loop;
-  OpenContext ctx{loop};
-  ctx.read_only = false;
-  auto file = open_node(ctx, Json{{"driver", "file"}, {"filename", filename}});
-  if (!file) return fail(with_hint(file.error()));
-  // Written while being formatted: held for writing and resizing.
-  (*file)->set_claim(PermPair{kPermWrite | kPermResize, kPermAll});
-  if (Status lk = (*file)->refresh_perms(); !lk) return fail(with_hint(lk.error()));
-  auto cr = loop.run(qcow2::Qcow2Node::create(loop, *file, o));
-  if (!cr) return fail("Could not create image: " + cr.error().what());
-  return 0;
 }
 
 }  // namespace
@@ -275,22 +84,29 @@ int cmd_create(int argc, char** argv) {
       case 256: cli_object(optarg); break;
     }
   }
-  if (optind >= argc) {
-    if (options.find("help") != std::string::npos || options.find('?') != std::string::npos) {
-      print_raw_help(false);
-      return 0;
+  const bool want_help = options.find("help") != std::string::npos || options.find('?') != std::string::npos;
+  auto print_help = [&](const std::string& filename) {
+    auto specs = create_options(fmt, filename);
+    if (!specs) {
+      error_report(specs.error().what());
+      return 1;
     }
+    if (filename.empty()) {
+      print_create_help(*specs, "Supported " + fmt + " options:");
+      std::printf(
+          "\nThe protocol level may support further options.\n"
+          "Specify the target filename to include those options.\n");
+    } else {
+      print_create_help(*specs, "Supported options:");
+    }
+    return 0;
+  };
+  if (optind >= argc) {
+    if (want_help) return print_help("");
     error_exit("Expecting image file name");
   }
   std::string filename = argv[optind++];
-  if (options.find("help") != std::string::npos || options.find('?') != std::string::npos) {
-    if (fmt == "luks") {
-      print_luks_help();
-      return 0;
-    }
-    print_raw_help(true);
-    return 0;
-  }
+  if (want_help) return print_help(filename);
   std::optional<int64_t> size;
   if (optind < argc) {
     size = cvtnum("image size", argv[optind++]);
@@ -302,42 +118,31 @@ int cmd_create(int argc, char** argv) {
     error_report(filename + ": " + g_create_error_context + msg);
     return 1;
   };
-  std::span<const OptSpec> specs;
-  const bool rbd = filename.rfind("rbd:", 0) == 0;
-  if (rbd && (fmt == "raw" || fmt == "rbd")) {
-    specs = kRawRbdOptions;
-  } else if (rbd) {
-    return fail("vblk creates only raw images on rbd");
-  } else if (fmt == "raw" || fmt == "file") {
-    specs = kRawOptions;
-  } else if (fmt == "qcow2") {
-    specs = kQcow2Options;
-  } else if (fmt == "luks") {
-    specs = kLuksOptions;
-  } else {
-    return fail("Unknown file format '" + fmt + "'");
-  }
-  auto spec_of = [&](const std::string& k) -> const OptSpec* {
-    for (const auto& o : specs)
+  auto specs = create_options(fmt, filename);
+  if (!specs) return fail(specs.error().what());
+  auto spec_of = [&](const std::string& k) -> const CreateOpt* {
+    for (const auto& o : *specs)
       if (k == o.name) return &o;
     return nullptr;
   };
 
   // Parse -o the QemuOpts way: "key" alone means "key=on", ",," is a comma.
-  std::map<std::string, std::string> opts;
+  CreateRequest req;
+  req.filename = filename;
+  std::map<std::string, std::string>& opts = req.opts;
   if (!options.empty()) {
     std::string item;
     auto add = [&](const std::string& it) -> bool {
       size_t eq = it.find('=');
       std::string k = eq == std::string::npos ? it : it.substr(0, eq);
       std::string v = eq == std::string::npos ? "on" : it.substr(eq + 1);
-      const OptSpec* sp = spec_of(k);
+      const CreateOpt* sp = spec_of(k);
       if (!sp) {
         fail("Invalid parameter '" + k + "'");
         return false;
       }
-      if (sp->kind == OptKind::Bool && v != "on" && v != "off") {
-        fail("Parameter '" + k + "' expects 'on' or 'off'");
+      if (auto st = check_create_value(*sp, v); !st) {
+        fail(st.error().what());
         return false;
       }
       opts[k] = v;
@@ -355,15 +160,6 @@ int cmd_create(int argc, char** argv) {
         continue;
       }
       item += options[i];
-    }
-  }
-  if (fmt == "qcow2") {
-    // Refused while qemu-img parses the options, before "Formatting".
-    if (opts.count("encrypt")) return fail("Invalid parameter 'encrypt'");
-    if (opts.count("encrypt.iter-time")) {
-      luks::CreateOptions probe;
-      if (auto st = luks::parse_create_options({{"iter-time", opts["encrypt.iter-time"]}}, "", probe); !st)
-        return fail("Parameter 'encrypt.iter-time' expects a number");
     }
   }
   if (backing_given) {
@@ -387,17 +183,7 @@ int cmd_create(int argc, char** argv) {
     size = static_cast<int64_t>(*s);
   }
   // Size-typed options are printed (and used) as numbers.
-  std::map<std::string, uint64_t> sizes;
-  for (const auto& sp : specs) {
-    if (sp.kind != OptKind::Size || sp.name == std::string("size")) continue;
-    std::string v = opts.count(sp.name) ? opts[sp.name] : (sp.def ? sp.def : "");
-    if (v.empty()) continue;
-    auto n = parse_size(v);
-    if (!n) return fail(std::string("Parameter '") + sp.name + "' expects a non-negative number below 2^64");
-    sizes[sp.name] = *n;
-  }
-  if (opts.count("extent_size_hint") && sizes["extent_size_hint"] > UINT32_MAX)
-    return fail("Extent size hint is too large");
+  if (auto st = fill_create_sizes(*specs, req); !st) return fail(st.error().what());
 
   // QEMU's bdrv_img_create: the backing file is opened (unless -u) whether
   // or not a size was given, before anything is created: a create over an
@@ -431,15 +217,16 @@ int cmd_create(int argc, char** argv) {
     if (!size) size = static_cast<int64_t>((*b)->length());
   }
   if (!size) return fail("Image creation needs a size parameter");
+  req.size = static_cast<uint64_t>(*size);
 
   if (!quiet) {
     std::string line = "Formatting '" + filename + "', fmt=" + fmt;
-    for (const auto& sp : specs) {
+    for (const auto& sp : *specs) {
       std::string v;
       if (sp.name == std::string("size")) {
         v = std::to_string(*size);
       } else if (opts.count(sp.name)) {
-        v = sp.kind == OptKind::Size ? std::to_string(sizes[sp.name]) : opts[sp.name];
+        v = sp.kind == CreateOptKind::Size ? std::to_string(req.sizes[sp.name]) : opts[sp.name];
       } else if (sp.def) {
         v = sp.def;
       } else {
@@ -451,28 +238,10 @@ int cmd_create(int argc, char** argv) {
     std::fflush(stdout);
   }
 
-  if (rbd) {
-    std::optional<std::string> password;
-    if (opts.count("password-secret")) password = opts["password-secret"];
-    // encrypt.* -> {format, cipher-alg, key-secret}: QEMU's encrypt.
-    // sub-dictionary, absent when none is given.
-    Json encrypt = Json::object();
-    for (const char* k : {"format", "cipher-alg", "key-secret"})
-      if (opts.count(std::string("encrypt.") + k)) encrypt[k] = opts[std::string("encrypt.") + k];
-    // QEMU rounds the size up to whole sectors for rbd.
-    auto st = drivers::create_rbd(filename, align_up(static_cast<uint64_t>(*size), 512), sizes["cluster_size"],
-                                  password, encrypt.empty() ? nullptr : &encrypt);
-    if (!st) return fail(st.error().what());
-    return 0;
-  }
-  std::string prealloc = opts.count("preallocation") ? opts["preallocation"] : "off";
-  if (fmt == "raw" || fmt == "file") {
-    auto st = drivers::create_file(filename, static_cast<uint64_t>(*size), prealloc);
-    if (!st) return fail(with_hint(st.error()));
-    return 0;
-  }
-  if (fmt == "luks") return create_luks(filename, static_cast<uint64_t>(*size), opts, fail);
-  return create_qcow2(filename, static_cast<uint64_t>(*size), opts, sizes, fail);
+  Loop loop;
+  auto st = loop.run(create_image(loop, fmt, req));
+  if (!st) return fail(with_hint(st.error()));
+  return 0;
 }
 
 }  // namespace vblk::cli

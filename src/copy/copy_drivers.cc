@@ -5,8 +5,8 @@
 namespace vblk {
 
 void register_copy_drivers() {
-  register_driver({"copy-before-write", false, drivers::open_copy_before_write, nullptr});
-  register_driver({"snapshot-access", false, drivers::open_snapshot_access, nullptr});
+  register_driver({.name = "copy-before-write", .kind = DriverKind::Filter, .open = drivers::open_copy_before_write});
+  register_driver({.name = "snapshot-access", .kind = DriverKind::Filter, .open = drivers::open_snapshot_access});
 }
 
 }  // namespace vblk

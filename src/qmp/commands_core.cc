@@ -93,7 +93,7 @@ void Daemon::note_new_nodes(const std::shared_ptr<Node>& top) {
     if (std::find(seen.begin(), seen.end(), n.get()) != seen.end()) return;
     seen.push_back(n.get());
     const DriverInfo* drv = find_driver(n->driver());
-    bool children_first = !(drv && drv->is_protocol);
+    bool children_first = !(drv && drv->is_protocol());
     for (const auto& c : n->children())
       if (c.role != "backing" && children_first) self(self, c.node);
     created.push_back(n);

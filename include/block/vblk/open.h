@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "vblk/create.h"
 #include "vblk/node.h"
 #include "vblk/options.h"
 
@@ -59,12 +60,36 @@ Status check_write_without_resize(const Node& file);
 using DriverOpenFn = Result<std::shared_ptr<Node>> (*)(OpenContext& ctx, Json& opts);
 // Returns a score 0..100 that `head` (the first bytes of a file) is this format.
 using DriverProbeFn = int (*)(std::span<const uint8_t> head);
+// qemu-img create (create.h): makes the image; a format makes its file
+// through create_protocol_file().
+using DriverCreateFn = Task<Status> (*)(Loop& loop, const CreateRequest& req);
+// blockdev-create (create.h): checks what QEMU checks before the job
+// starts, then returns what the job runs.
+using DriverBlockdevCreateFn = Result<CreateBody> (*)(const BlockdevCreateArgs& args);
+// Removes the image a file name names (QEMU's bdrv_co_delete_file).
+using DriverDeleteFn = Status (*)(const std::string& filename);
 
+// Protocols hold bytes (file, nbd, null-co, rbd); formats give them a
+// layout (raw, qcow2, luks); filters pass I/O to one child and change how
+// (throttle, blkdebug, copy-before-write).
+enum class DriverKind { Protocol, Format, Filter };
+
+// A driver: one folder under src/<layer>/drivers/ defines one of these, and
+// one line registers it (src/block/drivers/list.h for the block layer's own,
+// register_driver() for a higher layer's). Everything the CLI and QMP know
+// about a driver comes from here.
 struct DriverInfo {
   const char* name;
-  bool is_protocol;  // file, null-co, nbd...: error wording says "protocol"
+  DriverKind kind;
   DriverOpenFn open;
-  DriverProbeFn probe;  // formats only; nullptr for protocols
+  DriverProbeFn probe = nullptr;                // formats QEMU probes for; nullptr: never probed
+  std::span<const CreateOpt> create_opts = {};  // qemu-img create's -o, in "Formatting" order
+  DriverCreateFn create = nullptr;              // nullptr: "does not support image creation"
+  DriverBlockdevCreateFn blockdev_create = nullptr;
+  // Protocols whose file names say so ("rbd:", "nbd://"): the prefixes.
+  std::span<const char* const> prefixes = {};
+  DriverDeleteFn remove = nullptr;  // protocols that can remove what they created
+  bool is_protocol() const { return kind == DriverKind::Protocol; }
 };
 
 const DriverInfo* find_driver(const std::string& name);
@@ -75,6 +100,15 @@ const std::vector<DriverInfo>& registered_drivers();
 // vblk/copy_drivers.h); one already there by that name is kept. Formats
 // with a probe are tried after the block layer's own, in this order.
 void register_driver(const DriverInfo& d);
+// The protocol driver a plain file name is for: the one whose prefix it
+// starts with, else `file` (host_device for a device: see open_image).
+const DriverInfo& protocol_for_filename(const std::string& filename);
+
+// Creates `filename` empty through its protocol, for a format's create to
+// open and format (QEMU's bdrv_create_file with size 0): a file is
+// created or truncated; other protocols are refused ("vblk creates only raw
+// images on rbd").
+Task<Status> create_protocol_file(Loop& loop, const std::string& filename);
 
 // Opens a node from blockdev options (consumes `opts`). Unknown leftover
 // options are an error: "Block format 'raw' does not support the option 'x'".

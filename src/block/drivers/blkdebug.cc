@@ -267,5 +267,9 @@ Result<std::shared_ptr<Node>> open_blkdebug(OpenContext& ctx, Json& opts) {
   return std::shared_ptr<Node>(node);
 }
 
+// A protocol in QEMU's sense (it has a protocol name, "blkdebug:"), though it
+// passes I/O to its image: errors and query-named-block-nodes treat it so.
+extern const DriverInfo blkdebug_driver = {.name = "blkdebug", .kind = DriverKind::Protocol, .open = open_blkdebug};
+
 }  // namespace drivers
 }  // namespace vblk

@@ -187,5 +187,12 @@ Result<std::shared_ptr<Node>> open_nbd(OpenContext& ctx, Json& opts) {
   return std::shared_ptr<Node>(node);
 }
 
+namespace {
+const char* const kNbdPrefixes[] = {"nbd://", "nbd+unix://", "nbd+tcp://"};
+}  // namespace
+
+extern const DriverInfo nbd_driver = {
+    .name = "nbd", .kind = DriverKind::Protocol, .open = open_nbd, .prefixes = kNbdPrefixes};
+
 }  // namespace drivers
 }  // namespace vblk

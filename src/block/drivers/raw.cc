@@ -140,5 +140,24 @@ Result<std::shared_ptr<Node>> open_raw(OpenContext& ctx, Json& opts) {
   return std::shared_ptr<Node>(node);
 }
 
+namespace {
+
+// QEMU's raw_create_opts: the size; the protocol adds its own.
+const CreateOpt kRawCreateOpts[] = {{"size", CreateOptKind::Size, nullptr, "Virtual disk size"}};
+
+// raw is its protocol's bytes as they are: the protocol creates it.
+Task<Status> create_raw(Loop& loop, const CreateRequest& req) {
+  co_return co_await protocol_for_filename(req.filename).create(loop, req);
+}
+
+}  // namespace
+
+extern const DriverInfo raw_driver = {.name = "raw",
+                                      .kind = DriverKind::Format,
+                                      .open = open_raw,
+                                      .probe = probe_raw,
+                                      .create_opts = kRawCreateOpts,
+                                      .create = create_raw};
+
 }  // namespace drivers
 }  // namespace vblk

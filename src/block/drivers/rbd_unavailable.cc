@@ -1,6 +1,6 @@
 // Stands in for the rbd driver (rbd/) in builds without librbd: the driver
 // name is known, but opening or creating says this build cannot.
-#include "drivers/drivers.h"
+#include "drivers/rbd/rbd_entry.h"
 
 namespace vblk::drivers {
 

@@ -72,5 +72,7 @@ Result<std::shared_ptr<Node>> open_throttle(OpenContext& ctx, Json& opts) {
   return std::shared_ptr<Node>(std::make_shared<ThrottleNode>(ctx.loop, *file, std::move(group)));
 }
 
+extern const DriverInfo throttle_driver = {.name = "throttle", .kind = DriverKind::Filter, .open = open_throttle};
+
 }  // namespace drivers
 }  // namespace vblk

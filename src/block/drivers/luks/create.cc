@@ -12,19 +12,9 @@
 
 #include "drivers/luks/luks.h"
 #include "vblk/buffer.h"
+#include "vblk/crypto_names.h"
 
 namespace vblk::luks {
-
-const char* const kCipherAlgs[] = {"aes-128",     "aes-192",     "aes-256",     "des",         "3des",
-                                   "cast5-128",   "serpent-128", "serpent-192", "serpent-256", "twofish-128",
-                                   "twofish-192", "twofish-256", "sm4"};
-const size_t kNumCipherAlgs = std::size(kCipherAlgs);
-const char* const kCipherModes[] = {"ecb", "cbc", "xts", "ctr"};
-const size_t kNumCipherModes = std::size(kCipherModes);
-const char* const kIvgenAlgs[] = {"plain", "plain64", "essiv"};
-const size_t kNumIvgenAlgs = std::size(kIvgenAlgs);
-const char* const kHashAlgs[] = {"md5", "sha1", "sha224", "sha256", "sha384", "sha512", "ripemd160"};
-const size_t kNumHashAlgs = std::size(kHashAlgs);
 
 namespace {
 
@@ -98,24 +88,24 @@ Status parse_create_options(const std::map<std::string, std::string>& opts, cons
     auto it = opts.find(prefix + key);
     return it == opts.end() ? nullptr : &it->second;
   };
-  auto pick = [&](const char* key, const char* const* allowed, size_t n, std::string& out) -> Status {
+  auto pick = [&](const char* key, std::span<const char* const> allowed, std::string& out) -> Status {
     const std::string* v = get(key);
     if (!v) return {};
-    for (size_t i = 0; i < n; ++i)
-      if (*v == allowed[i]) {
+    for (const char* a : allowed)
+      if (*v == a) {
         out = *v;
         return {};
       }
     return Error(EINVAL, std::string("Parameter '") + key + "' does not accept value '" + *v + "'");
   };
   if (const std::string* v = get("key-secret")) o.key_secret = *v;
-  VBLK_TRY(pick("cipher-alg", kCipherAlgs, kNumCipherAlgs, o.cipher_alg));
-  VBLK_TRY(pick("cipher-mode", kCipherModes, kNumCipherModes, o.cipher_mode));
-  VBLK_TRY(pick("ivgen-alg", kIvgenAlgs, kNumIvgenAlgs, o.ivgen_alg));
+  VBLK_TRY(pick("cipher-alg", crypto_names::kCipherAlgs, o.cipher_alg));
+  VBLK_TRY(pick("cipher-mode", crypto_names::kCipherModes, o.cipher_mode));
+  VBLK_TRY(pick("ivgen-alg", crypto_names::kIvgenAlgs, o.ivgen_alg));
   std::string ivhash;
-  VBLK_TRY(pick("ivgen-hash-alg", kHashAlgs, kNumHashAlgs, ivhash));
+  VBLK_TRY(pick("ivgen-hash-alg", crypto_names::kHashAlgs, ivhash));
   if (!ivhash.empty()) o.ivgen_hash_alg = ivhash;
-  VBLK_TRY(pick("hash-alg", kHashAlgs, kNumHashAlgs, o.hash_alg));
+  VBLK_TRY(pick("hash-alg", crypto_names::kHashAlgs, o.hash_alg));
   if (const std::string* v = get("iter-time")) {
     errno = 0;
     char* end = nullptr;

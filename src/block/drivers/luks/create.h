@@ -7,6 +7,7 @@
 #include <string>
 
 #include "drivers/luks/luks.h"
+#include "vblk/create.h"
 #include "vblk/node.h"
 #include "vblk/task.h"
 
@@ -24,17 +25,6 @@ struct CreateOptions {
   uint64_t size = 0;         // of the payload (the virtual disk)
   Prealloc preallocation = Prealloc::Off;
 };
-
-// The QAPI enum values each option accepts (QCryptoCipherAlgorithm, ...),
-// for "Parameter 'cipher-alg' does not accept value 'x'".
-extern const char* const kCipherAlgs[];
-extern const size_t kNumCipherAlgs;
-extern const char* const kCipherModes[];
-extern const size_t kNumCipherModes;
-extern const char* const kIvgenAlgs[];
-extern const size_t kNumIvgenAlgs;
-extern const char* const kHashAlgs[];
-extern const size_t kNumHashAlgs;
 
 // Creation options given as QemuOpts strings (qemu-img create -o), each
 // named `prefix` + its QAPI name ("encrypt.cipher-alg" for qcow2): QEMU's
@@ -64,5 +54,8 @@ Task<Status> write_volume(Node& file, uint64_t base, const Formatted& f);
 // Formats `file` (which the caller holds for write and resize) as a luks
 // image: sized to the payload offset + o.size, then the header and slot 0.
 Task<Status> create(Node& file, const CreateOptions& o);
+
+// A checked QCryptoBlockCreateOptionsLUKS object (qcow2's `encrypt` too).
+CreateOptions from_qapi(const Json& o);
 
 }  // namespace vblk::luks

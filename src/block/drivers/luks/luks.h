@@ -15,6 +15,7 @@
 #include "drivers/luks/header.h"
 #include "drivers/luks/keyslot.h"
 #include "vblk/node.h"
+#include "vblk/options.h"
 #include "vblk/task.h"
 
 namespace vblk::luks {
@@ -54,3 +55,12 @@ Result<std::string> lookup_password(const std::string& id);
 nlohmann::ordered_json info_json(const Header& h, const Algorithms& a);
 
 }  // namespace vblk::luks
+
+namespace vblk {
+struct OpenContext;
+namespace drivers {
+// luks.cc: opening and probing (driver.cc registers them).
+int probe_luks(std::span<const uint8_t> head);
+Result<std::shared_ptr<Node>> open_luks(OpenContext& ctx, Json& opts);
+}  // namespace drivers
+}  // namespace vblk

@@ -412,17 +412,6 @@ Task<Status> Qcow2Node::do_close() {
 
 }  // namespace vblk::qcow2
 
-namespace vblk::drivers {
-
-Result<std::shared_ptr<Node>> open_qcow2(OpenContext& ctx, Json& opts) { return qcow2::Qcow2Node::open(ctx, opts); }
-
-int probe_qcow2(std::span<const uint8_t> head) {
-  if (head.size() >= 8 && qcow2::be32(head.data()) == qcow2::kMagic && qcow2::be32(head.data() + 4) >= 2) return 100;
-  return 0;
-}
-
-}  // namespace vblk::drivers
-
 namespace vblk::qcow2 {
 
 nlohmann::ordered_json Qcow2Node::format_specific() const {

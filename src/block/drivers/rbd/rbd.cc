@@ -22,10 +22,10 @@
 
 #include <cstring>
 
-#include "drivers/drivers.h"
 #include "drivers/rbd/rbd_aio.h"
 #include "drivers/rbd/rbd_connection.h"
 #include "drivers/rbd/rbd_encryption.h"
+#include "drivers/rbd/rbd_entry.h"
 #include "drivers/rbd/rbd_lib.h"
 #include "vblk/buffer.h"
 #include "vblk/qdict_order.h"
