@@ -28,7 +28,6 @@ std::vector<DriverInfo>& registry() {
 #define VBLK_DRIVER(id) drivers::id##_driver,
 #include "drivers/list.h"
 #undef VBLK_DRIVER
-      {.name = "null-co", .kind = DriverKind::Protocol, .open = drivers::open_null},
   };
   return r;
 }

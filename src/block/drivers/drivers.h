@@ -4,10 +4,3 @@
 #pragma once
 
 #include "vblk/open.h"
-
-namespace vblk::drivers {
-
-// null.cc: registered by open.cc's registry directly, not yet by list.h.
-Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts);
-
-}  // namespace vblk::drivers

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "drivers/drivers.h"
+#include "vblk/open.h"
 
 namespace vblk {
 namespace {
@@ -100,6 +100,8 @@ Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts) {
   node->given_size_ = size->has_value();
   return std::shared_ptr<Node>(node);
 }
+
+extern const DriverInfo null_co_driver = {.name = "null-co", .kind = DriverKind::Protocol, .open = open_null};
 
 }  // namespace drivers
 }  // namespace vblk
