@@ -4,7 +4,6 @@
 
 #include <cstring>
 
-#include "drivers/drivers.h"
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
 #include "vblk/trace.h"

@@ -6,7 +6,6 @@
 
 #include <random>
 
-#include "block/drivers/drivers.h"
 #include "vblk/buffer.h"
 #include "vblk/open.h"
 

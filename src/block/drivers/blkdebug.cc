@@ -14,8 +14,8 @@
 // they fire. `set-state` rules move the state machine on an event.
 #include <algorithm>
 
-#include "drivers/drivers.h"
 #include "vblk/filter_node.h"
+#include "vblk/open.h"
 
 namespace vblk {
 namespace {

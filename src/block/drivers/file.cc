@@ -17,9 +17,9 @@
 #include <cstring>
 #include <functional>
 
-#include "drivers/drivers.h"
 #include "drivers/file_lock.h"
 #include "vblk/buffer.h"
+#include "vblk/open.h"
 
 namespace vblk {
 

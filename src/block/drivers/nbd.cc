@@ -6,9 +6,9 @@
 // CAN_MULTI_CONN, requests are spread over that many connections.
 #include <fmt/format.h>
 
-#include "drivers/drivers.h"
 #include "vblk/nbd_client.h"
 #include "vblk/nbd_protocol.h"
+#include "vblk/open.h"
 #include "vblk/options.h"
 
 namespace vblk {

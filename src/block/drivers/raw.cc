@@ -3,8 +3,8 @@
 // block status answers "ask the child" (kStatusRaw), as QEMU's raw does.
 #include <algorithm>
 
-#include "drivers/drivers.h"
 #include "perm_rules.h"
+#include "vblk/open.h"
 
 namespace vblk {
 namespace {

@@ -7,8 +7,8 @@
 
 #include <cerrno>
 
-#include "drivers/drivers.h"
 #include "vblk/filter_node.h"
+#include "vblk/open.h"
 
 namespace vblk {
 namespace {

@@ -12,9 +12,9 @@
 #include <algorithm>
 #include <cstring>
 
-#include "drivers/drivers.h"
 #include "perm_rules.h"
 #include "vblk/buffer.h"
+#include "vblk/open.h"
 
 namespace vblk {
 namespace {
