@@ -66,6 +66,14 @@ Status publish_file(const std::string& from, const std::string& to) {
   return {};
 }
 
+// vblk backup's command line, parsed and checked.
+struct BackupCommand {
+  ImageArgs sa;  // the source
+  std::string target, out_fmt = "qcow2", backing, backing_fmt, bitmap;
+  bool incremental = false, progress = false, quiet = false;
+  uint64_t cow_buffer = 0, rate = 0;
+};
+
 void usage() {
   std::printf(
       "usage: %s backup [-f fmt] [-O output_fmt] [--bitmap name [--incremental -B backing_file [-F "
@@ -75,7 +83,7 @@ void usage() {
 
 }  // namespace
 
-int cmd_backup(int argc, char** argv) {
+Parsed<BackupCommand> parse_backup(int argc, char** argv) {
   enum { OPT_BITMAP = 256, OPT_INCREMENTAL, OPT_COW_BUFFER, OPT_IMAGE_OPTS, OPT_OBJECT };
   static const option longopts[] = {
       {"help", no_argument, nullptr, 'h'},
@@ -86,61 +94,63 @@ int cmd_backup(int argc, char** argv) {
       {"object", required_argument, nullptr, OPT_OBJECT},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
-  ImageArgs sa;
-  std::string out_fmt = "qcow2", backing, backing_fmt, bitmap;
-  bool incremental = false, progress = false, quiet = false;
-  uint64_t cow_buffer = 0, rate = 0;
-  int c;
-  while ((c = getopt_long(argc, argv, ":f:O:B:F:r:hpq", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h': usage(); return 0;
-      case 'f': sa.format = optarg; break;
-      case 'O': out_fmt = optarg; break;
-      case 'B': backing = optarg; break;
-      case 'F': backing_fmt = optarg; break;
-      case 'p': progress = true; break;
-      case 'q': quiet = true; break;
-      case 'r':
-      case OPT_COW_BUFFER: {
-        auto v = parse_size(optarg);
-        if (!v) {
-          error_report(std::string("Invalid ") + (c == 'r' ? "rate limit" : "COW buffer size") + " '" + optarg + "'");
-          return 1;
-        }
-        (c == 'r' ? rate : cow_buffer) = *v;
-        break;
-      }
-      case OPT_BITMAP: bitmap = optarg; break;
-      case OPT_INCREMENTAL: incremental = true; break;
-      case OPT_IMAGE_OPTS: sa.image_opts = true; break;
-      case OPT_OBJECT: cli_object(optarg); break;
-    }
-  }
+  BackupCommand cmd;
+  if (int rc = for_each_option(
+          argc, argv, ":f:O:B:F:r:hpq", longopts, [&] { usage(); },
+          [&](int c) {
+            switch (c) {
+              case 'f': cmd.sa.format = optarg; break;
+              case 'O': cmd.out_fmt = optarg; break;
+              case 'B': cmd.backing = optarg; break;
+              case 'F': cmd.backing_fmt = optarg; break;
+              case 'p': cmd.progress = true; break;
+              case 'q': cmd.quiet = true; break;
+              case 'r':
+              case OPT_COW_BUFFER: {
+                auto v = parse_size(optarg);
+                if (!v) {
+                  error_report(std::string("Invalid ") + (c == 'r' ? "rate limit" : "COW buffer size") + " '" + optarg +
+                               "'");
+                  return 1;
+                }
+                (c == 'r' ? cmd.rate : cmd.cow_buffer) = *v;
+                break;
+              }
+              case OPT_BITMAP: cmd.bitmap = optarg; break;
+              case OPT_INCREMENTAL: cmd.incremental = true; break;
+              case OPT_IMAGE_OPTS: cmd.sa.image_opts = true; break;
+              case OPT_OBJECT: cli_object(optarg); break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   if (optind != argc - 2) error_exit("Expecting a source and a target");
-  sa.filename = argv[optind];
-  const std::string target = argv[optind + 1];
-  if (incremental && bitmap.empty()) error_exit("--incremental needs --bitmap: the bitmap says what changed");
-  if (incremental && backing.empty())
+  cmd.sa.filename = argv[optind];
+  cmd.target = argv[optind + 1];
+  if (cmd.incremental && cmd.bitmap.empty()) error_exit("--incremental needs --bitmap: the bitmap says what changed");
+  if (cmd.incremental && cmd.backing.empty())
     error_exit("--incremental needs -B: the previous backup of the chain, the new target's backing file");
-  if (!incremental && !backing.empty()) error_exit("-B is only for --incremental");
-  if (!backing_fmt.empty() && backing.empty()) error_exit("-F needs -B");
-  if (incremental && out_fmt != "qcow2") error_exit("an incremental backup is a qcow2 overlay (-O qcow2)");
-  if (quiet) progress = false;
-  if (::access(target.c_str(), F_OK) == 0) {
+  if (!cmd.incremental && !cmd.backing.empty()) error_exit("-B is only for --incremental");
+  if (!cmd.backing_fmt.empty() && cmd.backing.empty()) error_exit("-F needs -B");
+  if (cmd.incremental && cmd.out_fmt != "qcow2") error_exit("an incremental backup is a qcow2 overlay (-O qcow2)");
+  if (cmd.quiet) cmd.progress = false;
+  return cmd;
+}
+
+int run_backup(BackupCommand cmd) {
+  if (::access(cmd.target.c_str(), F_OK) == 0) {
     // A backup never overwrites: an existing file may be a backup itself.
-    error_report("Could not create '" + target + "': the file exists (a backup never overwrites one)");
+    error_report("Could not create '" + cmd.target + "': the file exists (a backup never overwrites one)");
     return 1;
   }
   // A file target is written under a partial name and renamed when the
   // backup has finished: a killed backup never leaves a file at TARGET that
   // looks like a finished one (an rbd image is written in place).
-  const bool in_place = target.rfind("rbd:", 0) == 0;
-  const std::string written = in_place ? target : target + kPartialSuffix;
+  const bool in_place = cmd.target.rfind("rbd:", 0) == 0;
+  const std::string written = in_place ? cmd.target : cmd.target + kPartialSuffix;
   if (!in_place && ::access(written.c_str(), F_OK) == 0) {
-    error_report("Could not create '" + target + "': '" + written +
+    error_report("Could not create '" + cmd.target + "': '" + written +
                  "' exists, a backup into it was stopped or is still running; remove it first");
     return 1;
   }
@@ -148,33 +158,33 @@ int cmd_backup(int argc, char** argv) {
   Loop loop;
   // The source's bitmap changes with the backup, so it is opened for
   // writing then; either way others may not write it meanwhile.
-  sa.read_only = bitmap.empty();
-  sa.unshare = kPermWrite | kPermResize;
-  auto src = open_cli_image(loop, sa);
+  cmd.sa.read_only = cmd.bitmap.empty();
+  cmd.sa.unshare = kPermWrite | kPermResize;
+  auto src = open_cli_image(loop, cmd.sa);
   if (!src) return 1;
-  NamedBitmap* existing = bitmap.empty() ? nullptr : src->bitmaps().find(bitmap);
+  NamedBitmap* existing = cmd.bitmap.empty() ? nullptr : src->bitmaps().find(cmd.bitmap);
   const uint64_t granularity = default_bitmap_granularity(src->cluster_size());
-  if (incremental) {
+  if (cmd.incremental) {
     if (!existing) {
-      error_report("Refusing the incremental backup: bitmap '" + bitmap + "' of '" + sa.filename +
-                   "' does not exist; make a full backup with --bitmap " + bitmap + " to start a chain");
+      error_report("Refusing the incremental backup: bitmap '" + cmd.bitmap + "' of '" + cmd.sa.filename +
+                   "' does not exist; make a full backup with --bitmap " + cmd.bitmap + " to start a chain");
       return 1;
     }
     if (existing->inconsistent) {
-      error_report("Refusing the incremental backup: bitmap '" + bitmap + "' of '" + sa.filename +
+      error_report("Refusing the incremental backup: bitmap '" + cmd.bitmap + "' of '" + cmd.sa.filename +
                    "' is inconsistent (its writer stopped without storing it), so it may miss writes; make a "
                    "full backup with --bitmap " +
-                   bitmap + " after removing it (vblk bitmap --remove)");
+                   cmd.bitmap + " after removing it (vblk bitmap --remove)");
       return 1;
     }
-  } else if (!bitmap.empty() && !existing) {
-    if (Status st = src->can_store_new_bitmap(bitmap, granularity); !st) {
-      error_report("Cannot keep bitmap '" + bitmap + "': " + st.error().what());
+  } else if (!cmd.bitmap.empty() && !existing) {
+    if (Status st = src->can_store_new_bitmap(cmd.bitmap, granularity); !st) {
+      error_report("Cannot keep bitmap '" + cmd.bitmap + "': " + st.error().what());
       return 1;
     }
   }
 
-  if (create_target(written, out_fmt, "", backing, backing_fmt, src->length(),
+  if (create_target(written, cmd.out_fmt, "", cmd.backing, cmd.backing_fmt, src->length(),
                     "error while creating the backup target: ") != 0)
     return 1;
   // Unless the backup completed: the target this command made goes, a bitmap
@@ -197,22 +207,22 @@ int cmd_backup(int argc, char** argv) {
     }
   } undo{.path = written, .src = *src};
   if (existing) {
-    undo.reused_bitmap = bitmap;
+    undo.reused_bitmap = cmd.bitmap;
     undo.reused_bits = existing->bits;
-  } else if (!bitmap.empty()) {
+  } else if (!cmd.bitmap.empty()) {
     // A new chain: the bitmap starts here (clean; the job keeps it so).
-    auto nb = src->bitmaps().create(bitmap, src->length(), granularity);
+    auto nb = src->bitmaps().create(cmd.bitmap, src->length(), granularity);
     if (!nb) {
-      error_report("Cannot keep bitmap '" + bitmap + "': " + nb.error().what());
+      error_report("Cannot keep bitmap '" + cmd.bitmap + "': " + nb.error().what());
       return 1;
     }
     (*nb)->persistent = true;
-    undo.created_bitmap = bitmap;
+    undo.created_bitmap = cmd.bitmap;
   }
 
   ImageArgs ta;
   ta.filename = written;
-  ta.format = out_fmt;
+  ta.format = cmd.out_fmt;
   ta.read_only = false;
   auto dst = open_cli_image(loop, ta);
   if (!dst) return 1;
@@ -233,25 +243,25 @@ int cmd_backup(int argc, char** argv) {
   a.job_id = "backup";
   a.device = src->node_name();
   a.target = dst->node_name();
-  a.sync = incremental ? "bitmap" : "full";
-  if (!bitmap.empty()) {
-    a.bitmap = bitmap;
+  a.sync = cmd.incremental ? "bitmap" : "full";
+  if (!cmd.bitmap.empty()) {
+    a.bitmap = cmd.bitmap;
     a.bitmap_mode = "on-success";
   }
-  if (rate) a.speed = static_cast<int64_t>(rate);
-  a.cow_buffer_size = static_cast<int64_t>(cow_buffer);
+  if (cmd.rate) a.speed = static_cast<int64_t>(cmd.rate);
+  a.cow_buffer_size = static_cast<int64_t>(cmd.cow_buffer);
   // Zeroes found in the data are written as zeroes (holes where the target
   // can unmap), so a backup is as sparse as qemu-img convert makes it
   // (qemu-img's default -S 4k).
   a.detect_zeroes = 4096;
   auto job = start_backup(jobs, graph, a);
   if (!job) {
-    error_report((incremental ? "Refusing the incremental backup: " : "Cannot start the backup: ") +
+    error_report((cmd.incremental ? "Refusing the incremental backup: " : "Cannot start the backup: ") +
                  job.error().what());
     return 1;
   }
   {
-    Progress meter(progress, 1.0f);
+    Progress meter(cmd.progress, 1.0f);
     float shown = 0;
     meter.print(0, 100);
     loop.run_until([&] {
@@ -278,13 +288,19 @@ int cmd_backup(int argc, char** argv) {
   (void)graph.remove(src->node_name());
   dst.reset();  // closed: every byte and the metadata are on disk before the rename
   if (!in_place) {
-    if (Status st = publish_file(written, target); !st) {
-      error_report("Could not finish the backup '" + target + "': " + st.error().what());
+    if (Status st = publish_file(written, cmd.target); !st) {
+      error_report("Could not finish the backup '" + cmd.target + "': " + st.error().what());
       return 1;
     }
   }
   undo.done = true;
   return 0;
+}
+
+int cmd_backup(int argc, char** argv) {
+  auto parsed = parse_backup(argc, argv);
+  if (auto* rc = std::get_if<int>(&parsed)) return *rc;
+  return run_backup(std::move(std::get<BackupCommand>(parsed)));
 }
 
 }  // namespace vblk::cli

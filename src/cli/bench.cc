@@ -117,102 +117,104 @@ int cmd_bench(int argc, char** argv) {
       {"force-share", no_argument, nullptr, 'U'},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   ImageArgs a;
   unsigned long count = 75000, depth = 64, pattern = 0, flush_interval = 0;
   int64_t bufsize = 4096, step = 0, offset = 0;
   bool write = false, drain = true, force_share = false, native = false;
-  int c;
-  while ((c = getopt_long(argc, argv, ":hc:d:f:ni:o:qs:S:t:wU", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf(
-            "usage: %s bench [-c count] [-d depth] [-f fmt] [--flush-interval=flush_interval] [-i aio] [-n] "
-            "[--no-drain] [-o offset] [--pattern=pattern] [-q] [-s buffer_size] [-S step_size] [-t cache] [-w] [-U] "
-            "filename\n",
-            g_prog.c_str());
-        return 0;
-      case 'c': {
-        auto v = parse_ulong(optarg, INT32_MAX);
-        if (!v) {
-          error_report("Invalid request count specified");
-          return 1;
-        }
-        count = *v;
-        break;
-      }
-      case 'd': {
-        auto v = parse_ulong(optarg, INT32_MAX);
-        if (!v) {
-          error_report("Invalid queue depth specified");
-          return 1;
-        }
-        depth = *v;
-        break;
-      }
-      case 'f': a.format = optarg; break;
-      case 'n': native = true; break;
-      case 'i':
-        if (std::strcmp(optarg, "native") == 0) {
-          native = true;
-        } else if (std::strcmp(optarg, "threads") == 0 || std::strcmp(optarg, "io_uring") == 0) {
-          if (!native) a.aio = optarg;
-        } else {
-          error_report(std::string("Invalid aio option: ") + optarg);
-          return 1;
-        }
-        break;
-      case 'o': {
-        auto v = cvtnum("offset", optarg);
-        if (!v) return 1;
-        offset = *v;
-        break;
-      }
-      case 'q': break;  // qemu-img accepts and ignores it
-      case 's': {
-        auto v = cvtnum("buffer size", optarg, INT32_MAX);
-        if (!v) return 1;
-        bufsize = *v;
-        break;
-      }
-      case 'S': {
-        auto v = cvtnum("step_size", optarg, INT32_MAX);
-        if (!v) return 1;
-        step = *v;
-        break;
-      }
-      case 't':
-        if (!parse_cache_mode(optarg, a.cache)) {
-          error_report("Invalid cache mode");
-          return 1;
-        }
-        break;
-      case 'w': write = true; break;
-      case 'U': force_share = true; break;
-      case OPT_FLUSH_INTERVAL: {
-        auto v = parse_ulong(optarg, INT32_MAX);
-        if (!v) {
-          error_report("Invalid flush interval specified");
-          return 1;
-        }
-        flush_interval = *v;
-        break;
-      }
-      case OPT_PATTERN: {
-        auto v = parse_ulong(optarg, 0xff);
-        if (!v) {
-          error_report("Invalid pattern byte specified");
-          return 1;
-        }
-        pattern = *v;
-        break;
-      }
-      case OPT_NO_DRAIN: drain = false; break;
-      case OPT_IMAGE_OPTS: a.image_opts = true; break;
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":hc:d:f:ni:o:qs:S:t:wU", longopts,
+          [&] {
+            std::printf(
+                "usage: %s bench [-c count] [-d depth] [-f fmt] [--flush-interval=flush_interval] [-i aio] [-n] "
+                "[--no-drain] [-o offset] [--pattern=pattern] [-q] [-s buffer_size] [-S step_size] [-t cache] [-w] "
+                "[-U] "
+                "filename\n",
+                g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'c': {
+                auto v = parse_ulong(optarg, INT32_MAX);
+                if (!v) {
+                  error_report("Invalid request count specified");
+                  return 1;
+                }
+                count = *v;
+                break;
+              }
+              case 'd': {
+                auto v = parse_ulong(optarg, INT32_MAX);
+                if (!v) {
+                  error_report("Invalid queue depth specified");
+                  return 1;
+                }
+                depth = *v;
+                break;
+              }
+              case 'f': a.format = optarg; break;
+              case 'n': native = true; break;
+              case 'i':
+                if (std::strcmp(optarg, "native") == 0) {
+                  native = true;
+                } else if (std::strcmp(optarg, "threads") == 0 || std::strcmp(optarg, "io_uring") == 0) {
+                  if (!native) a.aio = optarg;
+                } else {
+                  error_report(std::string("Invalid aio option: ") + optarg);
+                  return 1;
+                }
+                break;
+              case 'o': {
+                auto v = cvtnum("offset", optarg);
+                if (!v) return 1;
+                offset = *v;
+                break;
+              }
+              case 'q': break;  // qemu-img accepts and ignores it
+              case 's': {
+                auto v = cvtnum("buffer size", optarg, INT32_MAX);
+                if (!v) return 1;
+                bufsize = *v;
+                break;
+              }
+              case 'S': {
+                auto v = cvtnum("step_size", optarg, INT32_MAX);
+                if (!v) return 1;
+                step = *v;
+                break;
+              }
+              case 't':
+                if (!parse_cache_mode(optarg, a.cache)) {
+                  error_report("Invalid cache mode");
+                  return 1;
+                }
+                break;
+              case 'w': write = true; break;
+              case 'U': force_share = true; break;
+              case OPT_FLUSH_INTERVAL: {
+                auto v = parse_ulong(optarg, INT32_MAX);
+                if (!v) {
+                  error_report("Invalid flush interval specified");
+                  return 1;
+                }
+                flush_interval = *v;
+                break;
+              }
+              case OPT_PATTERN: {
+                auto v = parse_ulong(optarg, 0xff);
+                if (!v) {
+                  error_report("Invalid pattern byte specified");
+                  return 1;
+                }
+                pattern = *v;
+                break;
+              }
+              case OPT_NO_DRAIN: drain = false; break;
+              case OPT_IMAGE_OPTS: a.image_opts = true; break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   if (optind != argc - 1) error_exit("Expecting one image file name");
   a.filename = argv[optind];
   if (native) a.aio = "native";

@@ -115,7 +115,6 @@ int cmd_bitmap(int argc, char** argv) {
       {"merge", required_argument, nullptr, OPT_MERGE},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   ImageArgs a;
   a.read_only = false;
   std::vector<Action> actions;
@@ -123,50 +122,52 @@ int cmd_bitmap(int argc, char** argv) {
   uint64_t granularity = 0;
   bool has_granularity = false;
   std::string src_filename, src_fmt;
-  int c;
-  while ((c = getopt_long(argc, argv, ":b:f:F:g:h", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf(
-            "usage: %s bitmap (--merge SOURCE | --add | --remove | --clear | --enable | --disable)... "
-            "[-b source_file [-F source_fmt]] [-g granularity] [--object objectdef] [--image-opts | -f fmt] "
-            "filename bitmap\n",
-            g_prog.c_str());
-        return 0;
-      case 'b': src_filename = optarg; break;
-      case 'f': a.format = optarg; break;
-      case 'F': src_fmt = optarg; break;
-      case 'g': {
-        auto g = parse_size(optarg);
-        if (!g) {
-          error_report("Invalid granularity specified. You may use k, M, G, T, P or E suffixes for");
-          error_report("kilobytes, megabytes, gigabytes, terabytes, petabytes and exabytes.");
-          return 1;
-        }
-        // 0 is "not given"; QMP's granularity is a uint32, and qemu-img
-        // passes the low 32 bits of what it parsed (4G is then 0: refused).
-        has_granularity = *g != 0;
-        granularity = *g & 0xffffffffull;
-        break;
-      }
-      case OPT_OBJECT: cli_object(optarg); break;
-      case OPT_IMAGE_OPTS: a.image_opts = true; break;
-      case OPT_ADD:
-        actions.push_back({Op::Add, {}});
-        add = true;
-        break;
-      case OPT_REMOVE: actions.push_back({Op::Remove, {}}); break;
-      case OPT_CLEAR: actions.push_back({Op::Clear, {}}); break;
-      case OPT_ENABLE: actions.push_back({Op::Enable, {}}); break;
-      case OPT_DISABLE: actions.push_back({Op::Disable, {}}); break;
-      case OPT_MERGE:
-        actions.push_back({Op::Merge, optarg});
-        merge = true;
-        break;
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":b:f:F:g:h", longopts,
+          [&] {
+            std::printf(
+                "usage: %s bitmap (--merge SOURCE | --add | --remove | --clear | --enable | --disable)... "
+                "[-b source_file [-F source_fmt]] [-g granularity] [--object objectdef] [--image-opts | -f fmt] "
+                "filename bitmap\n",
+                g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'b': src_filename = optarg; break;
+              case 'f': a.format = optarg; break;
+              case 'F': src_fmt = optarg; break;
+              case 'g': {
+                auto g = parse_size(optarg);
+                if (!g) {
+                  error_report("Invalid granularity specified. You may use k, M, G, T, P or E suffixes for");
+                  error_report("kilobytes, megabytes, gigabytes, terabytes, petabytes and exabytes.");
+                  return 1;
+                }
+                // 0 is "not given"; QMP's granularity is a uint32, and qemu-img
+                // passes the low 32 bits of what it parsed (4G is then 0: refused).
+                has_granularity = *g != 0;
+                granularity = *g & 0xffffffffull;
+                break;
+              }
+              case OPT_OBJECT: cli_object(optarg); break;
+              case OPT_IMAGE_OPTS: a.image_opts = true; break;
+              case OPT_ADD:
+                actions.push_back({Op::Add, {}});
+                add = true;
+                break;
+              case OPT_REMOVE: actions.push_back({Op::Remove, {}}); break;
+              case OPT_CLEAR: actions.push_back({Op::Clear, {}}); break;
+              case OPT_ENABLE: actions.push_back({Op::Enable, {}}); break;
+              case OPT_DISABLE: actions.push_back({Op::Disable, {}}); break;
+              case OPT_MERGE:
+                actions.push_back({Op::Merge, optarg});
+                merge = true;
+                break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   // qemu-img reports these without its "Try --help" line.
   const char* usage_error = nullptr;
   if (actions.empty()) {

@@ -79,40 +79,41 @@ int cmd_check(int argc, char** argv) {
       {"force-share", no_argument, nullptr, 'U'},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   std::string cache = "writeback";
   const char* output = nullptr;
   bool quiet = false, force_share = false;
   uint32_t fix = kCheckReport;
-  int c;
-  while ((c = getopt_long(argc, argv, ":hf:r:T:qU", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf(
-            "usage: %s check [--image-opts] [-q] [-f fmt] [--output=ofmt] [-r [leaks | all]] "
-            "[-T src_cache] [-U] filename\n",
-            g_prog.c_str());
-        return 0;
-      case 'f': a.format = optarg; break;
-      case 'r':
-        if (!std::strcmp(optarg, "leaks")) {
-          fix = kCheckFixLeaks;
-        } else if (!std::strcmp(optarg, "all")) {
-          fix = kCheckFixLeaks | kCheckFixErrors;
-        } else {
-          error_exit(std::string("Unknown option value for -r (expecting 'leaks' or 'all'): ") + optarg);
-        }
-        break;
-      case OPT_OUTPUT: output = optarg; break;
-      case 'T': cache = optarg; break;
-      case 'q': quiet = true; break;
-      case 'U': force_share = true; break;
-      case OPT_OBJECT: cli_object(optarg); break;
-      case OPT_IMAGE_OPTS: a.image_opts = true; break;
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":hf:r:T:qU", longopts,
+          [&] {
+            std::printf(
+                "usage: %s check [--image-opts] [-q] [-f fmt] [--output=ofmt] [-r [leaks | all]] "
+                "[-T src_cache] [-U] filename\n",
+                g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'f': a.format = optarg; break;
+              case 'r':
+                if (!std::strcmp(optarg, "leaks")) {
+                  fix = kCheckFixLeaks;
+                } else if (!std::strcmp(optarg, "all")) {
+                  fix = kCheckFixLeaks | kCheckFixErrors;
+                } else {
+                  error_exit(std::string("Unknown option value for -r (expecting 'leaks' or 'all'): ") + optarg);
+                }
+                break;
+              case OPT_OUTPUT: output = optarg; break;
+              case 'T': cache = optarg; break;
+              case 'q': quiet = true; break;
+              case 'U': force_share = true; break;
+              case OPT_OBJECT: cli_object(optarg); break;
+              case OPT_IMAGE_OPTS: a.image_opts = true; break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   if (optind != argc - 1) error_exit("Expecting one image file name");
   a.filename = argv[optind];
   bool json = false;

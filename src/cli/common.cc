@@ -87,6 +87,22 @@ void missing_argument(char** argv, int optind) {
   error_exit("missing argument for option '" + std::string(argv[optind - 1]) + "'");
 }
 
+int for_each_option(int argc, char** argv, const char* shortopts, const struct option* longopts,
+                    const std::function<void()>& usage, const std::function<int(int c)>& on_option) {
+  optind = 0;
+  int c;
+  while ((c = getopt_long(argc, argv, shortopts, longopts, nullptr)) != -1) {
+    switch (c) {
+      case ':': missing_argument(argv, optind);
+      case '?': unrecognized_option(argv, optind);
+      case 'h': usage(); return 0;
+      default:
+        if (int rc = on_option(c); rc != kNextOption) return rc;
+    }
+  }
+  return kNextOption;
+}
+
 std::string size_to_str(uint64_t val) {
   static const char* suffixes[] = {"", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"};
   int e = 0;

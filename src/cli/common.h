@@ -5,11 +5,15 @@
 // "Try '<prog> --help' for more information" and exit 1.
 #pragma once
 
+#include <getopt.h>
+
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <variant>
 
 #include "vblk/loop.h"
 #include "vblk/node.h"
@@ -25,6 +29,21 @@ void error_report(const std::string& msg);
 // getopt's unknown/missing-argument reports, worded as qemu-img words them.
 [[noreturn]] void unrecognized_option(char** argv, int optind);
 [[noreturn]] void missing_argument(char** argv, int optind);
+
+// The getopt loop every command shares, as qemu-img's commands all run it:
+// `optind` reset, a missing argument or an unknown option reported in
+// qemu-img's words (exit 1), -h/--help printing `usage` (exit 0); every
+// other option goes to `on_option(c)` (optarg as getopt left it), which
+// returns kNextOption or an exit code to stop with. `shortopts` starts with
+// ':' and lists 'h'. Returns kNextOption once the options are taken,
+// else the exit code.
+inline constexpr int kNextOption = -1;
+// What a command's parse step gives its run step: the arguments, or the
+// exit code to stop with (the error is reported, or -h printed its usage).
+template <class Args>
+using Parsed = std::variant<Args, int>;
+int for_each_option(int argc, char** argv, const char* shortopts, const struct option* longopts,
+                    const std::function<void()>& usage, const std::function<int(int c)>& on_option);
 
 // -T / --trace PATTERN (vblk/trace.h): switches the matching categories
 // on; a bad option exits 1, a pattern that matches nothing warns.

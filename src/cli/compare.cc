@@ -156,31 +156,32 @@ int cmd_compare(int argc, char** argv) {
       {"force-share", no_argument, nullptr, 'U'},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   std::string fmt1, fmt2, cache = "writeback";
   bool progress = false, quiet = false, strict = false, image_opts = false, force_share = false;
-  int c;
-  while ((c = getopt_long(argc, argv, ":hf:F:T:pqsU", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf(
-            "usage: %s compare [--image-opts] [-f fmt] [-F fmt] [-T src_cache] [-p] [-q] [-s] [-U] filename1 "
-            "filename2\n",
-            g_prog.c_str());
-        return 0;
-      case 'f': fmt1 = optarg; break;
-      case 'F': fmt2 = optarg; break;
-      case 'T': cache = optarg; break;
-      case 'p': progress = true; break;
-      case 'q': quiet = true; break;
-      case 's': strict = true; break;
-      case 'U': force_share = true; break;
-      case OPT_OBJECT: cli_object(optarg, 2); break;
-      case OPT_IMAGE_OPTS: image_opts = true; break;
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":hf:F:T:pqsU", longopts,
+          [&] {
+            std::printf(
+                "usage: %s compare [--image-opts] [-f fmt] [-F fmt] [-T src_cache] [-p] [-q] [-s] [-U] filename1 "
+                "filename2\n",
+                g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'f': fmt1 = optarg; break;
+              case 'F': fmt2 = optarg; break;
+              case 'T': cache = optarg; break;
+              case 'p': progress = true; break;
+              case 'q': quiet = true; break;
+              case 's': strict = true; break;
+              case 'U': force_share = true; break;
+              case OPT_OBJECT: cli_object(optarg, 2); break;
+              case OPT_IMAGE_OPTS: image_opts = true; break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   if (quiet) progress = false;
   if (optind != argc - 2) error_exit("Expecting two image file names");
   std::string f1 = argv[optind], f2 = argv[optind + 1];

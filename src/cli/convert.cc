@@ -64,6 +64,18 @@ bool supports_direct(const std::string& path) {
   return true;
 }
 
+// qemu-img convert's command line, parsed and checked in its order.
+struct ConvertArgs {
+  std::string fmt, out_fmt = "raw", options, backing, backing_fmt, cache = "unsafe", src_cache = "writeback";
+  bool compress = false, progress = false, quiet = false, skip_create = false, copy_range = false;
+  bool force_share = false, image_opts = false, target_is_zero = false;
+  bool explicit_sparse = false, src_cache_given = false, cache_given = false;
+  uint64_t min_sparse = 4096, rate = 0;
+  unsigned workers = 0;  // 0: the engine's default
+  std::string src_name, out_name;
+  CacheMode src_mode, dst_mode;
+};
+
 void convert_usage() {
   std::printf(
       "usage: %s convert [--image-opts] [--target-is-zero] [-U] [-C] [-c] [-p] [-q] [-n] [-f fmt] [-t cache] "
@@ -74,7 +86,7 @@ void convert_usage() {
 
 }  // namespace
 
-int cmd_convert(int argc, char** argv) {
+Parsed<ConvertArgs> parse_convert(int argc, char** argv) {
   enum { kObject = 256, kImageOpts, kTargetIsZero };
   static const option longopts[] = {
       {"help", no_argument, nullptr, 'h'},
@@ -84,88 +96,83 @@ int cmd_convert(int argc, char** argv) {
       {"target-is-zero", no_argument, nullptr, kTargetIsZero},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
-  std::string fmt, out_fmt = "raw", options, backing, backing_fmt, cache = "unsafe", src_cache = "writeback";
-  bool compress = false, progress = false, quiet = false, skip_create = false, copy_range = false;
-  bool force_share = false;
-  bool image_opts = false, target_is_zero = false, explicit_sparse = false, src_cache_given = false;
-  bool cache_given = false;
-  uint64_t min_sparse = 4096, rate = 0;
-  unsigned workers = 0;
-  int c;
-  while ((c = getopt_long(argc, argv, ":hf:O:B:CF:co:l:S:pt:T:qnm:WUr:", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h': convert_usage(); return 0;
-      case 'f': fmt = optarg; break;
-      case 'O': out_fmt = optarg; break;
-      case 'B': backing = optarg; break;
-      case 'F': backing_fmt = optarg; break;
-      case 'C': copy_range = true; break;
-      case 'c': compress = true; break;
-      case 'o': options = options.empty() ? std::string(optarg) : options + "," + optarg; break;
-      case 'l': error_report("Snapshot parameters are not supported by vblk convert"); return 1;
-      case 'S': {
-        auto r = parse_size(optarg);
-        if (!r) {
-          error_report("Invalid buffer size for sparse output specified. You may use k, M, G, T, P or E suffixes for");
-          error_report("kilobytes, megabytes, gigabytes, terabytes, petabytes and exabytes.");
-          return 1;
-        }
-        if (*r % 512 || *r > kMaxSparse) {
-          error_report(
-              "Invalid buffer size for sparse output specified. Valid sizes are multiples of 512 up to "
-              "16777216. Select 0 to disable sparse detection (fully allocates output).");
-          return 1;
-        }
-        min_sparse = *r;
-        explicit_sparse = true;
-        break;
-      }
-      case 'p': progress = true; break;
-      case 't':
-        cache = optarg;
-        cache_given = true;
-        break;
-      case 'T':
-        src_cache = optarg;
-        src_cache_given = true;
-        break;
-      case 'q': quiet = true; break;
-      case 'n': skip_create = true; break;
-      case 'm': {
-        auto m = parse_ulong(optarg, 16);
-        if (!m || *m < 1) {
-          error_report("Invalid number of coroutines. Allowed number of coroutines is between 1 and 16");
-          return 1;
-        }
-        workers = static_cast<unsigned>(*m);
-        break;
-      }
-      case 'W': break;  // the engine always writes out of order
-      case 'U': force_share = true; break;
-      case 'r': {
-        auto r = cvtnum("rate limit", optarg);
-        if (!r) return 1;
-        rate = static_cast<uint64_t>(*r);
-        break;
-      }
-      case kObject: cli_object(optarg); break;
-      case kImageOpts: image_opts = true; break;
-      case kTargetIsZero: target_is_zero = true; break;
-    }
-  }
-  if (quiet) progress = false;
-  if (compress && copy_range) {
+  ConvertArgs a;
+  if (int rc = for_each_option(
+          argc, argv, ":hf:O:B:CF:co:l:S:pt:T:qnm:WUr:", longopts, [&] { convert_usage(); },
+          [&](int c) {
+            switch (c) {
+              case 'f': a.fmt = optarg; break;
+              case 'O': a.out_fmt = optarg; break;
+              case 'B': a.backing = optarg; break;
+              case 'F': a.backing_fmt = optarg; break;
+              case 'C': a.copy_range = true; break;
+              case 'c': a.compress = true; break;
+              case 'o': a.options = a.options.empty() ? std::string(optarg) : a.options + "," + optarg; break;
+              case 'l': error_report("Snapshot parameters are not supported by vblk convert"); return 1;
+              case 'S': {
+                auto r = parse_size(optarg);
+                if (!r) {
+                  error_report(
+                      "Invalid buffer size for sparse output specified. You may use k, M, G, T, P or E suffixes for");
+                  error_report("kilobytes, megabytes, gigabytes, terabytes, petabytes and exabytes.");
+                  return 1;
+                }
+                if (*r % 512 || *r > kMaxSparse) {
+                  error_report(
+                      "Invalid buffer size for sparse output specified. Valid sizes are multiples of 512 up to "
+                      "16777216. Select 0 to disable sparse detection (fully allocates output).");
+                  return 1;
+                }
+                a.min_sparse = *r;
+                a.explicit_sparse = true;
+                break;
+              }
+              case 'p': a.progress = true; break;
+              case 't':
+                a.cache = optarg;
+                a.cache_given = true;
+                break;
+              case 'T':
+                a.src_cache = optarg;
+                a.src_cache_given = true;
+                break;
+              case 'q': a.quiet = true; break;
+              case 'n': a.skip_create = true; break;
+              case 'm': {
+                auto m = parse_ulong(optarg, 16);
+                if (!m || *m < 1) {
+                  error_report("Invalid number of coroutines. Allowed number of coroutines is between 1 and 16");
+                  return 1;
+                }
+                a.workers = static_cast<unsigned>(*m);
+                break;
+              }
+              case 'W': break;  // the engine always writes out of order
+              case 'U': a.force_share = true; break;
+              case 'r': {
+                auto r = cvtnum("rate limit", optarg);
+                if (!r) return 1;
+                a.rate = static_cast<uint64_t>(*r);
+                break;
+              }
+              case kObject: cli_object(optarg); break;
+              case kImageOpts: a.image_opts = true; break;
+              case kTargetIsZero: a.target_is_zero = true; break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
+  if (a.quiet) a.progress = false;
+  if (a.compress && a.copy_range) {
     error_report("Cannot enable copy offloading when -c is used");
     return 1;
   }
-  if (explicit_sparse && copy_range) {
+  if (a.explicit_sparse && a.copy_range) {
     error_report("Cannot enable copy offloading when -S is used");
     return 1;
   }
-  if (target_is_zero && !skip_create) {
+  if (a.target_is_zero && !a.skip_create) {
     error_report("--target-is-zero requires use of -n flag");
     return 1;
   }
@@ -177,94 +184,98 @@ int cmd_convert(int argc, char** argv) {
     error_report("vblk convert takes one source image");
     return 1;
   }
-  if (skip_create && !options.empty()) {
+  if (a.skip_create && !a.options.empty()) {
     error_report("-o has no effect when skipping image creation");
     return 1;
   }
-  const std::string src_name = argv[optind], out_name = argv[optind + 1];
-  CacheMode src_mode, dst_mode;
-  if (!parse_cache_mode(src_cache, src_mode)) {
-    error_report("Invalid source cache option: " + src_cache);
+  a.src_name = argv[optind];
+  a.out_name = argv[optind + 1];
+  if (!parse_cache_mode(a.src_cache, a.src_mode)) {
+    error_report("Invalid source cache option: " + a.src_cache);
     return 1;
   }
-  if (!parse_cache_mode(cache, dst_mode)) {
-    error_report("Invalid cache option: " + cache);
+  if (!parse_cache_mode(a.cache, a.dst_mode)) {
+    error_report("Invalid cache option: " + a.cache);
     return 1;
   }
-  if (out_fmt != "raw" && out_fmt != "qcow2" && out_fmt != "file" && out_fmt != "luks") {
-    error_report("Unknown file format '" + out_fmt + "'");
+  if (a.out_fmt != "raw" && a.out_fmt != "qcow2" && a.out_fmt != "file" && a.out_fmt != "luks") {
+    error_report("Unknown file format '" + a.out_fmt + "'");
     return 1;
   }
-  if (compress && out_fmt != "qcow2") {
+  if (a.compress && a.out_fmt != "qcow2") {
     error_report("Compression not supported for this file format");
     return 1;
   }
-  if (compress && !skip_create && (option_value(options, "encrypt") || option_value(options, "encrypt.format"))) {
+  if (a.compress && !a.skip_create &&
+      (option_value(a.options, "encrypt") || option_value(a.options, "encrypt.format"))) {
     error_report("Compression and encryption not supported at the same time");
     return 1;
   }
-  if (!backing.empty()) {
-    if (out_fmt != "qcow2") {
-      error_report("Backing file not supported for file format '" + out_fmt + "'");
+  if (!a.backing.empty()) {
+    if (a.out_fmt != "qcow2") {
+      error_report("Backing file not supported for file format '" + a.out_fmt + "'");
       return 1;
     }
-    if (backing_fmt.empty()) {
+    if (a.backing_fmt.empty()) {
       error_report("Use of backing file requires explicit backing format");
       return 1;
     }
   }
+  return a;
+}
 
+int run_convert(const ConvertArgs& a) {
   Loop loop;
   ImageArgs sa;
-  sa.filename = src_name;
-  sa.format = fmt;
-  sa.image_opts = image_opts;
-  sa.cache = src_mode;
+  sa.filename = a.src_name;
+  sa.format = a.fmt;
+  sa.image_opts = a.image_opts;
+  sa.cache = a.src_mode;
   // The source must not change under the copy (qemu-img convert's
   // BDRV_O_NO_SHARE), unless -U says the caller knows better.
-  sa.force_share = force_share;
-  if (!force_share) sa.unshare = kPermWrite | kPermResize;
+  sa.force_share = a.force_share;
+  if (!a.force_share) sa.unshare = kPermWrite | kPermResize;
   // Without -T, a plain file source is read with O_DIRECT where the file
   // system allows it: a one-pass copy gains nothing from the page cache,
   // and reading through it costs a kernel memory copy of every byte (and
   // evicts the host's useful cache). The data read is the same either way
   // (direct reads see what buffered writers wrote). -T writeback restores
   // qemu-img's buffered reads.
-  if (!src_cache_given && !image_opts && supports_direct(src_name)) sa.cache.direct = true;
+  if (!a.src_cache_given && !a.image_opts && supports_direct(a.src_name)) sa.cache.direct = true;
   auto src = open_cli_image(loop, sa);
   if (!src) return 1;
   const uint64_t size = src->length();
 
-  if (!skip_create) {
-    if (create_target(out_name, out_fmt, options, backing, backing_fmt, size,
-                      "error while converting " + out_fmt + ": ") != 0)
+  if (!a.skip_create) {
+    if (create_target(a.out_name, a.out_fmt, a.options, a.backing, a.backing_fmt, size,
+                      "error while converting " + a.out_fmt + ": ") != 0)
       return 1;
   }
   ImageArgs ta;
-  ta.filename = out_name;
-  ta.format = out_fmt;
+  ta.filename = a.out_name;
+  ta.format = a.out_fmt;
   ta.read_only = false;
-  ta.cache = dst_mode;
+  ta.cache = a.dst_mode;
   // Likewise the target without -t: O_DIRECT writes, still without flushes
   // (cache=unsafe's promise is only that nothing is flushed). Buffered
   // writes would copy every byte into the page cache and leave the disk
   // write for later; on io_uring they are also handed to kernel workers.
   // -t writeback or -t unsafe given explicitly keep the page cache.
-  if (!cache_given && supports_direct(out_name)) ta.cache.direct = true;
+  if (!a.cache_given && supports_direct(a.out_name)) ta.cache.direct = true;
   // An encrypted target is opened with the key-secret it was created with
   // (qemu-img's img_add_key_secrets copies -o key-secret and
   // encrypt.key-secret to the open).
-  if ((out_fmt == "luks" || out_fmt == "qcow2") && !skip_create) {
-    const std::string key = out_fmt == "luks" ? "key-secret" : "encrypt.key-secret";
-    if (auto secret = option_value(options, key)) {
-      Json o = {{"driver", out_fmt}, {"file", {{"driver", "file"}, {"filename", out_name}}}};
-      if (out_fmt == "luks")
+  if ((a.out_fmt == "luks" || a.out_fmt == "qcow2") && !a.skip_create) {
+    const std::string key = a.out_fmt == "luks" ? "key-secret" : "encrypt.key-secret";
+    if (auto secret = option_value(a.options, key)) {
+      Json o = {{"driver", a.out_fmt}, {"file", {{"driver", "file"}, {"filename", a.out_name}}}};
+      if (a.out_fmt == "luks")
         o["key-secret"] = *secret;
       else
         o["encrypt"] = {{"key-secret", *secret}};
       ta.filename = "json:" + o.dump();
       ta.format.clear();
-      ta.open_error_prefix = "Could not open '" + out_name + "': ";
+      ta.open_error_prefix = "Could not open '" + a.out_name + "': ";
     }
   }
   auto dst = open_cli_image(loop, ta);
@@ -279,36 +290,36 @@ int cmd_convert(int argc, char** argv) {
   o.cluster_size = cs && (cs & (cs - 1)) == 0 && cs <= (2u << 20) ? cs : 64 << 10;
   // qemu-img keeps 8 coroutines x 2 MiB in flight; 16 x 1 MiB is the same
   // memory with finer parallelism.
-  o.max_workers = workers ? workers : 16;
-  o.use_copy_range = copy_range;
-  o.speed = rate;
-  const bool has_backing = !backing.empty() || !dst->backing_file_name().empty();
+  o.max_workers = a.workers ? a.workers : 16;
+  o.use_copy_range = a.copy_range;
+  o.speed = a.rate;
+  const bool has_backing = !a.backing.empty() || !dst->backing_file_name().empty();
   // With a backing file the target shows it wherever the source's top layer
   // does not allocate: copy only what the top layer has.
   o.skip_unallocated = has_backing;
   // A new luks image does not read as zeroes (its payload decrypts to
   // noise): zero areas are written, as QEMU does (no bdrv_has_zero_init).
-  o.target_is_zero = !has_backing && ((!skip_create && out_fmt != "luks") || target_is_zero);
-  if (min_sparse == 0) {
+  o.target_is_zero = !has_backing && ((!a.skip_create && a.out_fmt != "luks") || a.target_is_zero);
+  if (a.min_sparse == 0) {
     o.allocate_zeroes = true;
-  } else if (!copy_range) {
-    o.detect_zeroes = min_sparse;
+  } else if (!a.copy_range) {
+    o.detect_zeroes = a.min_sparse;
   }
-  if (compress) {
+  if (a.compress) {
     // qemu-img convert -c: every cluster is written on its own as a
     // compressed cluster (qcow2 stores one that does not shrink as a normal
     // cluster); the engine's chunks are whole, aligned clusters already
     // (its granularity is the target's cluster size). Only a cluster that
     // is zero as a whole is left out, as qemu-img does with compression.
     o.write_flags |= kReqCompressed;
-    if (min_sparse) o.detect_zeroes = o.cluster_size;
+    if (a.min_sparse) o.detect_zeroes = o.cluster_size;
   }
 
   Status st;
   {
     BlockCopyState bcs(*src, *dst, o);
     bcs.bitmap().set_all();
-    Progress meter(progress, 1.0f);
+    Progress meter(a.progress, 1.0f);
     float shown = 0;
     meter.print(0, 100);
     auto call = bcs.copy_async(0, size);
@@ -343,6 +354,12 @@ int cmd_convert(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+int cmd_convert(int argc, char** argv) {
+  auto a = parse_convert(argc, argv);
+  if (auto* rc = std::get_if<int>(&a)) return *rc;
+  return run_convert(std::get<ConvertArgs>(a));
 }
 
 }  // namespace vblk::cli

@@ -57,33 +57,34 @@ int cmd_create(int argc, char** argv) {
       {"object", required_argument, nullptr, 256},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   std::string fmt = "raw", backing, backing_fmt, options;
   bool quiet = false, unsafe = false, backing_given = false;
-  int c;
-  while ((c = getopt_long(argc, argv, ":F:b:f:ho:qu", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h': std::printf("usage: %s create [-q] [-f fmt] [-o options] filename [size]\n", g_prog.c_str()); return 0;
-      case 'F': backing_fmt = optarg; break;
-      case 'b':
-        backing = optarg;
-        backing_given = true;
-        break;
-      case 'f': fmt = optarg; break;
-      case 'o':
-        if (!valid_option_list(optarg)) {
-          error_report(std::string("Invalid option list: ") + optarg);
-          return 1;
-        }
-        options = options.empty() ? std::string(optarg) : options + "," + optarg;
-        break;
-      case 'q': quiet = true; break;
-      case 'u': unsafe = true; break;
-      case 256: cli_object(optarg); break;
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":F:b:f:ho:qu", longopts,
+          [&] { std::printf("usage: %s create [-q] [-f fmt] [-o options] filename [size]\n", g_prog.c_str()); },
+          [&](int c) {
+            switch (c) {
+              case 'F': backing_fmt = optarg; break;
+              case 'b':
+                backing = optarg;
+                backing_given = true;
+                break;
+              case 'f': fmt = optarg; break;
+              case 'o':
+                if (!valid_option_list(optarg)) {
+                  error_report(std::string("Invalid option list: ") + optarg);
+                  return 1;
+                }
+                options = options.empty() ? std::string(optarg) : options + "," + optarg;
+                break;
+              case 'q': quiet = true; break;
+              case 'u': unsafe = true; break;
+              case 256: cli_object(optarg); break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   const bool want_help = options.find("help") != std::string::npos || options.find('?') != std::string::npos;
   auto print_help = [&](const std::string& filename) {
     auto specs = create_options(fmt, filename);

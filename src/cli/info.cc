@@ -111,25 +111,26 @@ int cmd_info(int argc, char** argv) {
       {"force-share", no_argument, nullptr, 'U'},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   std::string output = "human";
-  int c;
-  while ((c = getopt_long(argc, argv, ":f:hU", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf("usage: %s info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename\n",
-                    g_prog.c_str());
-        return 0;
-      case 'f': a.format = optarg; break;
-      case 'U': a.force_share = true; break;
-      case OPT_OUTPUT: output = optarg; break;
-      case OPT_BACKING_CHAIN: chain = true; break;
-      case OPT_IMAGE_OPTS: a.image_opts = true; break;
-      case OPT_OBJECT: cli_object(optarg); break;
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":f:hU", longopts,
+          [&] {
+            std::printf("usage: %s info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename\n",
+                        g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'f': a.format = optarg; break;
+              case 'U': a.force_share = true; break;
+              case OPT_OUTPUT: output = optarg; break;
+              case OPT_BACKING_CHAIN: chain = true; break;
+              case OPT_IMAGE_OPTS: a.image_opts = true; break;
+              case OPT_OBJECT: cli_object(optarg); break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   if (optind != argc - 1) error_exit("Expecting one image file name");
   a.filename = argv[optind];
   if (output == "json") {

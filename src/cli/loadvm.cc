@@ -77,39 +77,40 @@ int cmd_loadvm(int argc, char** argv) {
       {"force-share", no_argument, nullptr, 'U'},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   ImageArgs a;
   a.read_only = false;
   std::string cache = "writeback", output;
   bool state_only = false, force_share = false;
   VmstateOptions opts;
-  int c;
-  while ((c = getopt_long(argc, argv, ":f:t:hqU", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf(
-            "usage: %s loadvm [--image-opts] [-f fmt] [-t cache] [-q] [-U] [--state-only] [--workers n] "
-            "--vmstate-out file|- filename tag\n",
-            g_prog.c_str());
-        return 0;
-      case 'f': a.format = optarg; break;
-      case 't': cache = optarg; break;
-      case 'q': break;
-      case 'U': force_share = true; break;
-      case OPT_OBJECT: cli_object(optarg); break;
-      case OPT_IMAGE_OPTS: a.image_opts = true; break;
-      case OPT_VMSTATE_OUT: output = optarg; break;
-      case OPT_STATE_ONLY: state_only = true; break;
-      case OPT_WORKERS: {
-        auto n = parse_ulong(optarg, 64);
-        if (!n || *n == 0) error_exit(std::string("Invalid number of workers: '") + optarg + "'");
-        opts.workers = static_cast<unsigned>(*n);
-        break;
-      }
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":f:t:hqU", longopts,
+          [&] {
+            std::printf(
+                "usage: %s loadvm [--image-opts] [-f fmt] [-t cache] [-q] [-U] [--state-only] [--workers n] "
+                "--vmstate-out file|- filename tag\n",
+                g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'f': a.format = optarg; break;
+              case 't': cache = optarg; break;
+              case 'q': break;
+              case 'U': force_share = true; break;
+              case OPT_OBJECT: cli_object(optarg); break;
+              case OPT_IMAGE_OPTS: a.image_opts = true; break;
+              case OPT_VMSTATE_OUT: output = optarg; break;
+              case OPT_STATE_ONLY: state_only = true; break;
+              case OPT_WORKERS: {
+                auto n = parse_ulong(optarg, 64);
+                if (!n || *n == 0) error_exit(std::string("Invalid number of workers: '") + optarg + "'");
+                opts.workers = static_cast<unsigned>(*n);
+                break;
+              }
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   if (optind != argc - 2) error_exit("Expecting image file name and snapshot tag");
   if (output.empty()) error_exit("Expecting --vmstate-out file|-");
   a.filename = argv[optind];

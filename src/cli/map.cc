@@ -108,39 +108,40 @@ int cmd_map(int argc, char** argv) {
       {"max-length", required_argument, nullptr, 'l'},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   std::string output = "human";
   int64_t start = 0, max_len = -1;
-  int c;
-  while ((c = getopt_long(argc, argv, ":f:s:l:hU", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf(
-            "usage: %s map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] "
-            "filename\n",
-            g_prog.c_str());
-        return 0;
-      case 'f': a.format = optarg; break;
-      case 'U': a.force_share = true; break;
-      case 's': {
-        auto v = cvtnum("start offset", optarg);
-        if (!v) return 1;
-        start = *v;
-        break;
-      }
-      case 'l': {
-        auto v = cvtnum("max length", optarg);
-        if (!v) return 1;
-        max_len = *v;
-        break;
-      }
-      case OPT_OUTPUT: output = optarg; break;
-      case OPT_IMAGE_OPTS: a.image_opts = true; break;
-      case OPT_OBJECT: cli_object(optarg); break;
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":f:s:l:hU", longopts,
+          [&] {
+            std::printf(
+                "usage: %s map [--image-opts] [-f fmt] [--start-offset=offset] [--max-length=len] [--output=ofmt] [-U] "
+                "filename\n",
+                g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'f': a.format = optarg; break;
+              case 'U': a.force_share = true; break;
+              case 's': {
+                auto v = cvtnum("start offset", optarg);
+                if (!v) return 1;
+                start = *v;
+                break;
+              }
+              case 'l': {
+                auto v = cvtnum("max length", optarg);
+                if (!v) return 1;
+                max_len = *v;
+                break;
+              }
+              case OPT_OUTPUT: output = optarg; break;
+              case OPT_IMAGE_OPTS: a.image_opts = true; break;
+              case OPT_OBJECT: cli_object(optarg); break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   if (optind != argc - 1) error_exit("Expecting one image file name");
   a.filename = argv[optind];
   bool json;

@@ -22,37 +22,38 @@ int cmd_resize(int argc, char** argv) {
       {"shrink", no_argument, nullptr, OPT_SHRINK},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   ImageArgs a;
   a.read_only = false;
   bool quiet = false, shrink = false;
   std::string prealloc = "off";
-  int c;
-  while ((c = getopt_long(argc, argv, ":f:hq", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf(
-            "usage: %s resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | "
-            "-]size\n",
-            g_prog.c_str());
-        return 0;
-      case 'f': a.format = optarg; break;
-      case 'q': quiet = true; break;
-      case OPT_OBJECT: cli_object(optarg); break;
-      case OPT_IMAGE_OPTS: a.image_opts = true; break;
-      case OPT_PREALLOCATION:
-        if (std::strcmp(optarg, "off") && std::strcmp(optarg, "metadata") && std::strcmp(optarg, "falloc") &&
-            std::strcmp(optarg, "full")) {
-          error_report(std::string("Invalid preallocation mode '") + optarg + "'");
-          return 1;
-        }
-        prealloc = optarg;
-        break;
-      case OPT_SHRINK: shrink = true; break;
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":f:hq", longopts,
+          [&] {
+            std::printf(
+                "usage: %s resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | "
+                "-]size\n",
+                g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'f': a.format = optarg; break;
+              case 'q': quiet = true; break;
+              case OPT_OBJECT: cli_object(optarg); break;
+              case OPT_IMAGE_OPTS: a.image_opts = true; break;
+              case OPT_PREALLOCATION:
+                if (std::strcmp(optarg, "off") && std::strcmp(optarg, "metadata") && std::strcmp(optarg, "falloc") &&
+                    std::strcmp(optarg, "full")) {
+                  error_report(std::string("Invalid preallocation mode '") + optarg + "'");
+                  return 1;
+                }
+                prealloc = optarg;
+                break;
+              case OPT_SHRINK: shrink = true; break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   if (optind != argc - 1) error_exit("Expecting image file name and size");
   a.filename = argv[optind];
   int relative = 0;

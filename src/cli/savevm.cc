@@ -240,50 +240,51 @@ int cmd_savevm(int argc, char** argv) {
       {"vm-clock", required_argument, nullptr, OPT_VM_CLOCK},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   ImageArgs a;
   a.read_only = false;
   std::string cache = "writeback", input;
   bool quiet = false;
   VmstateOptions opts;
   uint64_t vm_clock = 0;
-  int c;
-  while ((c = getopt_long(argc, argv, ":f:t:hq", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf(
-            "usage: %s savevm [--image-opts] [-f fmt] [-t cache] [-q] [--workers n] [--buffer-size size] "
-            "[--vm-clock ns] --vmstate file|- filename tag\n",
-            g_prog.c_str());
-        return 0;
-      case 'f': a.format = optarg; break;
-      case 't': cache = optarg; break;
-      case 'q': quiet = true; break;
-      case OPT_OBJECT: cli_object(optarg); break;
-      case OPT_IMAGE_OPTS: a.image_opts = true; break;
-      case OPT_VMSTATE: input = optarg; break;
-      case OPT_WORKERS: {
-        auto n = parse_ulong(optarg, 64);
-        if (!n || *n == 0) error_exit(std::string("Invalid number of workers: '") + optarg + "'");
-        opts.workers = static_cast<unsigned>(*n);
-        break;
-      }
-      case OPT_BUFFER_SIZE: {
-        auto n = cvtnum("buffer size", optarg, int64_t{1} << 30);
-        if (!n) return 1;
-        opts.buffer_size = static_cast<uint64_t>(*n);
-        break;
-      }
-      case OPT_VM_CLOCK: {
-        auto n = parse_ulong(optarg, ULONG_MAX);
-        if (!n) error_exit(std::string("Invalid VM clock: '") + optarg + "'");
-        vm_clock = *n;
-        break;
-      }
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":f:t:hq", longopts,
+          [&] {
+            std::printf(
+                "usage: %s savevm [--image-opts] [-f fmt] [-t cache] [-q] [--workers n] [--buffer-size size] "
+                "[--vm-clock ns] --vmstate file|- filename tag\n",
+                g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'f': a.format = optarg; break;
+              case 't': cache = optarg; break;
+              case 'q': quiet = true; break;
+              case OPT_OBJECT: cli_object(optarg); break;
+              case OPT_IMAGE_OPTS: a.image_opts = true; break;
+              case OPT_VMSTATE: input = optarg; break;
+              case OPT_WORKERS: {
+                auto n = parse_ulong(optarg, 64);
+                if (!n || *n == 0) error_exit(std::string("Invalid number of workers: '") + optarg + "'");
+                opts.workers = static_cast<unsigned>(*n);
+                break;
+              }
+              case OPT_BUFFER_SIZE: {
+                auto n = cvtnum("buffer size", optarg, int64_t{1} << 30);
+                if (!n) return 1;
+                opts.buffer_size = static_cast<uint64_t>(*n);
+                break;
+              }
+              case OPT_VM_CLOCK: {
+                auto n = parse_ulong(optarg, ULONG_MAX);
+                if (!n) error_exit(std::string("Invalid VM clock: '") + optarg + "'");
+                vm_clock = *n;
+                break;
+              }
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   (void)quiet;
   if (optind != argc - 2) error_exit("Expecting image file name and snapshot tag");
   if (input.empty()) error_exit("Expecting --vmstate file|-");

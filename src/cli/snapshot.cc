@@ -25,7 +25,6 @@ int cmd_snapshot(int argc, char** argv) {
       {"force-share", no_argument, nullptr, 'U'},
       {nullptr, 0, nullptr, 0},
   };
-  optind = 0;
   ImageArgs a;
   a.read_only = false;
   Action action = kNone;
@@ -36,30 +35,32 @@ int cmd_snapshot(int argc, char** argv) {
     action = act;
     if (act != kList) name = optarg;
   };
-  int c;
-  while ((c = getopt_long(argc, argv, ":la:c:d:hqU", longopts, nullptr)) != -1) {
-    switch (c) {
-      case ':': missing_argument(argv, optind);
-      case '?': unrecognized_option(argv, optind);
-      case 'h':
-        std::printf(
-            "usage: %s snapshot [--image-opts] [-U] [-q] [-l | -a snapshot | -c snapshot | -d snapshot] "
-            "filename\n",
-            g_prog.c_str());
-        return 0;
-      case 'l':
-        set_action(kList);
-        a.read_only = true;
-        break;
-      case 'a': set_action(kApply); break;
-      case 'c': set_action(kCreate); break;
-      case 'd': set_action(kDelete); break;
-      case 'q': quiet = true; break;
-      case 'U': force_share = true; break;
-      case OPT_OBJECT: cli_object(optarg); break;
-      case OPT_IMAGE_OPTS: a.image_opts = true; break;
-    }
-  }
+  if (int rc = for_each_option(
+          argc, argv, ":la:c:d:hqU", longopts,
+          [&] {
+            std::printf(
+                "usage: %s snapshot [--image-opts] [-U] [-q] [-l | -a snapshot | -c snapshot | -d snapshot] "
+                "filename\n",
+                g_prog.c_str());
+          },
+          [&](int c) {
+            switch (c) {
+              case 'l':
+                set_action(kList);
+                a.read_only = true;
+                break;
+              case 'a': set_action(kApply); break;
+              case 'c': set_action(kCreate); break;
+              case 'd': set_action(kDelete); break;
+              case 'q': quiet = true; break;
+              case 'U': force_share = true; break;
+              case OPT_OBJECT: cli_object(optarg); break;
+              case OPT_IMAGE_OPTS: a.image_opts = true; break;
+            }
+            return kNextOption;
+          });
+      rc != kNextOption)
+    return rc;
   (void)quiet;
   if (optind != argc - 1) error_exit("Expecting one image file name");
   a.filename = argv[optind];
