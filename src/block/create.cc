@@ -17,16 +17,16 @@ namespace {
 Result<const DriverInfo*> creating_driver(const std::string& fmt) {
   const DriverInfo* d = find_driver(fmt);
   if (!d) return Error(EINVAL, "Unknown file format '" + fmt + "'");
-  if (!d->create) return Error(ENOTSUP, "Format driver '" + fmt + "' does not support image creation");
+  if (!d->create)
+    return Error(ENOTSUP, std::string(d->is_protocol() ? "Protocol" : "Format") + " driver '" + fmt +
+                              "' does not support image creation");
   return d;
 }
 
-// A protocol named as the format (-f file, -f rbd) must be the one the file
-// name is for; a format other than raw goes on files only.
-Status check_protocol(const DriverInfo& d, const DriverInfo& proto) {
-  if (d.is_protocol() && &d != &proto && proto.name == std::string("file"))
-    return Error(EINVAL, std::string("vblk creates ") + d.name + " images only on " + d.name + ": names");
-  if (proto.name != std::string("file") && d.name != std::string("raw") && &d != &proto)
+// Formats other than raw go on files only: vblk formats no image inside
+// an rbd image or an NBD export.
+Status check_format_on(const DriverInfo& d, const DriverInfo& proto) {
+  if (!d.is_protocol() && proto.name != std::string("file") && d.name != std::string("raw"))
     return Error(ENOTSUP, std::string("vblk creates only raw images on ") + proto.name);
   return {};
 }
@@ -37,9 +37,9 @@ Result<std::vector<CreateOpt>> create_options(const std::string& fmt, const std:
   auto d = creating_driver(fmt);
   VBLK_TRY(d);
   std::vector<CreateOpt> opts((*d)->create_opts.begin(), (*d)->create_opts.end());
-  if (filename.empty()) return opts;
+  if (filename.empty() || (*d)->is_protocol()) return opts;
   const DriverInfo& proto = protocol_for_filename(filename);
-  VBLK_TRY(check_protocol(**d, proto));
+  VBLK_TRY(check_format_on(**d, proto));
   // QEMU's bdrv_img_create appends the protocol's create_opts to the format's.
   for (const CreateOpt& o : proto.create_opts) {
     bool have = false;
@@ -80,7 +80,10 @@ Task<Status> create_image(Loop& loop, const std::string& fmt, const CreateReques
   auto d = creating_driver(fmt);
   if (!d) co_return d.take_error();
   const DriverInfo& proto = protocol_for_filename(req.filename);
-  VBLK_CO_TRY(check_protocol(**d, proto));
+  VBLK_CO_TRY(check_format_on(**d, proto));
+  // A protocol named as the format (-f rbd) must be the one the name is for.
+  if ((*d)->is_protocol() && &proto != *d && !(*d)->prefixes.empty())
+    co_return Error(EINVAL, std::string("File name must start with '") + (*d)->prefixes[0] + "'");
   co_return co_await (*d)->create(loop, req);
 }
 
