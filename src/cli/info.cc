@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "common.h"
+#include "vblk/format_info_json.h"
 #include "vblk/snapshot_info_json.h"
 
 namespace vblk::cli {
@@ -32,8 +33,7 @@ nlohmann::ordered_json info_json(Node& top) {
     for (const auto& sn : snaps) list.push_back(snapshot_info_json(sn));
     j["snapshots"] = list;
   }
-  auto spec = top.format_specific();
-  if (!spec.is_null()) j["format-specific"] = spec;
+  if (auto spec = top.format_info()) j["format-specific"] = format_info_json(*spec);
   return qdict_order(j);
 }
 
@@ -88,10 +88,9 @@ void info_human(Node& top) {
     if (!top.backing_file_format().empty()) std::printf("backing file format: %s\n", top.backing_file_format().c_str());
   }
   dump_snapshots(top.snapshots());
-  auto spec = top.format_specific();
-  if (!spec.is_null()) {
+  if (auto spec = top.format_info()) {
     std::printf("Format specific information:\n");
-    dump_specific(qdict_order(spec)["data"], 1);
+    dump_specific(qdict_order(format_info_json(*spec))["data"], 1);
   }
 }
 

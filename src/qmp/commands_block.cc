@@ -6,6 +6,7 @@
 #include "vblk/backup.h"
 #include "vblk/chain.h"
 #include "vblk/copy_before_write.h"
+#include "vblk/format_info_json.h"
 #include "vblk/open.h"
 #include "vblk/qmp_daemon.h"
 #include "vblk/snapshot_info_json.h"
@@ -214,8 +215,7 @@ OJson image_info(Daemon& d, Node& n, bool flat) {
   if (n.cluster_size()) img["cluster-size"] = n.cluster_size();
   if (n.encrypted()) img["encrypted"] = true;
   if (n.reports_dirty_flag()) img["dirty-flag"] = n.dirty_flag();
-  auto spec = n.format_specific();
-  if (!spec.is_null()) img["format-specific"] = OJson::parse(spec.dump());
+  if (auto spec = n.format_info()) img["format-specific"] = format_info_json(*spec);
   std::string bf = n.backing_file_name();
   if (!bf.empty()) {
     img["backing-filename"] = bf;

@@ -19,12 +19,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "vblk/format_info.h"
 #include "vblk/loop.h"
 #include "vblk/named_bitmap.h"
 #include "vblk/perm.h"
@@ -288,8 +288,9 @@ class Node {
   // bdrv_set_backing_hd + bdrv_change_backing_file, for block-stream and
   // block-commit). ENOTSUP for drivers without backing files.
   virtual Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt);
-  // {"type": driver, "data": {...}} in QAPI ImageInfoSpecific form, or null.
-  virtual nlohmann::ordered_json format_specific() const { return nullptr; }
+  // QAPI's ImageInfoSpecific as data (format_info.h), or nullopt; the layer
+  // that shows it renders it.
+  virtual std::optional<FormatInfo> format_info() const { return std::nullopt; }
   // The image's data is encrypted (luks): info says "encrypted: yes".
   virtual bool encrypted() const { return false; }
   // The image was not closed cleanly (qcow2's dirty bit: lazy refcounts).

@@ -49,7 +49,7 @@ class LuksNode final : public Node {
   PermPair child_perm(const Child&, PermPair self) const override {
     return perm_rules::storage(self, true, true, !read_only(), no_io_);
   }
-  nlohmann::ordered_json format_specific() const override { return luks::info_json(vol_.h, vol_.algs); }
+  std::optional<FormatInfo> format_info() const override { return luks::info(vol_.h, vol_.algs); }
 
   bool no_io_ = false;
   std::string key_secret_;

@@ -84,12 +84,10 @@ class RbdNode final : public Node {
   uint64_t exact_length() const override { return size_; }
   uint64_t cluster_size() const override { return obj_size_; }
   Result<uint64_t> allocated_size() const override { return Error(ENOTSUP); }
-  nlohmann::ordered_json format_specific() const override {
+  std::optional<FormatInfo> format_info() const override {
     // QEMU's ImageInfoSpecificRbd: encryption-format when the image (as this
     // node reads it: not decrypted) starts with a LUKS header.
-    nlohmann::ordered_json data = nlohmann::ordered_json::object();
-    if (auto f = rbd::probe_encryption_format(image_, size_)) data["encryption-format"] = *f;
-    return {{"type", "rbd"}, {"data", data}};
+    return RbdInfo{.encryption_format = rbd::probe_encryption_format(image_, size_)};
   }
 
  protected:
