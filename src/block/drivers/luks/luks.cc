@@ -14,6 +14,7 @@
 
 #include "perm_rules.h"
 #include "vblk/buffer.h"
+#include "vblk/image_format.h"
 #include "vblk/open.h"
 
 namespace vblk {
@@ -23,7 +24,7 @@ using luks::kSectorSize;
 
 constexpr uint64_t kMaxBounce = 1 << 20;
 
-class LuksNode final : public Node {
+class LuksNode final : public Node, public ImageFormat {
  public:
   LuksNode(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "luks"), file_(file.get()) {
     limits_ = file_->limits();
@@ -31,6 +32,7 @@ class LuksNode final : public Node {
     caps_ = NodeCaps{};
     caps_.native_fua = true;  // passed to the file
     add_child("file", std::move(file));
+    set_format(this);
   }
 
   // `password` null: describe only (no_io).

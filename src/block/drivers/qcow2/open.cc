@@ -18,6 +18,7 @@ Qcow2Node::Qcow2Node(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "qcow2
   // in between (blkdebug over the file): QEMU lets every node below a
   // format be written past its end.
   for (Node* n = file_; n; n = filtered_child(*n)) n->set_growable(true);
+  set_format(this);
   limits_.request_alignment = file_->limits().request_alignment;
   limits_.buffer_alignment = file_->limits().buffer_alignment;
   caps_.zeroes = true;

@@ -43,6 +43,7 @@
 #include "drivers/qcow2/cache.h"
 #include "drivers/qcow2/format.h"
 #include "drivers/qcow2/overlap.h"
+#include "vblk/image_format.h"
 #include "vblk/node.h"
 #include "vblk/open.h"
 #include "vblk/sync.h"
@@ -86,7 +87,7 @@ struct BitmapDirEntry {
   std::vector<uint8_t> extra;
 };
 
-class Qcow2Node final : public Node {
+class Qcow2Node final : public Node, public ImageFormat {
  public:
   Qcow2Node(Loop& loop, std::shared_ptr<Node> file);
   ~Qcow2Node() override;
@@ -155,6 +156,7 @@ class Qcow2Node final : public Node {
   Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_truncate(uint64_t length, bool exact) override;
   Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc) override;
+  // ---- ImageFormat hooks
   void backing_changed(Node* b) override { backing_ = b; }
   // Bitmaps stored, caches flushed, dirty bit cleared: a close's work.
   Task<Status> prepare_read_only() override { return do_close(); }

@@ -28,6 +28,7 @@
 #include "drivers/rbd/rbd_entry.h"
 #include "drivers/rbd/rbd_lib.h"
 #include "vblk/buffer.h"
+#include "vblk/image_format.h"
 #include "vblk/qdict_order.h"
 
 namespace vblk {
@@ -60,7 +61,7 @@ int diff_cb(uint64_t offs, size_t len, int exists, void* opaque) {
   return 0;
 }
 
-class RbdNode final : public Node {
+class RbdNode final : public Node, public ImageFormat {
  public:
   RbdNode(Loop& loop, std::unique_ptr<rbd::RbdConnection> conn, rbd_image_t image, rbd::RbdLocation loc, uint64_t size,
           uint64_t obj_size)
@@ -75,6 +76,7 @@ class RbdNode final : public Node {
     limits_.request_alignment = 1;
     limits_.opt_transfer = obj_size;
     set_length(align_up(size, 512));
+    set_format(this);
   }
   ~RbdNode() override {
     if (image_) rbd_lib().rbd_close(image_);
