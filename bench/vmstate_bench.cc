@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "vblk/image_format.h"
 #include "vblk/open.h"
 #include "vblk/vmstate.h"
 
@@ -52,7 +53,7 @@ class QemuFileWriter {
     co_return Status{};
   }
   Task<Status> flush() {
-    if (fill_) VBLK_CO_TRY(co_await node_.write_vmstate(pos_, buf_.span().subspan(0, fill_)));
+    if (fill_) VBLK_CO_TRY(co_await image::write_vmstate(node_, pos_, buf_.span().subspan(0, fill_)));
     pos_ += fill_;
     fill_ = 0;
     co_return Status{};
@@ -88,7 +89,7 @@ Task<Status> save(Node& node, Args a, W& w) {
   SnapshotInfo sn;
   sn.name = "bench";
   sn.vm_state_size = a.size;
-  co_return co_await node.snapshot_create(sn);
+  co_return co_await image::snapshot_create(node, sn);
 }
 
 Task<Status> run_save(Node& node, Args a) {
@@ -105,12 +106,12 @@ Task<Status> run_save(Node& node, Args a) {
 
 // Reads the snapshot's state front to back, as loadvm feeds a migration.
 Task<Status> run_load(Node& node, Args a) {
-  const std::string id = node.snapshots().back().id;
+  const std::string id = image::snapshots(node).back().id;
   if (a.qemufile) {
     AlignedBuffer b(kQemuFileBuf);
     for (uint64_t pos = 0; pos < a.size; pos += kQemuFileBuf) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(kQemuFileBuf, a.size - pos));
-      VBLK_CO_TRY(co_await node.read_vmstate(pos, b.span().subspan(0, n), id));
+      VBLK_CO_TRY(co_await image::read_vmstate(node, pos, b.span().subspan(0, n), id));
     }
     co_return Status{};
   }

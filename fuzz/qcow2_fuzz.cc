@@ -9,6 +9,7 @@
 
 #include "vblk/buffer.h"
 #include "vblk/graph.h"
+#include "vblk/image_format.h"
 #include "vblk/mem_node.h"
 #include "vblk/open.h"
 
@@ -109,15 +110,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   {
     auto file = image_file(data, size);
     if (auto n = open_qcow2(file, true, true)) {
-      (void)loop().run(n->check(kCheckReport));
+      (void)loop().run(image::check(*n, kCheckReport));
       close_node(n);
     }
   }
   {
     auto file = image_file(data, size);
     if (auto n = open_qcow2(file, false, true)) {
-      auto r = loop().run(n->check(kCheckFixLeaks | kCheckFixErrors));
-      if (r && (r->corruptions_fixed || r->leaks_fixed)) (void)loop().run(n->check(kCheckReport));
+      auto r = loop().run(image::check(*n, kCheckFixLeaks | kCheckFixErrors));
+      if (r && (r->corruptions_fixed || r->leaks_fixed)) (void)loop().run(image::check(*n, kCheckReport));
       close_node(n);
     }
   }

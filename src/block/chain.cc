@@ -1,6 +1,7 @@
 #include "vblk/chain.h"
 
 #include "vblk/filter_node.h"
+#include "vblk/image_format.h"
 
 namespace vblk {
 
@@ -38,7 +39,7 @@ Node* chain_base(Node& top) {
 std::shared_ptr<Node> find_backing_image(const Graph& graph, const Node& from, const std::string& name) {
   for (const Node* p = &from; p; p = filter_or_cow_child(*p)) {
     Node* b = p->child("backing");
-    if (b && (p->backing_file_name() == name || b->filename() == name)) return graph.shared(*b);
+    if (b && (image::backing_file_name(*p) == name || b->filename() == name)) return graph.shared(*b);
   }
   return nullptr;
 }

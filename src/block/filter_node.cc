@@ -13,10 +13,12 @@ FilterNode::FilterNode(Loop& loop, std::string driver, std::shared_ptr<Node> fil
   set_length(filtered_->length());
   set_read_only(filtered_->read_only());
   add_child("file", std::move(file));
+  set_format(this);
 }
 
 void FilterNode::set_filtered(std::shared_ptr<Node> n) {
   filtered_ = n.get();
+  caps_.reports_dirty_flag = filtered_->caps().reports_dirty_flag;
   replace_child("file", std::move(n));
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "vblk/buffer.h"
+#include "vblk/image_format.h"
 
 namespace vblk {
 
@@ -56,27 +57,27 @@ void Node::replace_child(const std::string& role, std::shared_ptr<Node> n) {
   if (old) (void)old->refresh_perms();
 }
 
-Task<Status> Node::set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) {
-  (void)backing;
-  (void)file;
-  (void)fmt;
-  co_return Error(ENOTSUP);
+void Node::set_format(ImageFormat* f) {
+  format_ = f;
+  if (f) f->node_ = this;
 }
 
 Status Node::attach_backing(std::shared_ptr<Node> b) {
   if (!caps_.supports_backing) return Error(EINVAL, "The overlay does not support backing images");
   Node* raw = b.get();
   replace_child("backing", std::move(b));
-  backing_changed(raw);
+  if (format_) format_->backing_changed(raw);
   return refresh_perms();
 }
-
-Task<Status> Node::prepare_read_only() { co_return co_await flush(); }
 
 Task<Status> Node::reopen_read_only() {
   if (read_only_) co_return Status{};
   co_await drain();
-  VBLK_CO_TRY(co_await prepare_read_only());
+  if (format_) {
+    VBLK_CO_TRY(co_await format_->prepare_read_only());
+  } else {
+    VBLK_CO_TRY(co_await flush());
+  }
   read_only_ = true;
   if (Node* f = file_child(); f && !f->read_only()) {
     co_await f->drain();
@@ -571,31 +572,6 @@ Task<Status> Node::do_close() {
   for (auto& c : children_) VBLK_CO_TRY(co_await c.node->close());
   co_return Status{};
 }
-
-Status Node::can_store_new_bitmap(const std::string&, uint64_t) const {
-  return Error(ENOTSUP, "Can't store persistent bitmaps to " + node_name_ + ": " + std::strerror(ENOTSUP));
-}
-Task<Status> Node::remove_persistent_bitmap(const std::string&) { co_return Status{}; }
-
-Task<Result<CheckResult>> Node::check(uint32_t) {
-  co_return Error(ENOTSUP, "This image format does not support checks");
-}
-
-Task<Status> Node::snapshot_create(SnapshotInfo&) { co_return Error(ENOTSUP); }
-Task<Status> Node::snapshot_goto(const std::string&) {
-  co_return Error(ENOTSUP, "Block driver does not support snapshots");
-}
-Task<Status> Node::snapshot_delete(const std::string&, const std::string&) {
-  co_return Error(ENOTSUP, "Block driver does not support snapshots");
-}
-
-Task<Status> Node::write_vmstate(uint64_t, std::span<const uint8_t>) {
-  co_return Error(ENOTSUP, "Block driver does not support VM state");
-}
-Task<Status> Node::read_vmstate(uint64_t, std::span<uint8_t>, const std::string&) {
-  co_return Error(ENOTSUP, "Block driver does not support VM state");
-}
-Task<Status> Node::discard_vmstate(uint64_t) { co_return Error(ENOTSUP, "Block driver does not support VM state"); }
 
 Task<Status> Node::do_truncate(uint64_t, bool) {
   co_return Error(ENOTSUP, "Image format driver does not support resize");

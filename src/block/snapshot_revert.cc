@@ -6,6 +6,8 @@
 
 #include <cstring>
 
+#include "vblk/image_format.h"
+
 namespace vblk {
 
 SnapshotRevert::SnapshotRevert(std::vector<Node*> nodes, std::vector<std::string> names)
@@ -16,7 +18,7 @@ std::string SnapshotRevert::undo_name(const Node& n) const {
   std::string name = base;
   for (int i = 2;; ++i) {
     bool taken = false;
-    for (const auto& s : n.snapshots()) taken = taken || s.name == name || s.id == name;
+    for (const auto& s : image::snapshots(n)) taken = taken || s.name == name || s.id == name;
     if (!taken) return name;
     name = base + "-" + std::to_string(i);
   }
@@ -35,7 +37,7 @@ Task<Status> SnapshotRevert::revert(const std::string& snapshot) {
     sn.name = undo_name(n);
     sn.date_sec = static_cast<uint32_t>(tv.tv_sec);
     sn.date_nsec = static_cast<uint32_t>(tv.tv_usec * 1000);
-    st = co_await n.snapshot_create(sn);
+    st = co_await image::snapshot_create(n, sn);
     if (st)
       undo_.push_back({&n, sn.id, sn.name});
     else
@@ -43,7 +45,7 @@ Task<Status> SnapshotRevert::revert(const std::string& snapshot) {
   }
   // 2. The reverts.
   for (size_t i = 0; i < nodes_.size() && st; ++i) {
-    st = co_await undo_[i].node->snapshot_goto(snapshot);
+    st = co_await image::snapshot_goto(*undo_[i].node, snapshot);
     undo_[i].reverted = true;  // a failed goto may have changed something too
     if (!st)
       st = Error(st.error().code, "Could not load snapshot '" + snapshot + "' on '" + names_[i] +
@@ -56,7 +58,7 @@ Task<Status> SnapshotRevert::revert(const std::string& snapshot) {
 Task<Status> SnapshotRevert::commit() {
   Status first;
   for (auto& u : undo_) {
-    auto st = co_await u.node->snapshot_delete(u.id, u.name);
+    auto st = co_await image::snapshot_delete(*u.node, u.id, u.name);
     if (!st && first)
       first = Error(st.error().code, "Could not delete the undo snapshot '" + u.name + "': " + st.error().what());
   }
@@ -70,10 +72,10 @@ Task<Status> SnapshotRevert::rollback() {
     Status st;
     if (u.reverted) {
       co_await u.node->drain();
-      st = co_await u.node->snapshot_goto(u.id);
+      st = co_await image::snapshot_goto(*u.node, u.id);
     }
     // Kept when the way back failed: it is the only copy of the old state.
-    if (st) st = co_await u.node->snapshot_delete(u.id, u.name);
+    if (st) st = co_await image::snapshot_delete(*u.node, u.id, u.name);
     if (!st && first)
       first = Error(st.error().code, "Could not go back to the undo snapshot '" + u.name + "': " + st.error().what());
   }

@@ -6,12 +6,14 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "vblk/image_format.h"
+
 namespace vblk {
 
 namespace {
 
 uint64_t unit_size(const Node& node, const VmstateOptions& o) {
-  uint64_t s = o.buffer_size ? o.buffer_size : std::max<uint64_t>(node.cluster_size(), uint64_t{4} << 20);
+  uint64_t s = o.buffer_size ? o.buffer_size : std::max<uint64_t>(image::cluster_size(node), uint64_t{4} << 20);
   return align_up(s, 4096);
 }
 
@@ -49,7 +51,7 @@ AlignedBuffer VmstateWriter::take_buffer() {
 }
 
 Task<void> VmstateWriter::worker(AlignedBuffer buf, uint64_t pos, size_t len) {
-  auto st = co_await node_.write_vmstate(pos, buf.span().subspan(0, len));
+  auto st = co_await image::write_vmstate(node_, pos, buf.span().subspan(0, len));
   if (!st && !error_) error_ = st.error();
   free_.push_back(std::move(buf));
   slots_.release();
@@ -76,7 +78,7 @@ Task<Status> VmstateWriter::reposition(uint64_t pos) {
   // Read-modify-write: the unit's bytes before pos are whatever the area
   // holds (written earlier, or zeroes), and go back out unchanged.
   if (filled_) {
-    auto st = co_await node_.read_vmstate(cur_pos_, cur_.span().subspan(0, filled_));
+    auto st = co_await image::read_vmstate(node_, cur_pos_, cur_.span().subspan(0, filled_));
     if (!st) {
       filled_ = 0;
       error_ = st.error();
@@ -138,7 +140,7 @@ VmstateReader::~VmstateReader() {
 }
 
 Task<void> VmstateReader::fetch(Slot* s) {
-  s->status = co_await node_.read_vmstate(s->pos, s->buf.span().subspan(0, s->len), snapshot_id_);
+  s->status = co_await image::read_vmstate(node_, s->pos, s->buf.span().subspan(0, s->len), snapshot_id_);
   s->done->set();
   busy_.done();
 }

@@ -38,6 +38,7 @@
 #include "progress.h"
 #include "vblk/create.h"
 #include "vblk/graph.h"
+#include "vblk/image_format.h"
 #include "vblk/job.h"
 #include "vblk/named_bitmap.h"
 #include "vblk/options.h"
@@ -163,7 +164,7 @@ int run_backup(BackupCommand cmd) {
   auto src = open_cli_image(loop, cmd.sa);
   if (!src) return 1;
   NamedBitmap* existing = cmd.bitmap.empty() ? nullptr : src->bitmaps().find(cmd.bitmap);
-  const uint64_t granularity = default_bitmap_granularity(src->cluster_size());
+  const uint64_t granularity = default_bitmap_granularity(image::cluster_size(*src));
   if (cmd.incremental) {
     if (!existing) {
       error_report("Refusing the incremental backup: bitmap '" + cmd.bitmap + "' of '" + cmd.sa.filename +
@@ -178,7 +179,7 @@ int run_backup(BackupCommand cmd) {
       return 1;
     }
   } else if (!cmd.bitmap.empty() && !existing) {
-    if (Status st = src->can_store_new_bitmap(cmd.bitmap, granularity); !st) {
+    if (Status st = image::can_store_new_bitmap(*src, cmd.bitmap, granularity); !st) {
       error_report("Cannot keep bitmap '" + cmd.bitmap + "': " + st.error().what());
       return 1;
     }

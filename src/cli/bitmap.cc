@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common.h"
+#include "vblk/image_format.h"
 #include "vblk/named_bitmap.h"
 #include "vblk/options.h"
 
@@ -53,9 +54,9 @@ Status run_action(Loop& loop, Node& n, Node& src_node, const Action& act, const 
   switch (act.op) {
     case Op::Add: {
       if (name.empty()) return Error(EINVAL, "Bitmap name cannot be empty");
-      uint64_t g = has_granularity ? granularity : default_bitmap_granularity(n.cluster_size());
+      uint64_t g = has_granularity ? granularity : default_bitmap_granularity(image::cluster_size(n));
       if (g < 512 || !std::has_single_bit(g)) return Error(EINVAL, "Granularity must be power of 2 and at least 512");
-      VBLK_TRY(n.can_store_new_bitmap(name, g));
+      VBLK_TRY(image::can_store_new_bitmap(n, name, g));
       auto b = n.bitmaps().create(name, n.length(), g);
       VBLK_TRY(b);
       (*b)->persistent = true;
@@ -65,7 +66,7 @@ Status run_action(Loop& loop, Node& n, Node& src_node, const Action& act, const 
       NamedBitmap* b = find_bitmap(n, name, st);
       if (!b) return st;
       VBLK_TRY(check_bitmap(*b, kBitmapBusy | kBitmapRo));
-      VBLK_TRY(loop.run(n.remove_persistent_bitmap(name)));
+      VBLK_TRY(loop.run(image::remove_persistent_bitmap(n, name)));
       n.bitmaps().remove(name);
       return {};
     }

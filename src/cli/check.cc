@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "vblk/image_format.h"
 
 namespace vblk::cli {
 
@@ -145,7 +146,7 @@ int cmd_check(int argc, char** argv) {
   auto node = open_cli_image(loop, a);
   if (!node) return 1;
 
-  auto r = loop.run(node->check(fix));
+  auto r = loop.run(image::check(*node, fix));
   if (!r && r.error().code == ENOTSUP) {
     error_report("This image format does not support checks");
     return 63;
@@ -164,7 +165,7 @@ int cmd_check(int argc, char** argv) {
           res.leaks_fixed, res.corruptions_fixed);
     std::fflush(stdout);
     const int64_t leaks_fixed = res.leaks_fixed, corruptions_fixed = res.corruptions_fixed;
-    r = loop.run(node->check(kCheckReport));
+    r = loop.run(image::check(*node, kCheckReport));
     res = r ? *r : CheckResult{};
     res.leaks_fixed = leaks_fixed;
     res.corruptions_fixed = corruptions_fixed;

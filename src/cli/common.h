@@ -15,6 +15,7 @@
 #include <string>
 #include <variant>
 
+#include "vblk/image_format.h"
 #include "vblk/loop.h"
 #include "vblk/node.h"
 #include "vblk/open.h"

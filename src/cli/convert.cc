@@ -22,6 +22,7 @@
 #include "common.h"
 #include "progress.h"
 #include "vblk/block_copy.h"
+#include "vblk/image_format.h"
 #include "vblk/options.h"
 
 namespace vblk::cli {
@@ -286,14 +287,14 @@ int run_convert(const ConvertArgs& a) {
   }
 
   BlockCopyOptions o;
-  uint64_t cs = dst->cluster_size();
+  uint64_t cs = image::cluster_size(*dst);
   o.cluster_size = cs && (cs & (cs - 1)) == 0 && cs <= (2u << 20) ? cs : 64 << 10;
   // qemu-img keeps 8 coroutines x 2 MiB in flight; 16 x 1 MiB is the same
   // memory with finer parallelism.
   o.max_workers = a.workers ? a.workers : 16;
   o.use_copy_range = a.copy_range;
   o.speed = a.rate;
-  const bool has_backing = !a.backing.empty() || !dst->backing_file_name().empty();
+  const bool has_backing = !a.backing.empty() || !image::backing_file_name(*dst).empty();
   // With a backing file the target shows it wherever the source's top layer
   // does not allocate: copy only what the top layer has.
   o.skip_unallocated = has_backing;

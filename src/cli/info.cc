@@ -4,6 +4,8 @@
 #include <cstdio>
 
 #include "common.h"
+#include "vblk/format_info_json.h"
+#include "vblk/image_format.h"
 #include "vblk/snapshot_info_json.h"
 
 namespace vblk::cli {
@@ -12,28 +14,28 @@ namespace {
 
 // ImageInfo in QAPI schema order; qdict_order() gives QEMU's print order.
 nlohmann::ordered_json info_json(Node& top) {
+  const ImageFormat* f = top.format();
   nlohmann::ordered_json j;
   j["filename"] = top.filename();
   j["format"] = top.driver();
-  if (top.reports_dirty_flag()) j["dirty-flag"] = top.dirty_flag();
+  if (top.caps().reports_dirty_flag) j["dirty-flag"] = f && f->dirty_flag();
   if (auto sz = top.allocated_size()) j["actual-size"] = *sz;
   j["virtual-size"] = top.length();
-  if (top.cluster_size()) j["cluster-size"] = top.cluster_size();
-  if (top.encrypted()) j["encrypted"] = true;
-  std::string bf = top.backing_file_name();
+  if (image::cluster_size(top)) j["cluster-size"] = image::cluster_size(top);
+  if (f && f->encrypted()) j["encrypted"] = true;
+  std::string bf = image::backing_file_name(top);
   if (!bf.empty()) {
     j["backing-filename"] = bf;
     j["full-backing-filename"] = path_combine(top.filename(), bf);
-    if (!top.backing_file_format().empty()) j["backing-filename-format"] = top.backing_file_format();
+    if (!image::backing_file_format(top).empty()) j["backing-filename-format"] = image::backing_file_format(top);
   }
-  auto snaps = top.snapshots();
+  auto snaps = image::snapshots(top);
   if (!snaps.empty()) {
     nlohmann::ordered_json list = nlohmann::ordered_json::array();
     for (const auto& sn : snaps) list.push_back(snapshot_info_json(sn));
     j["snapshots"] = list;
   }
-  auto spec = top.format_specific();
-  if (!spec.is_null()) j["format-specific"] = spec;
+  if (auto spec = f ? f->format_info() : std::nullopt) j["format-specific"] = format_info_json(*spec);
   return qdict_order(j);
 }
 
@@ -68,16 +70,18 @@ void dump_specific(const nlohmann::ordered_json& data, int indent) {
 }
 
 void info_human(Node& top) {
+  const ImageFormat* f = top.format();
   std::printf("image: %s\n", top.filename().c_str());
   std::printf("file format: %s\n", top.driver().c_str());
   std::printf("virtual size: %s (%llu bytes)\n", size_to_str(top.length()).c_str(),
               static_cast<unsigned long long>(top.length()));
   auto sz = top.allocated_size();
   std::printf("disk size: %s\n", sz ? size_to_str(*sz).c_str() : "unavailable");
-  if (top.encrypted()) std::printf("encrypted: yes\n");
-  if (top.cluster_size()) std::printf("cluster_size: %llu\n", static_cast<unsigned long long>(top.cluster_size()));
-  if (top.dirty_flag()) std::printf("cleanly shut down: no\n");
-  std::string bf = top.backing_file_name();
+  if (f && f->encrypted()) std::printf("encrypted: yes\n");
+  if (image::cluster_size(top))
+    std::printf("cluster_size: %llu\n", static_cast<unsigned long long>(image::cluster_size(top)));
+  if (f && f->dirty_flag()) std::printf("cleanly shut down: no\n");
+  std::string bf = image::backing_file_name(top);
   if (!bf.empty()) {
     std::string full = path_combine(top.filename(), bf);
     if (full != bf) {
@@ -85,13 +89,13 @@ void info_human(Node& top) {
     } else {
       std::printf("backing file: %s\n", bf.c_str());
     }
-    if (!top.backing_file_format().empty()) std::printf("backing file format: %s\n", top.backing_file_format().c_str());
+    if (!image::backing_file_format(top).empty())
+      std::printf("backing file format: %s\n", image::backing_file_format(top).c_str());
   }
-  dump_snapshots(top.snapshots());
-  auto spec = top.format_specific();
-  if (!spec.is_null()) {
+  dump_snapshots(image::snapshots(top));
+  if (auto spec = f ? f->format_info() : std::nullopt) {
     std::printf("Format specific information:\n");
-    dump_specific(qdict_order(spec)["data"], 1);
+    dump_specific(qdict_order(format_info_json(*spec))["data"], 1);
   }
 }
 
@@ -154,17 +158,17 @@ int cmd_info(int argc, char** argv) {
   std::vector<Node*> images{top.get()};
   if (chain) {
     std::vector<std::string> seen{top->filename()};
-    while (!images.back()->backing_file_name().empty()) {
+    while (!image::backing_file_name(*images.back()).empty()) {
       Node* cur = images.back();
       ImageArgs b;
-      b.filename = path_combine(cur->filename(), cur->backing_file_name());
-      b.format = cur->backing_file_format();
+      b.filename = path_combine(cur->filename(), image::backing_file_name(*cur));
+      b.format = image::backing_file_format(*cur);
       b.no_backing = true;
       b.no_io = true;
       b.force_share = a.force_share;
       for (const auto& s : seen) {
         if (s == b.filename) {
-          error_report("Backing file '" + cur->backing_file_name() + "' creates an infinite loop.");
+          error_report("Backing file '" + image::backing_file_name(*cur) + "' creates an infinite loop.");
           return 1;
         }
       }

@@ -25,6 +25,7 @@
 
 #include "common.h"
 #include "vblk/buffer.h"
+#include "vblk/image_format.h"
 #include "vblk/options.h"
 
 namespace vblk::cli {
@@ -325,7 +326,7 @@ class Io {
     AlignedBuffer buf(static_cast<size_t>(count), 4096);
     if (count) std::memset(buf.data(), 0xab, static_cast<size_t>(count));  // (no memory when empty)
     timespec t1 = now();
-    Status st = bflag ? loop_.run(node_->read_vmstate(static_cast<uint64_t>(offset), buf.span()))
+    Status st = bflag ? loop_.run(image::read_vmstate(*node_, static_cast<uint64_t>(offset), buf.span()))
                       : loop_.run(node_->read(static_cast<uint64_t>(offset), buf.span()));
     timespec t2 = now();
     if (!st) {
@@ -415,7 +416,7 @@ class Io {
       if (count) std::memset(buf.data(), pattern, static_cast<size_t>(count));
       // -b: the VM state area (qemu-io's do_save_vmstate; -c does not apply).
       if (bflag)
-        st = loop_.run(node_->write_vmstate(static_cast<uint64_t>(offset), buf.span()));
+        st = loop_.run(image::write_vmstate(*node_, static_cast<uint64_t>(offset), buf.span()));
       else
         st = loop_.run(node_->write(static_cast<uint64_t>(offset), buf.span(), flags));
     }

@@ -18,6 +18,7 @@
 #include <functional>
 
 #include "common.h"
+#include "vblk/image_format.h"
 #include "vblk/snapshot_revert.h"
 #include "vblk/vmstate.h"
 
@@ -129,12 +130,12 @@ int cmd_loadvm(int argc, char** argv) {
   Loop loop;
   auto node = open_cli_image(loop, a);
   if (!node) return 1;
-  if (!node->supports_vmstate() || !node->supports_snapshots()) {
+  if (!image::supports_vmstate(*node) || !image::supports_snapshots(*node)) {
     error_report("Device '" + a.filename + "' does not support VM state snapshots");
     return 1;
   }
   // By name first, then by id (QEMU's bdrv_snapshot_find).
-  const auto list = node->snapshots();
+  const auto list = image::snapshots(*node);
   const SnapshotInfo* sn = nullptr;
   for (const auto& s : list)
     if (s.name == tag) {

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common.h"
+#include "vblk/image_format.h"
 #include "vblk/migration_stream.h"
 #include "vblk/vmstate.h"
 
@@ -319,7 +320,7 @@ int cmd_savevm(int argc, char** argv) {
     error_report_hint("Could not open '" + a.filename + "': " + open_error.what(), open_error);
     return 1;
   }
-  if (!node->supports_vmstate() || !node->supports_snapshots()) {
+  if (!image::supports_vmstate(*node) || !image::supports_snapshots(*node)) {
     error_report("Device '" + a.filename + "' does not support VM state snapshots");
     return 1;
   }
@@ -336,7 +337,7 @@ int cmd_savevm(int argc, char** argv) {
   if (fd != 0) ::close(fd);
   if (spill >= 0) ::close(spill);
   std::string old_id;
-  for (const auto& sn : node->snapshots())
+  for (const auto& sn : image::snapshots(*node))
     if (sn.name == tag) old_id = sn.id;
   if (r.st) {
     SnapshotInfo sn;
@@ -346,12 +347,12 @@ int cmd_savevm(int argc, char** argv) {
     sn.date_nsec = static_cast<uint32_t>(tv.tv_usec * 1000);
     sn.vm_clock_nsec = vm_clock;
     sn.icount = UINT64_MAX;  // QEMU records none without record/replay
-    r.st = loop.run(node->snapshot_create(sn));
+    r.st = loop.run(image::snapshot_create(*node, sn));
     r.context = "Error while creating snapshot on '" + a.filename + "'";
     // QEMU's savevm replaces a snapshot of the same name; the old one goes
     // only once the new one is committed.
     if (r.st && !old_id.empty()) {
-      auto st = loop.run(node->snapshot_delete(old_id, tag));
+      auto st = loop.run(image::snapshot_delete(*node, old_id, tag));
       if (!st) {
         error_report("Error while deleting snapshot '" + tag + "' (id " + old_id + ") on '" + a.filename +
                      "': " + st.error().what());
@@ -364,7 +365,7 @@ int cmd_savevm(int argc, char** argv) {
     error_report(r.context.empty() ? r.st.error().what() : r.context + ": " + std::strerror(r.st.error().code));
     // Nothing refers to the stream's clusters: give them back (a failure
     // here only leaks, which check -r leaks reclaims).
-    (void)loop.run(node->discard_vmstate(std::max<uint64_t>(r.bytes, 1)));
+    (void)loop.run(image::discard_vmstate(*node, std::max<uint64_t>(r.bytes, 1)));
   }
   auto st = loop.run(node->flush());
   if (!st && !ret) {

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "vblk/image_format.h"
 
 namespace vblk::cli {
 
@@ -76,7 +77,7 @@ int cmd_snapshot(int argc, char** argv) {
   int ret = 0;
   switch (action) {
     case kNone: break;
-    case kList: dump_snapshots(node->snapshots()); break;
+    case kList: dump_snapshots(image::snapshots(*node)); break;
     case kCreate: {
       SnapshotInfo sn;
       sn.name = name.substr(0, 255);  // QEMUSnapshotInfo.name is char[256]
@@ -85,7 +86,7 @@ int cmd_snapshot(int argc, char** argv) {
       sn.date_sec = static_cast<uint32_t>(tv.tv_sec);
       sn.date_nsec = static_cast<uint32_t>(tv.tv_usec * 1000);
       sn.icount = 0;  // qemu-img leaves it zeroed
-      auto st = loop.run(node->snapshot_create(sn));
+      auto st = loop.run(image::snapshot_create(*node, sn));
       if (!st) {
         // A driver's own report comes first (rbd: "failed to create snap: ...").
         if (!st.error().message.empty()) error_report(st.error().message);
@@ -96,7 +97,7 @@ int cmd_snapshot(int argc, char** argv) {
       break;
     }
     case kApply: {
-      auto st = loop.run(node->snapshot_goto(name));
+      auto st = loop.run(image::snapshot_goto(*node, name));
       if (node->driver() == "raw" && a.format.empty() && !a.image_opts) {
         // qemu-img falls back to the raw node's file (rbd: its snapshots),
         // reopening the raw node afterwards, whatever the outcome: its
@@ -105,7 +106,7 @@ int cmd_snapshot(int argc, char** argv) {
       }
       if (!st) {
         std::string why = st.error().what();
-        if (node->supports_snapshots() && st.error().code != EBUSY) {
+        if (image::supports_snapshots(*node) && st.error().code != EBUSY) {
           // The driver's own words come first, on their own line (QEMU's
           // error_report inside the driver), then the generic failure. EBUSY
           // (dirty bitmaps) is the block layer's refusal: said as it is.
@@ -120,7 +121,7 @@ int cmd_snapshot(int argc, char** argv) {
     case kDelete: {
       // qemu-img looks the snapshot up by name, then deletes that id+name.
       const SnapshotInfo* found = nullptr;
-      auto list = node->snapshots();
+      auto list = image::snapshots(*node);
       for (const auto& sn : list)
         if (sn.name == name) {
           found = &sn;
@@ -131,7 +132,7 @@ int cmd_snapshot(int argc, char** argv) {
         ret = 1;
         break;
       }
-      auto st = loop.run(node->snapshot_delete(found->id, found->name));
+      auto st = loop.run(image::snapshot_delete(*node, found->id, found->name));
       if (!st) {
         error_report("Could not delete snapshot '" + name + "': " + st.error().what());
         ret = 1;

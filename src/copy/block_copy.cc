@@ -13,6 +13,7 @@
 #include <cstdlib>
 
 #include "rate_limit.h"
+#include "vblk/image_format.h"
 #include "vblk/status_group.h"
 #include "vblk/trace.h"
 
@@ -463,7 +464,7 @@ Task<Status> BlockCopyState::read_write(uint64_t offset, uint64_t bytes, bool& e
 // (O_DIRECT targets: 37,000 writes of 4-16 KiB for 1 GiB of mixed data,
 // 5-6 s in series, 1.5 s together).
 Task<Status> BlockCopyState::write_detecting_zeroes(uint64_t offset, std::span<const uint8_t> buf) {
-  const uint64_t unit = std::max<uint64_t>(opts_.detect_zeroes, target_.cluster_size());
+  const uint64_t unit = std::max<uint64_t>(opts_.detect_zeroes, image::cluster_size(target_));
   StatusGroup runs(target_.loop());
   size_t pos = 0;
   while (pos < buf.size() && runs.ok()) {

@@ -12,10 +12,11 @@
 #include "vblk/buffer.h"
 #include "vblk/chain.h"
 #include "vblk/graph.h"
+#include "vblk/image_format.h"
 
 namespace vblk {
 
-uint64_t cbw_cluster_size(const Node& target) { return std::max<uint64_t>(64 << 10, target.cluster_size()); }
+uint64_t cbw_cluster_size(const Node& target) { return std::max<uint64_t>(64 << 10, image::cluster_size(target)); }
 
 CopyBeforeWrite::CopyBeforeWrite(Loop& loop, std::shared_ptr<Node> file, std::shared_ptr<Node> target, CbwOptions opts)
     : FilterNode(loop, "copy-before-write", std::move(file)),

@@ -31,13 +31,13 @@ class SnapshotAccessNode final : public Node {
     limits_.max_transfer = file_->limits().max_transfer;
     caps_ = NodeCaps{};
     caps_.discard = true;
+    // No image info of its own (QEMU's driver has no bdrv_get_info).
+    caps_.reports_dirty_flag = false;
     set_length(file_->length());
     add_child("file", std::move(file));
   }
 
   std::string filename() const override { return file_->filename(); }
-  // No image info of its own (QEMU's driver has no bdrv_get_info).
-  bool reports_dirty_flag() const override { return false; }
   PermPair child_perm(const Child&, PermPair) const override { return PermPair{0, kPermAll}; }
 
  protected:

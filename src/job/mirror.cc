@@ -8,6 +8,7 @@
 
 #include "vblk/buffer.h"
 #include "vblk/chain.h"
+#include "vblk/image_format.h"
 #include "vblk/named_bitmap.h"
 
 namespace vblk {
@@ -197,8 +198,8 @@ Task<Status> MirrorJob::run() {
         }
         // drive-mirror's target takes the source's backing chain.
         if (target_backing_)
-          if (Status st = co_await target_->set_backing(target_backing_, target_->backing_file_name(),
-                                                        target_->backing_file_format());
+          if (Status st = co_await image::set_backing(*target_, target_backing_, image::backing_file_name(*target_),
+                                                      image::backing_file_format(*target_));
               !st.ok()) {
             filter_->release(nullptr);
             co_return st;
@@ -282,9 +283,9 @@ Task<Status> MirrorJob::relink() {
   if (is_cancelled()) co_return Status{};
   if (sync_ == Sync::Stream) {
     std::string fmt = new_backing_ ? new_backing_->driver() : std::string();
-    co_return co_await source_->set_backing(new_backing_, backing_str_, fmt);
+    co_return co_await image::set_backing(*source_, new_backing_, backing_str_, fmt);
   }
-  co_return co_await overlay_->set_backing(target_, backing_str_, target_->driver());
+  co_return co_await image::set_backing(*overlay_, target_, backing_str_, target_->driver());
 }
 
 bool MirrorJob::on_cancel(bool force) {
@@ -457,7 +458,7 @@ Result<std::shared_ptr<MirrorJob>> start_mirror_job(JobManager& mgr, Graph& grap
                                                     const std::shared_ptr<Node>& tgt, const MirrorJobParams& p) {
   // mirror_start_job
   const uint64_t g = p.granularity;
-  const uint64_t gran = g ? g : default_bitmap_granularity(tgt->cluster_size());
+  const uint64_t gran = g ? g : default_bitmap_granularity(image::cluster_size(*tgt));
   if (p.buf_size < 0) return Error(EINVAL, "Invalid parameter 'buf-size'");
   uint64_t buf = p.buf_size ? static_cast<uint64_t>(p.buf_size) : kDefaultBufSize;
   buf = align_up(buf, gran);

@@ -5,6 +5,7 @@
 
 #include "chain_job_params.h"
 #include "vblk/chain.h"
+#include "vblk/image_format.h"
 
 namespace vblk {
 
@@ -46,7 +47,7 @@ Result<std::shared_ptr<MirrorJob>> start_stream(JobManager& mgr, Graph& graph, c
   p.driver = "copy-on-read";
   // A guest write must allocate whole bitmap clusters in the node, or the
   // rest of a cluster it marks clean would be lost with the backing file.
-  p.granularity = bs->cluster_size() ? std::max<uint64_t>(512, bs->cluster_size()) : 0;
+  p.granularity = image::cluster_size(*bs) ? std::max<uint64_t>(512, image::cluster_size(*bs)) : 0;
   p.new_backing = base;
   if (base) p.backing_str = a.backing_file.value_or(base->filename());
   return start_mirror_job(mgr, graph, bs, bs, p);

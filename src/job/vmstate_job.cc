@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "vblk/image_format.h"
 #include "vblk/migration_stream.h"
 #include "vblk/snapshot_revert.h"
 
@@ -100,7 +101,7 @@ Task<Status> SnapshotSaveJob::snapshot_all(uint64_t state_size) {
     sn.date_sec = static_cast<uint32_t>(tv.tv_sec);
     sn.date_nsec = static_cast<uint32_t>(tv.tv_usec * 1000);
     sn.vm_state_size = &n == nodes_.vmstate.get() ? state_size : 0;
-    st = co_await n.snapshot_create(sn);
+    st = co_await image::snapshot_create(n, sn);
     if (st) {
       made.emplace_back(&n, sn.id);
     } else {
@@ -110,7 +111,7 @@ Task<Status> SnapshotSaveJob::snapshot_all(uint64_t state_size) {
   }
   if (!st) {
     // All or nothing, as QEMU's save_snapshot: what was made goes again.
-    for (auto& [n, id] : made) (void)co_await n->snapshot_delete(id, tag_);
+    for (auto& [n, id] : made) (void)co_await image::snapshot_delete(*n, id, tag_);
   }
   co_return st;
 }
@@ -127,7 +128,7 @@ Task<Status> SnapshotSaveJob::run() {
   if (!st) {
     // Nothing refers to the stream's clusters: give them back (a failure
     // here only leaks, which check -r leaks reclaims).
-    (void)co_await vm.discard_vmstate(std::max<uint64_t>(w.end(), 1));
+    (void)co_await image::discard_vmstate(vm, std::max<uint64_t>(w.end(), 1));
     if (st.error().code != ECANCELED) set_error_text(st.error().what());
   }
   for (auto& n : nodes_.devices) (void)co_await n->flush();
@@ -179,7 +180,7 @@ Task<Status> SnapshotLoadJob::run() {
   // anything changes.
   std::string id;
   uint64_t length = 0;
-  for (const auto& sn : nodes_.vmstate->snapshots())
+  for (const auto& sn : image::snapshots(*nodes_.vmstate))
     if (sn.name == tag_) {
       id = sn.id;
       length = sn.vm_state_size;

@@ -7,6 +7,7 @@
 #include <bit>
 
 #include "transaction.h"
+#include "vblk/image_format.h"
 #include "vblk/qmp_daemon.h"
 
 namespace vblk::qmp {
@@ -26,7 +27,7 @@ Result<NamedBitmap*> lookup(Daemon& d, const std::string& node, const std::strin
   return b;
 }
 
-uint64_t default_granularity(const Node& n) { return default_bitmap_granularity(n.cluster_size()); }
+uint64_t default_granularity(const Node& n) { return default_bitmap_granularity(image::cluster_size(n)); }
 
 Task<Reply> bitmap_add(Daemon& d, const OJson& a) {
   std::string node = a["node"].get<std::string>();
@@ -45,7 +46,7 @@ Task<Reply> bitmap_add(Daemon& d, const OJson& a) {
   bool persistent = a.contains("persistent") && a["persistent"].get<bool>();
   bool disabled = a.contains("disabled") && a["disabled"].get<bool>();
   if (persistent)
-    if (auto st = n->can_store_new_bitmap(name, gran); !st) co_return fail(st.error());
+    if (auto st = image::can_store_new_bitmap(*n, name, gran); !st) co_return fail(st.error());
   auto b = n->bitmaps().create(name, n->length(), gran);
   if (!b) co_return fail(b.error());
   (*b)->enabled = !disabled;
@@ -60,7 +61,7 @@ Task<Reply> bitmap_remove(Daemon& d, const OJson& a) {
   if (auto st = check_bitmap(**b, kBitmapBusy | kBitmapRo); !st) co_return fail(st.error());
   std::string name = (*b)->name;
   if ((*b)->persistent) {
-    auto st = co_await n->remove_persistent_bitmap(name);
+    auto st = co_await image::remove_persistent_bitmap(*n, name);
     if (!st) co_return fail(st.error());
   }
   n->bitmaps().remove(name);
@@ -160,7 +161,7 @@ class BitmapAction final : public TxAction {
     if (verb_ == "remove") {
       if (!b) co_return b.take_error();
       VBLK_CO_TRY(check_bitmap(**b, kBitmapBusy | kBitmapRo));
-      if ((*b)->persistent) VBLK_CO_TRY(co_await node_->remove_persistent_bitmap((*b)->name));
+      if ((*b)->persistent) VBLK_CO_TRY(co_await image::remove_persistent_bitmap(*node_, (*b)->name));
       (*b)->busy = true;
       bm_ = *b;
       co_return Status{};

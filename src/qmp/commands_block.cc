@@ -6,6 +6,8 @@
 #include "vblk/backup.h"
 #include "vblk/chain.h"
 #include "vblk/copy_before_write.h"
+#include "vblk/format_info_json.h"
+#include "vblk/image_format.h"
 #include "vblk/open.h"
 #include "vblk/qmp_daemon.h"
 #include "vblk/snapshot_info_json.h"
@@ -206,25 +208,25 @@ Task<Reply> blockdev_del(Daemon& d, const OJson& args) {
 Node* backing_of(const Node& n) { return n.child("backing"); }
 
 OJson image_info(Daemon& d, Node& n, bool flat) {
+  const ImageFormat* f = n.format();
   OJson img = OJson::object();
   img["filename"] = n.filename();
   img["format"] = n.driver();
   img["virtual-size"] = n.length();  // whole sectors, as bdrv_getlength
   if (auto a = n.allocated_size()) img["actual-size"] = *a;
-  if (n.cluster_size()) img["cluster-size"] = n.cluster_size();
-  if (n.encrypted()) img["encrypted"] = true;
-  if (n.reports_dirty_flag()) img["dirty-flag"] = n.dirty_flag();
-  auto spec = n.format_specific();
-  if (!spec.is_null()) img["format-specific"] = OJson::parse(spec.dump());
-  std::string bf = n.backing_file_name();
+  if (image::cluster_size(n)) img["cluster-size"] = image::cluster_size(n);
+  if (f && f->encrypted()) img["encrypted"] = true;
+  if (n.caps().reports_dirty_flag) img["dirty-flag"] = f && f->dirty_flag();
+  if (auto spec = f ? f->format_info() : std::nullopt) img["format-specific"] = format_info_json(*spec);
+  std::string bf = image::backing_file_name(n);
   if (!bf.empty()) {
     img["backing-filename"] = bf;
     if (Node* b = backing_of(n)) img["full-backing-filename"] = b->filename();
-    if (!n.backing_file_format().empty()) img["backing-filename-format"] = n.backing_file_format();
+    if (!image::backing_file_format(n).empty()) img["backing-filename-format"] = image::backing_file_format(n);
   }
   // Internal snapshots (qcow2's; rbd's, also through a raw node over it, as
   // QEMU's snapshot fallback lists them), when there are any.
-  auto snaps = n.snapshots();
+  auto snaps = image::snapshots(n);
   if (!snaps.empty()) {
     OJson list = OJson::array();
     for (const auto& sn : snaps) list.push_back(snapshot_info_json(sn));
@@ -249,7 +251,7 @@ OJson node_info(Daemon& d, Node& n, bool flat) {
     for (Node* b = filter_or_cow_child(n); b; b = filter_or_cow_child(*b)) ++depth;
   if (Node* b = backing_of(n)) o["backing_file"] = b->filename();
   o["backing_file_depth"] = depth;
-  o["encrypted"] = n.encrypted();
+  o["encrypted"] = n.format() && n.format()->encrypted();
   o["detect_zeroes"] = st.detect_zeroes;
   for (const char* k : {"bps", "bps_rd", "bps_wr", "iops", "iops_rd", "iops_wr"}) o[k] = 0;
   o["image"] = image_info(d, n, flat);

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "transaction.h"
+#include "vblk/image_format.h"
 #include "vblk/node_ref.h"
 #include "vblk/open.h"
 #include "vblk/snapshot_info_json.h"
@@ -159,13 +160,13 @@ class InternalSnapshot final : public TxAction {
     co_await bs_->drain();
     VBLK_CO_TRY(d.jobs.check_not_busy(bs_.get(), bs_->node_name()));
     if (bs_->read_only()) co_return Error(EROFS, "Device '" + device + "' is read only");
-    if (!bs_->supports_snapshots())
+    if (!image::supports_snapshots(*bs_))
       co_return Error(ENOTSUP, "Block format '" + bs_->driver() + "' used by device '" + device +
                                    "' does not support internal snapshots");
     if (name.empty()) co_return Error(EINVAL, "Name is empty");
     // A named list: a range-for over a temporary in a coroutine frame is
     // what GCC 12 gets wrong.
-    const std::vector<SnapshotInfo> list = bs_->snapshots();
+    const std::vector<SnapshotInfo> list = image::snapshots(*bs_);
     for (const auto& s : list)
       if (s.name == name)
         co_return Error(EEXIST, "Snapshot with name '" + name + "' already exists on device '" + device + "'");
@@ -177,7 +178,7 @@ class InternalSnapshot final : public TxAction {
     // A storage daemon has no VM: QEMU's virtual clock is the host's.
     sn_.vm_clock_nsec = uint64_t(tv.tv_sec) * 1000000000u + uint64_t(tv.tv_usec) * 1000u;
     sn_.icount = UINT64_MAX;
-    auto st = co_await bs_->snapshot_create(sn_);
+    auto st = co_await image::snapshot_create(*bs_, sn_);
     if (!st)
       co_return Error(st.error().code, "Failed to create snapshot '" + name + "' on device '" + device +
                                            "': " + std::strerror(st.error().code));
@@ -186,7 +187,7 @@ class InternalSnapshot final : public TxAction {
   }
 
   Task<void> abort(TxContext&) override {
-    if (created_) (void)co_await bs_->snapshot_delete(sn_.id, sn_.name);
+    if (created_) (void)co_await image::snapshot_delete(*bs_, sn_.id, sn_.name);
   }
 
  private:
@@ -207,7 +208,7 @@ Task<Reply> delete_internal_snapshot(Daemon& d, const OJson& a) {
   Node& bs = **n;
   if (auto st = d.jobs.check_not_busy(&bs, bs.node_name()); !st) co_return Reply::fail(st.error().what());
   std::optional<SnapshotInfo> found;
-  const std::vector<SnapshotInfo> list = bs.snapshots();
+  const std::vector<SnapshotInfo> list = image::snapshots(bs);
   for (const auto& s : list)
     if ((!has_id || s.id == id) && (!has_name || s.name == name)) {
       found = s;
@@ -217,7 +218,7 @@ Task<Reply> delete_internal_snapshot(Daemon& d, const OJson& a) {
     co_return Reply::fail("Snapshot with id '" + str_or(a, "id", "null") + "' and name '" + str_or(a, "name", "null") +
                           "' does not exist on device '" + device + "'");
   co_await bs.drain();
-  auto st = co_await bs.snapshot_delete(found->id, found->name);
+  auto st = co_await image::snapshot_delete(bs, found->id, found->name);
   if (!st)
     co_return Reply::fail("Failed to delete snapshot '" + found->id + "' on device '" + device +
                           "': " + std::strerror(st.error().code));

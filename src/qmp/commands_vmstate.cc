@@ -23,6 +23,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "vblk/image_format.h"
 #include "vblk/qmp_daemon.h"
 #include "vblk/vmstate_job.h"
 
@@ -52,7 +53,7 @@ Result<Request> parse(Daemon& d, const OJson& a, bool save) {
     const std::string name = dev.get<std::string>();
     auto n = d.graph.find(name);
     if (!n) return Error(ENOENT, "No block device node '" + name + "'");
-    if (!n->supports_snapshots() || n->read_only())
+    if (!image::supports_snapshots(*n) || n->read_only())
       return Error(ENOTSUP, "Device '" + name + "' is writable but does not support snapshots");
     if (auto st = d.jobs.check_not_busy(n.get(), name); !st) return st.take_error();
     // QEMU's bdrv_all_get_snapshot_devices takes the list as it comes, so
@@ -72,11 +73,11 @@ Result<Request> parse(Daemon& d, const OJson& a, bool save) {
   for (size_t i = 0; i < r.nodes.names.size(); ++i)
     if (r.nodes.names[i] == vm) r.nodes.vmstate = r.nodes.devices[i];
   if (!r.nodes.vmstate) return Error(ENOENT, "vmstate block device '" + vm + "' does not exist");
-  if (!r.nodes.vmstate->supports_vmstate())
+  if (!image::supports_vmstate(*r.nodes.vmstate))
     return Error(ENOTSUP, "vmstate block device '" + vm + "' does not support snapshots");
   for (const auto& n : r.nodes.devices) {
     bool has = false;
-    for (const auto& sn : n->snapshots()) has = has || sn.name == r.tag;
+    for (const auto& sn : image::snapshots(*n)) has = has || sn.name == r.tag;
     if (save && has) return Error(EEXIST, "Snapshot '" + r.tag + "' already exists in one or more devices");
     if (!save && !has) return Error(ENOENT, "Snapshot '" + r.tag + "' does not exist in one or more devices");
   }

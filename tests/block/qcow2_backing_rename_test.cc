@@ -11,6 +11,7 @@
 #include "block/drivers/qcow2/format.h"
 #include "block/drivers/qcow2/qcow2.h"
 #include "vblk/graph.h"
+#include "vblk/image_format.h"
 #include "vblk/mem_node.h"
 #include "vblk/open.h"
 
@@ -53,7 +54,7 @@ std::vector<uint8_t> rename(const std::vector<uint8_t>& base, const std::string&
   const uint64_t before = mem->writes_submitted();
   if (cut) mem->cut_before(before + cut, MemNode::CutMode::Reorder, seed);
   auto other = std::make_shared<MemNode>(loop, MemNode::Options{.size = 1 << 20});
-  (void)loop.run((*n)->set_backing(other, to, "qcow2"));
+  (void)loop.run(image::set_backing(**n, other, to, "qcow2"));
   *writes = mem->writes_submitted() - before;
   if (mem->cut_image()) return *mem->cut_image();
   return mem->power_cut(MemNode::CutMode::Drop, 0);

@@ -9,6 +9,7 @@
 
 #include "block/drivers/qcow2/qcow2.h"
 #include "qcow2_temp_image.h"
+#include "vblk/image_format.h"
 #include "vblk/open.h"
 
 using namespace vblk;
@@ -39,7 +40,7 @@ TEST_F(Qcow2Bitmaps, StoredOnCloseLoadedOnOpen) {
     Loop loop;
     auto n = open(loop);
     ASSERT_TRUE(n);
-    ASSERT_TRUE(n->can_store_new_bitmap("fine", 512).ok());
+    ASSERT_TRUE(image::can_store_new_bitmap(*n, "fine", 512).ok());
     auto fine = n->bitmaps().create("fine", n->length(), 512);
     auto coarse = n->bitmaps().create("coarse", n->length(), 1 << 20);
     auto temp = n->bitmaps().create("temp", n->length(), 65536);
@@ -71,17 +72,17 @@ TEST_F(Qcow2Bitmaps, StoredOnCloseLoadedOnOpen) {
   // Open read-write: in_use on disk.
   for (const auto& e : q(n).stored_bitmaps()) EXPECT_EQ(e.flags & 1, 1u) << e.name;
   // Names on disk answer like existing bitmaps; qcow2's own limits.
-  EXPECT_EQ(n->can_store_new_bitmap("fine", 65536).error().what(), "Bitmap already exists: fine");
-  EXPECT_EQ(n->can_store_new_bitmap("x", 256).error().what(),
+  EXPECT_EQ(image::can_store_new_bitmap(*n, "fine", 65536).error().what(), "Bitmap already exists: fine");
+  EXPECT_EQ(image::can_store_new_bitmap(*n, "x", 256).error().what(),
             "Can't make bitmap 'x' persistent in '': Granularity is under minimum (512 bytes)");
-  EXPECT_EQ(n->can_store_new_bitmap(std::string(1024, 'n'), 65536).error().what(),
+  EXPECT_EQ(image::can_store_new_bitmap(*n, std::string(1024, 'n'), 65536).error().what(),
             "Can't make bitmap '" + std::string(1024, 'n') +
                 "' persistent in '': Name length exceeds maximum (1023 characters)");
   // Removing a stored bitmap rewrites the directory at once.
-  ASSERT_TRUE(loop.run(n->remove_persistent_bitmap("coarse")).ok());
+  ASSERT_TRUE(loop.run(image::remove_persistent_bitmap(*n, "coarse")).ok());
   n->bitmaps().remove("coarse");
   ASSERT_EQ(q(n).stored_bitmaps().size(), 1u);
-  auto r = loop.run(n->check(kCheckReport));
+  auto r = loop.run(image::check(*n, kCheckReport));
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->corruptions, 0);
   EXPECT_EQ(r->leaks, 0);

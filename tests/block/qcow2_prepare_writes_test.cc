@@ -9,6 +9,7 @@
 
 #include "block/drivers/qcow2/qcow2.h"
 #include "qcow2_temp_image.h"
+#include "vblk/image_format.h"
 #include "vblk/open.h"
 
 using namespace vblk;
@@ -91,7 +92,7 @@ TEST_F(Qcow2PrepareWrites, AllocatesOnlyTheTablesOfTheRanges) {
     EXPECT_EQ(r.data()[kCluster - 1], static_cast<uint8_t>(off / kCluster % 251 + 1));
   }
   ASSERT_TRUE(loop.run(n->flush()).ok());
-  auto c = loop.run(n->check(0));
+  auto c = loop.run(image::check(*n, 0));
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->corruptions, 0);
   EXPECT_EQ(c->leaks, 0);

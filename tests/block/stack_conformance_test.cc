@@ -37,6 +37,7 @@
 #include "vblk/buffer.h"
 #include "vblk/copy_drivers.h"
 #include "vblk/graph.h"
+#include "vblk/image_format.h"
 #include "vblk/mem_node.h"
 #include "vblk/mirror_top.h"
 #include "vblk/nbd_server.h"
@@ -482,7 +483,7 @@ TEST_P(StackConformance, ConcurrentWorkloadMatchesModel) {
     ASSERT_TRUE(s.top);
     ASSERT_NO_FATAL_FAILURE(read_all_matches(s, *s.top, m, "reopened"));
     if (s.qcow2_check) {
-      auto r = s.loop.run(s.top->check(kCheckReport));
+      auto r = s.loop.run(image::check(*s.top, kCheckReport));
       ASSERT_TRUE(r.ok()) << r.error().what();
       EXPECT_EQ(r->corruptions, 0);
       EXPECT_EQ(r->leaks, 0);

@@ -15,6 +15,7 @@
 
 #include "block/drivers/qcow2/qcow2.h"
 #include "qcow2_temp_image.h"
+#include "vblk/image_format.h"
 #include "vblk/mem_node.h"
 #include "vblk/open.h"
 
@@ -234,16 +235,16 @@ TEST_P(Qcow2Vmstate, SnapshotCarriesTheStateAndTheActiveTablesDropIt) {
     SnapshotInfo sn;
     sn.name = "s1";
     sn.vm_state_size = s.size();
-    ASSERT_TRUE(loop.run(n->snapshot_create(sn)).ok());
+    ASSERT_TRUE(loop.run(image::snapshot_create(*n, sn)).ok());
     // The active state is gone: it reads as zeroes.
     std::vector<uint8_t> active(4096, 1);
-    ASSERT_TRUE(loop.run(n->read_vmstate(0, active)).ok());
+    ASSERT_TRUE(loop.run(image::read_vmstate(*n, 0, active)).ok());
     EXPECT_TRUE(std::all_of(active.begin(), active.end(), [](uint8_t b) { return b == 0; }));
     // The disk did not change.
     std::vector<uint8_t> back(disk.size());
     ASSERT_TRUE(loop.run(n->read(0, back)).ok());
     EXPECT_TRUE(back == disk);
-    auto ck = loop.run(n->check(kCheckReport));
+    auto ck = loop.run(image::check(*n, kCheckReport));
     ASSERT_TRUE(ck.ok());
     EXPECT_EQ(ck->corruptions, 0);
     EXPECT_EQ(ck->leaks, 0);
@@ -253,7 +254,7 @@ TEST_P(Qcow2Vmstate, SnapshotCarriesTheStateAndTheActiveTablesDropIt) {
     Loop loop;
     auto n = open(loop);
     ASSERT_TRUE(n);
-    auto list = n->snapshots();
+    auto list = image::snapshots(*n);
     ASSERT_EQ(list.size(), 1u);
     EXPECT_EQ(list[0].vm_state_size, s.size());
     VmstateReader r(*n, list[0].id, list[0].vm_state_size);

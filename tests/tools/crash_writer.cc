@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "vblk/buffer.h"
+#include "vblk/image_format.h"
 #include "vblk/open.h"
 #include "vblk/sync.h"
 
@@ -135,9 +136,9 @@ Task<void> run(State& s) {
         std::string name = s.live.front();
         log_line(s, "D " + name);
         SnapshotInfo victim;
-        for (const auto& sn : s.node.snapshots())
+        for (const auto& sn : image::snapshots(s.node))
           if (sn.name == name) victim = sn;
-        auto st = co_await s.node.snapshot_delete(victim.id, victim.name);
+        auto st = co_await image::snapshot_delete(s.node, victim.id, victim.name);
         if (!st) die(st);
         s.live.erase(s.live.begin());
         log_line(s, "DD " + name);
@@ -146,7 +147,7 @@ Task<void> run(State& s) {
         log_line(s, "S " + name + " " + std::to_string(s.seq));
         SnapshotInfo sn;
         sn.name = name;
-        auto st = co_await s.node.snapshot_create(sn);
+        auto st = co_await image::snapshot_create(s.node, sn);
         if (!st) die(st);
         s.live.push_back(name);
         // Creation flushes: everything so far is durable.
@@ -183,7 +184,7 @@ int main(int argc, char** argv) {
   }
   int log_fd = ::open(argv[4], O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644);
   if (log_fd < 0) return 1;
-  uint64_t cluster = (*node)->cluster_size() ? (*node)->cluster_size() : 65536;
+  uint64_t cluster = image::cluster_size(**node) ? image::cluster_size(**node) : 65536;
   State s{loop,
           **node,
           log_fd,

@@ -41,6 +41,7 @@
 #include "vblk/buffer.h"
 #include "vblk/copy_drivers.h"
 #include "vblk/graph.h"
+#include "vblk/image_format.h"
 #include "vblk/mem_node.h"
 #include "vblk/nbd_server.h"
 #include "vblk/net.h"
@@ -248,7 +249,7 @@ struct Guest {
         if (snaps.size() >= 2 || (!snaps.empty() && rng() % 2)) {
           const std::string name = snaps.front();
           snaps.erase(snaps.begin());
-          if (!co_await n.snapshot_delete("", name)) {
+          if (!co_await image::snapshot_delete(n, "", name)) {
             failed = true;
             break;
           }
@@ -261,13 +262,13 @@ struct Guest {
             const uint64_t len = (16 + rng() % 48) << 10;
             AlignedBuffer st(len);
             for (uint64_t i = 0; i < len; ++i) st.data()[i] = static_cast<uint8_t>(rng());
-            if (!co_await n.write_vmstate(0, st.span())) {
+            if (!co_await image::write_vmstate(n, 0, st.span())) {
               failed = true;
               break;
             }
             sn.vm_state_size = len;
           }
-          if (!co_await n.snapshot_create(sn)) {
+          if (!co_await image::snapshot_create(n, sn)) {
             failed = true;
             break;
           }

@@ -47,6 +47,7 @@
 #include "vblk/buffer.h"
 #include "vblk/commit.h"
 #include "vblk/graph.h"
+#include "vblk/image_format.h"
 #include "vblk/job.h"
 #include "vblk/mem_node.h"
 #include "vblk/mirror.h"
@@ -348,7 +349,7 @@ RunResult run(const Scenario& sc, const Base& base, uint64_t seed, uint64_t cut_
     // As `vblk convert` sets the engine up for a new qcow2 target.
     std::shared_ptr<Node> dst = graph.find(sc.target);
     BlockCopyOptions o;
-    o.cluster_size = dst->cluster_size();
+    o.cluster_size = image::cluster_size(*dst);
     o.max_workers = 16;
     o.target_is_zero = true;
     o.detect_zeroes = 4096;

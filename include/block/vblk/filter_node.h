@@ -15,22 +15,25 @@
 #include <memory>
 #include <string>
 
+#include "vblk/image_format.h"
 #include "vblk/node.h"
 
 namespace vblk {
 
-class FilterNode : public Node {
+class FilterNode : public Node, public ImageFormat {
  public:
   FilterNode(Loop& loop, std::string driver, std::shared_ptr<Node> file);
 
   Node& filtered() const { return *filtered_; }
-  bool reports_dirty_flag() const override { return filtered_->reports_dirty_flag(); }
   Task<Status> prepare_writes(std::span<const WriteRange> ranges) override {
     co_return co_await filtered_->prepare_writes(ranges);
   }
   // QEMU's bdrv_get_info looks through a filter: a backup or mirror into a
   // throttled target picks the target's cluster size (rbd: its object size).
-  uint64_t cluster_size() const override { return filtered_->cluster_size(); }
+  // Only that: a filter has no image info, snapshots or checks of its own
+  // (the facet's defaults); whether info shows dirty-flag follows the
+  // filtered node (caps).
+  uint64_t cluster_size() const override { return image::cluster_size(*filtered_); }
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t flags) override;

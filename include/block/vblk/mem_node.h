@@ -19,6 +19,10 @@
 // counts requests that break its own limits (the generic layer must pad,
 // split and align for it), and measures how many requests overlap.
 //
+// The VM state area makes it an ImageFormat (image_format.h) of sorts: its
+// facet answers supports_vmstate() as Options::vmstate says, the rest as
+// the defaults do.
+//
 // Ownership: plain node; one loop, not thread-safe.
 #pragma once
 
@@ -30,11 +34,12 @@
 #include <random>
 #include <vector>
 
+#include "vblk/image_format.h"
 #include "vblk/node.h"
 
 namespace vblk {
 
-class MemNode : public Node {
+class MemNode : public Node, public ImageFormat {
  public:
   static constexpr uint32_t kSector = 512;
 

@@ -11,6 +11,10 @@
 // requests so drain() can wait for them. Drivers implement the protected do_*
 // hooks and may assume clean input: aligned, in range, within max transfer.
 //
+// What only image formats answer (qemu-img info's format fields, check,
+// internal snapshots, persistent bitmaps, VM state) is not here: it is the
+// ImageFormat facet (image_format.h), reached through format().
+//
 // Ownership: a node owns references to its children (shared_ptr); the graph
 // owns nodes by name. A node lives on one Loop and is not thread-safe.
 // Limits and capabilities are data, filled once at open (see BlockLimits).
@@ -19,7 +23,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
@@ -60,6 +63,7 @@ enum StatusFlags : uint32_t {
   kStatusRecurse = 0x40,      // driver asks: look into `file` at `map` for zeroes
 };
 
+class ImageFormat;
 class Node;
 class NodeRef;
 
@@ -107,38 +111,9 @@ struct NodeCaps {
   // change, plain (map == offset, file == this): block_status() keeps them
   // in the node's StatusCache (status_cache.h). Protocol drivers set it.
   bool cache_status = false;
-};
-
-// Consistency checks (qemu-img check): QEMU's BdrvCheckMode bits and its
-// BdrvCheckResult with BlockFragInfo folded in.
-enum CheckMode : uint32_t {
-  kCheckReport = 0,           // only report
-  kCheckFixLeaks = 1u << 0,   // -r leaks: drop refcounts nothing references
-  kCheckFixErrors = 1u << 1,  // -r all (with kCheckFixLeaks): fix everything fixable
-};
-
-struct CheckResult {
-  int64_t corruptions = 0;
-  int64_t leaks = 0;
-  int64_t check_errors = 0;  // the check itself could not complete some step
-  int64_t corruptions_fixed = 0;
-  int64_t leaks_fixed = 0;
-  int64_t image_end_offset = 0;
-  int64_t total_clusters = 0;
-  int64_t allocated_clusters = 0;
-  int64_t fragmented_clusters = 0;
-  int64_t compressed_clusters = 0;
-};
-
-// An internal snapshot as the block layer sees it (QEMU's QEMUSnapshotInfo).
-struct SnapshotInfo {
-  std::string id;
-  std::string name;
-  uint64_t vm_state_size = 0;
-  uint32_t date_sec = 0;
-  uint32_t date_nsec = 0;
-  uint64_t vm_clock_nsec = 0;
-  uint64_t icount = UINT64_MAX;  // UINT64_MAX: not recorded
+  // Whether `info` shows dirty-flag at all (QEMU shows it when the driver
+  // answers bdrv_get_info; NBD and null-co do not).
+  bool reports_dirty_flag = true;
 };
 
 // A format found its image corrupt (QEMU's qcow2_signal_corruption, shown by
@@ -278,33 +253,14 @@ class Node {
     return nullptr;
   }
 
-  // What `info` shows beyond the generic fields (qemu-img's ImageInfo).
-  virtual uint64_t cluster_size() const { return 0; }
-  // The backing file name as stored in the image, and its format ("" if none).
-  virtual std::string backing_file_name() const { return {}; }
-  virtual std::string backing_file_format() const { return {}; }
-  // Points the backing file at `backing` (nullptr: none) and records `file`
-  // and `fmt` in the image as its backing file name and format (QEMU's
-  // bdrv_set_backing_hd + bdrv_change_backing_file, for block-stream and
-  // block-commit). ENOTSUP for drivers without backing files.
-  virtual Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt);
-  // {"type": driver, "data": {...}} in QAPI ImageInfoSpecific form, or null.
-  virtual nlohmann::ordered_json format_specific() const { return nullptr; }
-  // The image's data is encrypted (luks): info says "encrypted: yes".
-  virtual bool encrypted() const { return false; }
-  // The image was not closed cleanly (qcow2's dirty bit: lazy refcounts).
-  virtual bool dirty_flag() const { return false; }
-  // Whether `info` shows dirty-flag at all (QEMU shows it when the driver
-  // answers bdrv_get_info; NBD does not).
-  virtual bool reports_dirty_flag() const { return true; }
-
   // Allocated size on disk (qemu-img's "disk size"), -ENOTSUP if unknown.
   virtual Result<uint64_t> allocated_size() const;
 
-  // Checks (and with `fix`, a CheckMode mask, repairs) the format's metadata.
-  // ENOTSUP: the format has no checks (qemu-img's exit code 63). Messages
-  // about what was found go to stderr, worded as QEMU words them.
-  virtual Task<Result<CheckResult>> check(uint32_t fix);
+  // The node as an image format (image_format.h: info beyond the generic
+  // fields, backing file name, check, persistent bitmaps, internal
+  // snapshots, VM state), or nullptr when it is none (file, nbd, null, ...).
+  // vblk::image:: helpers ask any node and answer for one without it.
+  ImageFormat* format() const { return format_; }
 
   // Closes cleanly: what must reach the disk before the image counts as
   // closed (qcow2: caches, then the dirty bit cleared). The default closes
@@ -319,52 +275,20 @@ class Node {
   // bdrv_co_write_req_finish: a failed write may still have changed data).
   BitmapSet& bitmaps() { return bitmaps_; }
   const BitmapSet& bitmaps() const { return bitmaps_; }
-  // Whether a new persistent bitmap `name` could be stored in this image
-  // (QEMU's bdrv_can_store_new_dirty_bitmap, with its messages). The
-  // default: "Can't store persistent bitmaps to NODE: Operation not supported".
-  virtual Status can_store_new_bitmap(const std::string& name, uint64_t granularity) const;
-  // Drops the stored copy of persistent bitmap `name` (block-dirty-bitmap-
-  // remove); the caller then removes it from bitmaps(). The default: nothing stored.
-  virtual Task<Status> remove_persistent_bitmap(const std::string& name);
-
-  // Internal snapshots (qemu-img snapshot). The defaults: none, ENOTSUP.
-  virtual bool supports_snapshots() const { return false; }
-  virtual std::vector<SnapshotInfo> snapshots() const { return {}; }
-  // Creates a snapshot of the current state; its id is chosen by the driver
-  // and stored back into `sn`.
-  virtual Task<Status> snapshot_create(SnapshotInfo& sn);
-  // Makes the snapshot with this id (or else this name) the current state.
-  virtual Task<Status> snapshot_goto(const std::string& id_or_name);
-  // Deletes the snapshot with exactly this id and name.
-  virtual Task<Status> snapshot_delete(const std::string& id, const std::string& name);
-
   // ---- graph changes while open (blockdev-snapshot, QEMU's bdrv_append)
   // Makes `b` this node's backing child (nullptr: none), replacing the one
-  // it had, without touching the image (unlike set_backing): the driver
-  // reads unallocated ranges from it from now on. EINVAL unless
+  // it had, without touching the image (unlike ImageFormat::set_backing):
+  // the driver reads unallocated ranges from it from now on (its format
+  // facet hears of it through backing_changed). EINVAL unless
   // caps().supports_backing. Permissions are refreshed (the old backing
   // node loses what this one needed of it).
   Status attach_backing(std::shared_ptr<Node> b);
   // QEMU's reopen read-only (an external snapshot's old top): what must
   // reach the image first is written (qcow2: bitmaps stored, caches
   // flushed, the dirty bit cleared), then the node and its `file` child are
-  // read-only and drop their write locks.
+  // read-only and drop their write locks. The format facet's
+  // prepare_read_only writes it; a node without one is flushed.
   Task<Status> reopen_read_only();
-
-  // The VM state of internal snapshots (qcow2: a byte stream stored after
-  // the virtual disk end, QEMU's bdrv_save_vmstate/bdrv_load_vmstate).
-  // Writes go to the active state, which snapshot_create() then carries
-  // when SnapshotInfo::vm_state_size says so. These bypass the request
-  // path (the area lies beyond length()) and are not tracked by drain():
-  // their one writer (VmstateWriter, vmstate.h) flushes before anything
-  // else happens. Any offset and length. The defaults: ENOTSUP.
-  virtual bool supports_vmstate() const { return false; }
-  virtual Task<Status> write_vmstate(uint64_t pos, std::span<const uint8_t> buf);
-  // Reads the active state, or with a snapshot id that snapshot's. Never
-  // written bytes read as zeroes.
-  virtual Task<Status> read_vmstate(uint64_t pos, std::span<uint8_t> buf, const std::string& snapshot_id = {});
-  // Drops the active state's first `bytes` (a savevm that failed).
-  virtual Task<Status> discard_vmstate(uint64_t bytes);
 
  protected:
   // Drivers implement these. Input is clean: aligned to request_alignment,
@@ -383,12 +307,6 @@ class Node {
   // Growing with preallocation other than Off. The default refuses as
   // QEMU does ("Unsupported preallocation mode: metadata").
   virtual Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc);
-
-  // The backing child changed (attach_backing): drivers that cache it update.
-  virtual void backing_changed(Node* b) { (void)b; }
-  // Before the node becomes read-only: write back what a close would.
-  // The default flushes.
-  virtual Task<Status> prepare_read_only();
 
   void report_corruption(const CorruptionEvent& ev) const {
     if (corruption_handler_) corruption_handler_(*this, ev);
@@ -410,6 +328,8 @@ class Node {
     return {};
   }
   void set_length(uint64_t len) { length_ = len; }
+  // An image format driver registers its facet (itself) in its constructor.
+  void set_format(ImageFormat* f);
   BlockLimits limits_;
   NodeCaps caps_;
 
@@ -475,6 +395,7 @@ class Node {
   BitmapSet bitmaps_;
   StatusCache status_cache_;
   CorruptionHandler corruption_handler_;
+  ImageFormat* format_ = nullptr;  // not owned: the node itself, as a facet
 };
 
 }  // namespace vblk

@@ -5,7 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "vblk/node.h"
+#include "vblk/image_format.h"
 
 namespace vblk {
 

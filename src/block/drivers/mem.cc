@@ -24,6 +24,7 @@ MemNode::MemNode(Loop& loop, std::vector<uint8_t> contents, Options o)
     caps_.native_fua = true;
   }
   set_length(volatile_.size());
+  set_format(this);
 }
 
 MemNode::~MemNode() {
@@ -237,7 +238,7 @@ Task<Status> MemNode::do_copy_range_to(uint64_t offset, Node& dst, uint64_t dst_
 }
 
 Task<Status> MemNode::write_vmstate(uint64_t pos, std::span<const uint8_t> buf) {
-  if (!opts_.vmstate) co_return co_await Node::write_vmstate(pos, buf);
+  if (!opts_.vmstate) co_return co_await ImageFormat::write_vmstate(pos, buf);
   VBLK_CO_TRY(co_await enter('v', pos, buf.size(), 0));
   if (!fits(pos, buf.size())) co_return Error(ENOSPC);
   if (vmstate_.size() < pos + buf.size()) vmstate_.resize(pos + buf.size());
@@ -246,7 +247,7 @@ Task<Status> MemNode::write_vmstate(uint64_t pos, std::span<const uint8_t> buf) 
 }
 
 Task<Status> MemNode::read_vmstate(uint64_t pos, std::span<uint8_t> buf, const std::string& snapshot_id) {
-  if (!opts_.vmstate) co_return co_await Node::read_vmstate(pos, buf, snapshot_id);
+  if (!opts_.vmstate) co_return co_await ImageFormat::read_vmstate(pos, buf, snapshot_id);
   VBLK_CO_TRY(co_await enter('V', pos, buf.size(), 0));
   for (size_t i = 0; i < buf.size(); ++i) buf[i] = pos + i < vmstate_.size() ? vmstate_[pos + i] : 0;
   co_return Status{};

@@ -23,6 +23,7 @@ class NbdNode final : public Node {
     caps_.native_fua = f & nbd::kFlagSendFua;
     caps_.zeroes = f & nbd::kFlagSendWriteZeroes;
     caps_.discard = f & nbd::kFlagSendTrim;
+    caps_.reports_dirty_flag = false;  // QEMU's nbd has no bdrv_get_info
     limits_.request_alignment = c.min_block();
     limits_.max_transfer = c.max_block();
     limits_.max_zeroes = 1u << 30;  // one request's length is 32 bits
@@ -32,7 +33,6 @@ class NbdNode final : public Node {
   ~NbdNode() override = default;  // clients shut their sockets down
 
   std::string filename() const override { return uri_; }
-  bool reports_dirty_flag() const override { return false; }
   Result<uint64_t> allocated_size() const override { return Error(ENOTSUP); }
 
   Task<Status> do_close() override {

@@ -4,12 +4,13 @@
 #include <algorithm>
 
 #include "perm_rules.h"
+#include "vblk/image_format.h"
 #include "vblk/open.h"
 
 namespace vblk {
 namespace {
 
-class RawNode final : public Node {
+class RawNode final : public Node, public ImageFormat {
  public:
   RawNode(Loop& loop, std::shared_ptr<Node> file, uint64_t offset, uint64_t size)
       : Node(loop, "raw"), offset_(offset), file_(file.get()) {
@@ -19,11 +20,12 @@ class RawNode final : public Node {
     caps_.cache_status = false;  // its answers are the child's, cached there
     set_length(size);
     add_child("file", std::move(file));
+    set_format(this);
   }
 
-  bool reports_dirty_flag() const override { return file_child()->reports_dirty_flag(); }
-  // QEMU's raw_get_info asks the file (rbd: its object size).
-  uint64_t cluster_size() const override { return file_->cluster_size(); }
+  // QEMU's raw_get_info asks the file (rbd: its object size); whether info
+  // shows dirty-flag is the file's too (caps_, copied above).
+  uint64_t cluster_size() const override { return image::cluster_size(*file_); }
   // A file known only by its options (json:{...}, e.g. rbd) makes the raw
   // node's name json:{"driver": "raw", "file": {...}}, as QEMU's
   // bdrv_refresh_filename builds it.
@@ -50,16 +52,16 @@ class RawNode final : public Node {
   // QEMU's bdrv_snapshot_* fall back to the primary child when the format
   // has no snapshots of its own: raw over rbd lists, creates, applies and
   // deletes the RBD image's snapshots.
-  bool supports_snapshots() const override { return file_->supports_snapshots(); }
-  std::vector<SnapshotInfo> snapshots() const override { return file_->snapshots(); }
-  Task<Status> snapshot_create(SnapshotInfo& sn) override { co_return co_await file_->snapshot_create(sn); }
+  bool supports_snapshots() const override { return image::supports_snapshots(*file_); }
+  std::vector<SnapshotInfo> snapshots() const override { return image::snapshots(*file_); }
+  Task<Status> snapshot_create(SnapshotInfo& sn) override { co_return co_await image::snapshot_create(*file_, sn); }
   Task<Status> snapshot_goto(const std::string& id_or_name) override {
-    auto st = co_await file_->snapshot_goto(id_or_name);
+    auto st = co_await image::snapshot_goto(*file_, id_or_name);
     if (st && !offset_ && !has_size_) set_length(file_->length());
     co_return st;
   }
   Task<Status> snapshot_delete(const std::string& id, const std::string& name) override {
-    co_return co_await file_->snapshot_delete(id, name);
+    co_return co_await image::snapshot_delete(*file_, id, name);
   }
 
  protected:

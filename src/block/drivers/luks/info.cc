@@ -43,29 +43,27 @@ Result<std::string> lookup_password(const std::string& id) {
   return pw;
 }
 
-nlohmann::ordered_json info_json(const Header& h, const Algorithms& a) {
-  nlohmann::ordered_json d;
-  d["cipher-alg"] = a.cipher_alg;
-  d["cipher-mode"] = a.cipher_mode;
-  d["ivgen-alg"] = a.ivgen_alg;
-  if (a.ivgen_alg == "essiv") d["ivgen-hash-alg"] = a.ivgen_hash_alg;
-  d["hash-alg"] = a.hash_alg;
-  d["payload-offset"] = h.payload_offset();
-  d["master-key-iters"] = h.master_key_iterations;
-  d["uuid"] = h.uuid;
-  nlohmann::ordered_json slots = nlohmann::ordered_json::array();
+LuksInfo info(const Header& h, const Algorithms& a) {
+  LuksInfo d;
+  d.cipher_alg = a.cipher_alg;
+  d.cipher_mode = a.cipher_mode;
+  d.ivgen_alg = a.ivgen_alg;
+  if (a.ivgen_alg == "essiv") d.ivgen_hash_alg = a.ivgen_hash_alg;
+  d.hash_alg = a.hash_alg;
+  d.payload_offset = h.payload_offset();
+  d.master_key_iters = h.master_key_iterations;
+  d.uuid = h.uuid;
   for (const auto& s : h.slots) {
-    nlohmann::ordered_json j;
-    j["active"] = s.active == kSlotEnabled;
-    if (s.active == kSlotEnabled) {
-      j["iters"] = s.iterations;
-      j["stripes"] = s.stripes;
+    LuksSlotInfo j;
+    j.active = s.active == kSlotEnabled;
+    if (j.active) {
+      j.iters = s.iterations;
+      j.stripes = s.stripes;
     }
-    j["key-offset"] = uint64_t{s.key_offset_sector} * kSectorSize;
-    slots.push_back(std::move(j));
+    j.key_offset = uint64_t{s.key_offset_sector} * kSectorSize;
+    d.slots.push_back(j);
   }
-  d["slots"] = std::move(slots);
-  return {{"type", "luks"}, {"data", std::move(d)}};
+  return d;
 }
 
 }  // namespace vblk::luks

@@ -14,6 +14,7 @@
 
 #include "perm_rules.h"
 #include "vblk/buffer.h"
+#include "vblk/image_format.h"
 #include "vblk/open.h"
 
 namespace vblk {
@@ -23,7 +24,7 @@ using luks::kSectorSize;
 
 constexpr uint64_t kMaxBounce = 1 << 20;
 
-class LuksNode final : public Node {
+class LuksNode final : public Node, public ImageFormat {
  public:
   LuksNode(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "luks"), file_(file.get()) {
     limits_ = file_->limits();
@@ -31,6 +32,7 @@ class LuksNode final : public Node {
     caps_ = NodeCaps{};
     caps_.native_fua = true;  // passed to the file
     add_child("file", std::move(file));
+    set_format(this);
   }
 
   // `password` null: describe only (no_io).
@@ -49,7 +51,7 @@ class LuksNode final : public Node {
   PermPair child_perm(const Child&, PermPair self) const override {
     return perm_rules::storage(self, true, true, !read_only(), no_io_);
   }
-  nlohmann::ordered_json format_specific() const override { return luks::info_json(vol_.h, vol_.algs); }
+  std::optional<FormatInfo> format_info() const override { return luks::info(vol_.h, vol_.algs); }
 
   bool no_io_ = false;
   std::string key_secret_;

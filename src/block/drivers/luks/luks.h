@@ -6,7 +6,6 @@
 
 #include <functional>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 
@@ -14,6 +13,7 @@
 #include "drivers/luks/cipher.h"
 #include "drivers/luks/header.h"
 #include "drivers/luks/keyslot.h"
+#include "vblk/format_info.h"
 #include "vblk/node.h"
 #include "vblk/options.h"
 #include "vblk/task.h"
@@ -50,9 +50,9 @@ Task<Status> read_bytes(Node& file, uint64_t offset, std::span<uint8_t> out);
 // UTF-8"; it ends at the first NUL (QEMU passes it on as a C string).
 Result<std::string> lookup_password(const std::string& id);
 
-// QEMU's ImageInfoSpecific for luks: {"type": "luks", "data":
-// QCryptoBlockInfoLUKS}.
-nlohmann::ordered_json info_json(const Header& h, const Algorithms& a);
+// QCryptoBlockInfoLUKS: QEMU's ImageInfoSpecific for luks, and a qcow2
+// image's encryption info.
+LuksInfo info(const Header& h, const Algorithms& a);
 
 }  // namespace vblk::luks
 

@@ -16,6 +16,8 @@ class NullNode final : public Node {
     caps_.zeroes = true;
     caps_.discard = true;
     caps_.native_fua = true;
+    // QEMU's null-co has no bdrv_get_info: no dirty-flag in info.
+    caps_.reports_dirty_flag = false;
     set_length(size);
   }
 
@@ -32,8 +34,6 @@ class NullNode final : public Node {
   bool given_read_zeroes_ = false;
   bool given_size_ = false;
   Result<uint64_t> allocated_size() const override { return uint64_t{0}; }
-  // QEMU's null-co has no bdrv_get_info: no dirty-flag in info.
-  bool reports_dirty_flag() const override { return false; }
 
  protected:
   Task<void> delay() {

@@ -454,18 +454,13 @@ Task<Result<std::vector<std::string>>> Qcow2Node::drop_bitmaps_past_eof() {
   co_return gone;
 }
 
-nlohmann::ordered_json Qcow2Node::bitmaps_info() const {
-  nlohmann::ordered_json list = nlohmann::ordered_json::array();
-  for (const auto& e : stored_bitmaps_) {
-    nlohmann::ordered_json flags = nlohmann::ordered_json::array();
-    if (e.flags & kBmeInUse) flags.push_back("in-use");
-    if (e.flags & kBmeAuto) flags.push_back("auto");
-    nlohmann::ordered_json b;
-    b["flags"] = flags;
-    b["name"] = e.name;
-    b["granularity"] = uint64_t{1} << e.granularity_bits;
-    list.push_back(b);
-  }
+std::vector<Qcow2BitmapInfo> Qcow2Node::bitmaps_info() const {
+  std::vector<Qcow2BitmapInfo> list;
+  for (const auto& e : stored_bitmaps_)
+    list.push_back({.name = e.name,
+                    .granularity = uint64_t{1} << e.granularity_bits,
+                    .in_use = (e.flags & kBmeInUse) != 0,
+                    .autoload = (e.flags & kBmeAuto) != 0});
   return list;
 }
 

@@ -117,14 +117,11 @@ Task<Status> Qcow2Node::write_data(uint64_t host, std::span<const uint8_t> data,
   co_return Status{};
 }
 
-nlohmann::ordered_json Qcow2Node::encrypt_info() const {
-  // ImageInfoSpecificQCow2Encryption: the format, then QCryptoBlockInfoLUKS.
-  if (!crypt_) return nullptr;
-  nlohmann::ordered_json e;
-  e["format"] = "luks";
-  auto luks_info = luks::info_json(crypt_->h, crypt_->algs);
-  for (auto& [k, v] : luks_info["data"].items()) e[k] = v;
-  return e;
+std::optional<LuksInfo> Qcow2Node::encrypt_info() const {
+  // ImageInfoSpecificQCow2Encryption: the format (luks, the only one), then
+  // QCryptoBlockInfoLUKS.
+  if (!crypt_) return std::nullopt;
+  return luks::info(crypt_->h, crypt_->algs);
 }
 
 std::string Qcow2Node::filename() const {

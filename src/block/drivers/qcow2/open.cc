@@ -18,6 +18,7 @@ Qcow2Node::Qcow2Node(Loop& loop, std::shared_ptr<Node> file) : Node(loop, "qcow2
   // in between (blkdebug over the file): QEMU lets every node below a
   // format be written past its end.
   for (Node* n = file_; n; n = filtered_child(*n)) n->set_growable(true);
+  set_format(this);
   limits_.request_alignment = file_->limits().request_alignment;
   limits_.buffer_alignment = file_->limits().buffer_alignment;
   caps_.zeroes = true;
@@ -414,24 +415,19 @@ Task<Status> Qcow2Node::do_close() {
 
 namespace vblk::qcow2 {
 
-nlohmann::ordered_json Qcow2Node::format_specific() const {
-  // Insertion order is the QAPI schema's (ImageInfoSpecificQCow2); the CLI
-  // reorders keys the way QEMU's QDict prints them.
-  nlohmann::ordered_json d;
-  d["compat"] = h_.version >= 3 ? "1.1" : "0.10";
+std::optional<FormatInfo> Qcow2Node::format_info() const {
+  Qcow2Info d;
+  d.compat = h_.version >= 3 ? "1.1" : "0.10";
   if (h_.version >= 3) {
-    d["lazy-refcounts"] = bool(h_.compatible_features & kCompatLazyRefcounts);
-    d["corrupt"] = corrupt();
+    d.lazy_refcounts = bool(h_.compatible_features & kCompatLazyRefcounts);
+    d.corrupt = corrupt();
   }
-  d["refcount-bits"] = refcount_bits_;
-  if (auto e = encrypt_info(); !e.is_null()) d["encrypt"] = std::move(e);
-  if (!stored_bitmaps_.empty()) d["bitmaps"] = bitmaps_info();
-  d["compression-type"] = h_.compression_type == kCompressionZstd ? "zstd" : "zlib";
-  if (h_.version >= 3) d["extended-l2"] = h_.extended_l2();
-  nlohmann::ordered_json j;
-  j["type"] = "qcow2";
-  j["data"] = d;
-  return j;
+  d.refcount_bits = refcount_bits_;
+  d.encrypt = encrypt_info();
+  d.bitmaps = bitmaps_info();
+  d.compression_type = h_.compression_type == kCompressionZstd ? "zstd" : "zlib";
+  if (h_.version >= 3) d.extended_l2 = h_.extended_l2();
+  return d;
 }
 
 }  // namespace vblk::qcow2

@@ -43,6 +43,7 @@
 #include "drivers/qcow2/cache.h"
 #include "drivers/qcow2/format.h"
 #include "drivers/qcow2/overlap.h"
+#include "vblk/image_format.h"
 #include "vblk/node.h"
 #include "vblk/open.h"
 #include "vblk/sync.h"
@@ -86,7 +87,7 @@ struct BitmapDirEntry {
   std::vector<uint8_t> extra;
 };
 
-class Qcow2Node final : public Node {
+class Qcow2Node final : public Node, public ImageFormat {
  public:
   Qcow2Node(Loop& loop, std::shared_ptr<Node> file);
   ~Qcow2Node() override;
@@ -126,7 +127,7 @@ class Qcow2Node final : public Node {
   std::string backing_file_name() const override { return h_.backing_file; }
   std::string backing_file_format() const override { return h_.backing_format; }
   Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) override;
-  nlohmann::ordered_json format_specific() const override;
+  std::optional<FormatInfo> format_info() const override;
   bool dirty_flag() const override { return h_.incompatible_features & kIncompatDirty; }
   bool encrypted() const override { return h_.crypt_method != kCryptNone; }
   // With encrypt.key-secret, QEMU names the node by its options.
@@ -155,6 +156,7 @@ class Qcow2Node final : public Node {
   Task<Result<BlockStatus>> do_block_status(uint64_t offset, uint64_t bytes) override;
   Task<Status> do_truncate(uint64_t length, bool exact) override;
   Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc) override;
+  // ---- ImageFormat hooks
   void backing_changed(Node* b) override { backing_ = b; }
   // Bitmaps stored, caches flushed, dirty bit cleared: a close's work.
   Task<Status> prepare_read_only() override { return do_close(); }
@@ -291,7 +293,7 @@ class Qcow2Node final : public Node {
   Task<Status> write_data(uint64_t host, std::span<const uint8_t> data, uint32_t flags = 0);
   // Encrypts `buf`, bound for `host`, in place (a buffer of our own).
   Status encrypt_for(uint64_t host, std::span<uint8_t> buf);
-  nlohmann::ordered_json encrypt_info() const;
+  std::optional<LuksInfo> encrypt_info() const;
   std::optional<std::string> encrypt_format_;  // the open options' encrypt.format
   std::optional<std::string> key_secret_;      // encrypt.key-secret
   std::unique_ptr<luks::Volume> crypt_;        // the LUKS header; its cipher once unlocked
@@ -464,7 +466,7 @@ class Qcow2Node final : public Node {
 
  private:
   // format-specific "bitmaps": the directory as on disk (QEMU reads it there).
-  nlohmann::ordered_json bitmaps_info() const;
+  std::vector<Qcow2BitmapInfo> bitmaps_info() const;
   std::vector<uint8_t> serialize_bitmap_directory(const std::vector<BitmapDirEntry>& dir) const;
   // The directory the `bitmaps` extension points at, each entry checked
   // (QEMU's bitmap_list_load and check_dir_entry, with their messages).

@@ -28,6 +28,7 @@
 #include "drivers/rbd/rbd_entry.h"
 #include "drivers/rbd/rbd_lib.h"
 #include "vblk/buffer.h"
+#include "vblk/image_format.h"
 #include "vblk/qdict_order.h"
 
 namespace vblk {
@@ -60,7 +61,7 @@ int diff_cb(uint64_t offs, size_t len, int exists, void* opaque) {
   return 0;
 }
 
-class RbdNode final : public Node {
+class RbdNode final : public Node, public ImageFormat {
  public:
   RbdNode(Loop& loop, std::unique_ptr<rbd::RbdConnection> conn, rbd_image_t image, rbd::RbdLocation loc, uint64_t size,
           uint64_t obj_size)
@@ -75,6 +76,7 @@ class RbdNode final : public Node {
     limits_.request_alignment = 1;
     limits_.opt_transfer = obj_size;
     set_length(align_up(size, 512));
+    set_format(this);
   }
   ~RbdNode() override {
     if (image_) rbd_lib().rbd_close(image_);
@@ -84,12 +86,10 @@ class RbdNode final : public Node {
   uint64_t exact_length() const override { return size_; }
   uint64_t cluster_size() const override { return obj_size_; }
   Result<uint64_t> allocated_size() const override { return Error(ENOTSUP); }
-  nlohmann::ordered_json format_specific() const override {
+  std::optional<FormatInfo> format_info() const override {
     // QEMU's ImageInfoSpecificRbd: encryption-format when the image (as this
     // node reads it: not decrypted) starts with a LUKS header.
-    nlohmann::ordered_json data = nlohmann::ordered_json::object();
-    if (auto f = rbd::probe_encryption_format(image_, size_)) data["encryption-format"] = *f;
-    return {{"type", "rbd"}, {"data", data}};
+    return RbdInfo{.encryption_format = rbd::probe_encryption_format(image_, size_)};
   }
 
  protected:
