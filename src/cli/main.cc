@@ -93,8 +93,13 @@ int main(int argc, char** argv) {
   const char* slash = std::strrchr(argv[0], '/');
   vblk::cli::g_prog = slash ? slash + 1 : argv[0];
   vblk::register_copy_drivers();  // --blockdev / json: filenames may name them
-  if (const char* env = std::getenv("VBLK_TRACE"); env && *env)
-    if (auto st = vblk::trace::enable_from_list(env); !st) vblk::cli::error_exit(st.error().what());
+  // A bad VBLK_TRACE is no usage error: no "Try --help" line.
+  if (const char* env = std::getenv("VBLK_TRACE"); env && *env) {
+    if (auto st = vblk::trace::enable_from_list(env); !st) {
+      vblk::cli::error_report(st.error().what());
+      return 1;
+    }
+  }
   // Standard options before the command (qemu-img's -T / --trace).
   int first = 1;
   while (first < argc) {

@@ -102,6 +102,7 @@ class TraceCliTest(InteropTestCase):
         r = run_env([VBLK, "info", img], {"VBLK_TRACE": "qcow2,nosuch"})
         self.assertEqual(r.returncode, 1, r)
         self.assertIn("no trace category 'nosuch'", r.stderr)
+        self.assertNotIn("--help", r.stderr)  # an environment variable is no usage error
         self.assertEqual(r.stdout, "")
 
 
