@@ -2,8 +2,6 @@
 // format on a protocol takes, and who creates what.
 #include "vblk/create.h"
 
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdlib>
 
@@ -98,9 +96,8 @@ Task<Status> create_protocol_file(Loop& loop, const std::string& filename) {
 
 Status delete_image(const std::string& filename) {
   const DriverInfo& proto = protocol_for_filename(filename);
-  if (proto.remove) return proto.remove(filename);
-  if (::unlink(filename.c_str()) != 0) return Error(errno, "Could not remove '" + filename + "'");
-  return {};
+  if (!proto.remove) return Error(ENOTSUP, std::string("Protocol driver '") + proto.name + "' cannot remove images");
+  return proto.remove(filename);
 }
 
 }  // namespace vblk

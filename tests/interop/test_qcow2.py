@@ -1266,5 +1266,17 @@ class OutOfSpaceTest(Qcow2TestCase):
                     self.assertEqual(leaks[QEMU_IMG], 0, "qemu-img's image")
                 self.assertEqual(leaks[VBLK], 0, "vblk's image leaks (qemu-img's: %d)" % leaks[QEMU_IMG])
 
+    def test_create_preallocated_past_the_end_leaves_nothing(self):
+        """A create that fills the disk fails as qemu-img's does and, like
+        QEMU's qcow2_co_create_opts, removes the half-made image."""
+        for prog in (QEMU_IMG, VBLK):
+            with self.subTest(prog=prog):
+                img = os.path.join(self.mnt, "full.qcow2")
+                r = run([prog, "create", "-q", "-f", "qcow2", "-o", "preallocation=full", img, "64M"], timeout=120)
+                self.assertEqual(r.rc, 1, r)
+                self.assertIn("No space left on device", r.stderr, r)
+                self.assertFalse(os.path.exists(img), prog)
+
+
 if __name__ == "__main__":
     unittest.main()

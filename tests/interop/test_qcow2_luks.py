@@ -212,6 +212,22 @@ class Qcow2LuksTest(InteropTestCase):
         self.assertIn("No encryption in image header", v.stderr)
         self.assertEqual(read(img), before)
 
+    def test_create_with_a_wrong_secret_keeps_an_existing_file(self):
+        """The volume (secret, algorithms) is made before the file is
+        touched: a typo in the secret id changes nothing on disk (QEMU
+        truncates the file first and then removes it)."""
+        for fmt, o in (("qcow2", "encrypt.format=luks,encrypt.key-secret=typo"), ("luks", "key-secret=typo")):
+            with self.subTest(fmt=fmt):
+                img = self.p("precious.img")
+                data = rand_bytes(64 * KiB, 5)
+                with open(img, "wb") as f:
+                    f.write(data)
+                r = vblk("create", "-f", fmt, "--object", SECRET, "-o", o, img, "1M")
+                self.assertEqual(r.rc, 1, r)
+                self.assertIn("No secret with id 'typo'", r.stderr)
+                with open(img, "rb") as f:
+                    self.assertEqual(f.read(), data)
+
     def test_create_errors(self):
         for o in ("encrypt.format=luks", "encrypt.format=luks,encrypt.key-secret=nope",
                   "encrypt.format=luks,encrypt.key-secret=s0,encrypt.cipher-alg=foo",

@@ -188,9 +188,13 @@ Task<Status> write_volume(Node& file, uint64_t base, const Formatted& f) {
 Task<Status> create(Node& file, const CreateOptions& o) {
   auto f = format(o);
   if (!f) co_return f.take_error();
+  co_return co_await write(file, o, *f);
+}
+
+Task<Status> write(Node& file, const CreateOptions& o, const Formatted& f) {
   // Room for the header and the payload, then the header and key material.
-  VBLK_CO_TRY(co_await file.truncate(f->area() + o.size, false, o.preallocation));
-  VBLK_CO_TRY(co_await write_volume(file, 0, *f));
+  VBLK_CO_TRY(co_await file.truncate(f.area() + o.size, false, o.preallocation));
+  VBLK_CO_TRY(co_await write_volume(file, 0, f));
   co_return co_await file.flush();
 }
 

@@ -54,6 +54,8 @@ Task<Status> write_volume(Node& file, uint64_t base, const Formatted& f);
 // Formats `file` (which the caller holds for write and resize) as a luks
 // image: sized to the payload offset + o.size, then the header and slot 0.
 Task<Status> create(Node& file, const CreateOptions& o);
+// The second half of create(): `f` (format(o)) written to `file`.
+Task<Status> write(Node& file, const CreateOptions& o, const Formatted& f);
 
 // A checked QCryptoBlockCreateOptionsLUKS object (qcow2's `encrypt` too).
 CreateOptions from_qapi(const Json& o);

@@ -1,8 +1,6 @@
 // The luks driver's registration, and its two create forms: qemu-img
 // create's -o options and blockdev-create's BlockdevCreateOptionsLUKS, both
 // ending in luks::create.
-#include <unistd.h>
-
 #include "drivers/luks/create.h"
 #include "drivers/luks/luks.h"
 #include "vblk/node_ref.h"
@@ -24,9 +22,11 @@ const CreateOpt kCreateOpts[] = {
     {"iter-time", CreateOptKind::Number, nullptr, "Time to spend in PBKDF in milliseconds"},
 };
 
-// Validates the options (QEMU's enum checks, in its member order), then
-// makes the file and formats it; a failed format removes the file again,
-// as qemu-img create does.
+// Validates the options (QEMU's enum checks, in its member order) and
+// formats the volume in memory (secret, algorithms, PBKDF2) before the file
+// is touched, so a typo in the secret leaves an existing file as it was;
+// then makes the file and writes the volume, and removes the file again if
+// that fails, as qemu-img create does.
 Task<Status> create_from_opts(Loop& loop, const CreateRequest& req) {
   CreateOptions o;
   o.size = req.size;
@@ -36,18 +36,20 @@ Task<Status> create_from_opts(Loop& loop, const CreateRequest& req) {
   // block/crypto.c parses it with qapi_enum_parse: its own words.
   if (!pm) co_return Error(EINVAL, "invalid parameter value: " + prealloc);
   o.preallocation = *pm;
+  auto f = format(o);
+  if (!f) co_return f.take_error();
   VBLK_CO_TRY(co_await create_protocol_file(loop, req.filename));
   OpenContext ctx{loop};
   ctx.read_only = false;
   auto file = open_node(ctx, Json{{"driver", "file"}, {"filename", req.filename}});
   if (!file) {
-    ::unlink(req.filename.c_str());
+    (void)delete_image(req.filename);
     co_return file.take_error();
   }
   (*file)->set_claim(PermPair{kPermWrite | kPermResize, kPermAll});
   VBLK_CO_TRY((*file)->refresh_perms());
-  auto cr = co_await create(**file, o);
-  if (!cr) ::unlink(req.filename.c_str());
+  auto cr = co_await write(**file, o, *f);
+  if (!cr) (void)delete_image(req.filename);
   co_return cr;
 }
 
@@ -67,18 +69,22 @@ CreateOptions from_qapi(const Json& o) {
 
 namespace {
 
+// The create job's part (a named coroutine: its arguments live in its frame).
+Task<Status> create_on_node(std::function<Result<std::shared_ptr<Node>>(const Json&)> open_ref, Json ref,
+                            CreateOptions c) {
+  auto file = open_ref(ref);
+  if (!file) co_return file.take_error();
+  NodeRef user(*file);
+  VBLK_CO_TRY(user.set_perms(PermPair{kPermWrite | kPermResize, kPermAll}));
+  co_return co_await create(**file, c);
+}
+
 Result<CreateBody> blockdev_create(const BlockdevCreateArgs& a) {
   const Json& o = a.options;
   CreateOptions c = from_qapi(o);
   c.size = o["size"].get<uint64_t>();
   c.preallocation = *parse_prealloc(o.value("preallocation", std::string("off")));
-  return CreateBody([open_ref = a.open_ref, ref = o["file"], c]() -> Task<Status> {
-    auto file = open_ref(ref);
-    if (!file) co_return file.take_error();
-    NodeRef user(*file);
-    VBLK_CO_TRY(user.set_perms(PermPair{kPermWrite | kPermResize, kPermAll}));
-    co_return co_await create(**file, c);
-  });
+  return CreateBody([open_ref = a.open_ref, ref = o["file"], c] { return create_on_node(open_ref, ref, c); });
 }
 
 }  // namespace

@@ -2,8 +2,6 @@
 // (qemu-img create's -o options, blockdev-create's
 // BlockdevCreateOptionsQcow2), both ending in Qcow2Node::create after
 // check_create_options (qcow2_co_create's checks).
-#include <unistd.h>
-
 #include <cstdlib>
 
 #include "drivers/luks/create.h"
@@ -97,25 +95,31 @@ Task<Status> create_from_opts(Loop& loop, const CreateRequest& req) {
   o.refcount_bits = static_cast<uint32_t>(bits);
   VBLK_CO_TRY(Qcow2Node::check_create_size(o.size, o.cluster_size, o.extended_l2));
   if (enc) {
-    // The volume (secret, algorithms, PBKDF2) before the file is touched;
-    // QEMU fails after creating it, and removes the file then.
+    // The volume (secret, algorithms, PBKDF2) before the file is touched:
+    // a typo in the secret leaves an existing file as it was (QEMU fails
+    // after creating it, and removes it then).
     auto f = luks::format(*enc, "encrypt.");
-    if (!f) {
-      ::unlink(req.filename.c_str());
-      co_return f.take_error();
-    }
+    if (!f) co_return f.take_error();
     o.encrypt = std::make_shared<const luks::Formatted>(std::move(*f));
   }
   VBLK_CO_TRY(co_await create_protocol_file(loop, req.filename));
   OpenContext ctx{loop};
   ctx.read_only = false;
   auto file = open_node(ctx, Json{{"driver", "file"}, {"filename", req.filename}});
-  if (!file) co_return file.take_error();
+  if (!file) {
+    (void)delete_image(req.filename);
+    co_return file.take_error();
+  }
   // Written while being formatted: held for writing and resizing.
   (*file)->set_claim(PermPair{kPermWrite | kPermResize, kPermAll});
   VBLK_CO_TRY((*file)->refresh_perms());
   auto cr = co_await Qcow2Node::create(loop, *file, o);
-  if (!cr) co_return cr.error().prefixed("Could not create image");
+  if (!cr) {
+    // A half-made image (a full disk during preallocation) is no image:
+    // removed, as QEMU's qcow2_co_create_opts removes it.
+    (void)delete_image(req.filename);
+    co_return cr.error().prefixed("Could not create image");
+  }
   co_return Status{};
 }
 

@@ -59,11 +59,8 @@ Result<CreateBody> blockdev_create_rbd(const BlockdevCreateArgs& a) {
     VBLK_TRY(check_rbd_encrypt(*enc, "options.encrypt."));
   }
   Loop* loop = &a.loop;
-  return CreateBody([loop, loc = o["location"], size = o["size"].get<uint64_t>(), cs, enc]() -> Task<Status> {
-    co_return co_await off_loop(*loop, [&] {
-      Json l = loc;
-      return create_rbd(l, size, cs, enc ? &*enc : nullptr);
-    });
+  return CreateBody([loop, loc = o["location"], size = o["size"].get<uint64_t>(), cs, enc] {
+    return off_loop(*loop, [loc, size, cs, enc]() mutable { return create_rbd(loc, size, cs, enc ? &*enc : nullptr); });
   });
 }
 
