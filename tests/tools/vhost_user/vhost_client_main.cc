@@ -499,15 +499,19 @@ struct Runner {
     switch (op.kind) {
       case Op::kWrite:
         req.type = kBlkOut;
-        buf = dev.mem().alloc(op.len, 4096);
-        op.pat.fill(buf.host, op.off, op.len);
-        req.data = dev.segs(buf, false);
+        if (op.len) {  // no data descriptor for 0 bytes
+          buf = dev.mem().alloc(op.len, 4096);
+          op.pat.fill(buf.host, op.off, op.len);
+          req.data = dev.segs(buf, false);
+        }
         break;
       case Op::kRead:
         req.type = kBlkIn;
-        buf = dev.mem().alloc(op.len, 4096);
-        std::memset(buf.host, 0xa5, op.len);
-        req.data = dev.segs(buf, true);
+        if (op.len) {
+          buf = dev.mem().alloc(op.len, 4096);
+          std::memset(buf.host, 0xa5, op.len);
+          req.data = dev.segs(buf, true);
+        }
         break;
       case Op::kFlush: req.type = kBlkFlush; break;
       case Op::kGetId:

@@ -13,7 +13,7 @@ const std::vector<HostileKind>& hostile_kinds() {
   static const std::vector<HostileKind> kKinds = {
       {"desc-addr-out-of-range", "a read whose data descriptor's address is in no memory region"},
       {"desc-len-past-region", "a read whose data buffer starts inside a region and runs past its end"},
-      {"desc-loop", "a chain whose second descriptor points back at the first"},
+      {"desc-loop", "a write whose two device-readable descriptors point at each other"},
       {"next-out-of-range", "a descriptor whose next is beyond the queue size"},
       {"head-out-of-range", "an avail ring entry beyond the queue size"},
       {"indirect-out-of-range", "an indirect table at an address in no region"},
@@ -222,8 +222,9 @@ json run_hostile(const std::string& socket, const std::string& kind, const Optio
         set(b1, r0.gpa + r0.size - 512, 8192, kDescNext | kDescWrite, c);
         set(c, b.status.gpa, 1, kDescWrite, 0);
       } else if (kind == "desc-loop") {
+        header(b, kBlkOut, 0);
         set(a, b.hdr.gpa, 16, kDescNext, b1);
-        set(b1, b.data.gpa, 4096, kDescNext | kDescWrite, a);
+        set(b1, b.data.gpa, 4096, kDescNext, a);
       } else if (kind == "next-out-of-range") {
         set(a, b.hdr.gpa, 16, kDescNext, static_cast<uint16_t>(n + 7));
       } else if (kind == "head-out-of-range") {
