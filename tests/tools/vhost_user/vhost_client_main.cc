@@ -910,10 +910,18 @@ int cmd_hostile(const Args& a) {
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   Args a = parse_args(argc, argv);
-  if (a.mode == "info") return cmd_info(a);
-  if (a.mode == "io") return cmd_io(a);
-  if (a.mode == "verify") return cmd_verify(a);
-  if (a.mode == "bench") return cmd_bench(a);
-  if (a.mode == "hostile") return cmd_hostile(a);
+  try {
+    if (a.mode == "info") return cmd_info(a);
+    if (a.mode == "io") return cmd_io(a);
+    if (a.mode == "verify") return cmd_verify(a);
+    if (a.mode == "bench") return cmd_bench(a);
+    if (a.mode == "hostile") return cmd_hostile(a);
+  } catch (const std::bad_alloc&) {
+    json out{{"error", "guest memory exhausted (--mem-size)"}};
+    return report(out, 3);
+  } catch (const std::exception& e) {
+    json out{{"error", e.what()}};
+    return report(out, 3);
+  }
   usage_error("unknown mode '" + a.mode + "'");
 }
