@@ -444,7 +444,12 @@ class VhostUserScenarios:
         p = subprocess.Popen([CLIENT, "verify", d.socks[0], "--queues", "2", "--qd", "16", "--size", "16M",
                               "--bs", "64k", "--seed", "21", "--reconnect", "20"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(0.4)
+        # Kill once the first writes have landed (the rest are in flight,
+        # held by the throttle), however slow the machine is.
+        end = time.time() + 30
+        while read_range(img, 0, 65536) == bytes(65536):
+            self.assertLess(time.time(), end, "no write reached the image")
+            time.sleep(0.02)
         self.assertIsNone(p.poll())
         d.kill()
         time.sleep(0.3)
