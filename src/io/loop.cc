@@ -91,6 +91,12 @@ IoAwaitable Loop::send(int fd, const void* buf, size_t len, int flags) {
 IoAwaitable Loop::sendmsg(int fd, const msghdr* msg, int flags) {
   return IoAwaitable(*this, {.op = Op::SendMsg, .fd = fd, .buf = const_cast<msghdr*>(msg), .flags = flags});
 }
+IoAwaitable Loop::recvmsg(int fd, msghdr* msg, int flags) {
+  return IoAwaitable(*this, {.op = Op::RecvMsg, .fd = fd, .buf = msg, .flags = flags});
+}
+IoAwaitable Loop::read_stream(int fd, void* buf, size_t len) {
+  return IoAwaitable(*this, {.op = Op::ReadStream, .fd = fd, .buf = buf, .len = len});
+}
 IoAwaitable Loop::accept(int fd) { return IoAwaitable(*this, {.op = Op::Accept, .fd = fd}); }
 IoAwaitable Loop::connect(int fd, const sockaddr* addr, socklen_t len) {
   return IoAwaitable(*this, {.op = Op::Connect, .fd = fd, .addr = addr, .addrlen = len});

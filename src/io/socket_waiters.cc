@@ -55,6 +55,8 @@ bool SocketWaiters::try_now(IoRequest* r) const {
     case IoRequest::Op::SendMsg:
       ret = ::sendmsg(r->fd, static_cast<const msghdr*>(r->buf), r->flags | MSG_DONTWAIT);
       break;
+    case IoRequest::Op::RecvMsg: ret = ::recvmsg(r->fd, static_cast<msghdr*>(r->buf), r->flags | MSG_DONTWAIT); break;
+    case IoRequest::Op::ReadStream: ret = ::read(r->fd, r->buf, r->len); break;
     case IoRequest::Op::Accept: {
       // The listener may be a blocking socket: look before accepting.
       pollfd p{r->fd, POLLIN, 0};

@@ -30,14 +30,15 @@ namespace {
 
 bool is_socket_op(IoRequest::Op op) {
   using Op = IoRequest::Op;
-  return op == Op::Recv || op == Op::Send || op == Op::SendMsg || op == Op::Accept || op == Op::Connect;
+  return op == Op::Recv || op == Op::Send || op == Op::SendMsg || op == Op::RecvMsg || op == Op::ReadStream ||
+         op == Op::Accept || op == Op::Connect;
 }
 
 // Ops that wait for a peer, possibly forever.
 bool waits_on_peer(IoRequest::Op op) {
   using Op = IoRequest::Op;
-  return op == Op::Recv || op == Op::Send || op == Op::SendMsg || op == Op::Accept || op == Op::PollIn ||
-         op == Op::PollOut;
+  return op == Op::Recv || op == Op::Send || op == Op::SendMsg || op == Op::RecvMsg || op == Op::ReadStream ||
+         op == Op::Accept || op == Op::PollIn || op == Op::PollOut;
 }
 
 class UringBackend final : public Backend {
@@ -113,6 +114,11 @@ class UringBackend final : public Backend {
       case Op::SendMsg:
         io_uring_prep_sendmsg(sqe, r->fd, static_cast<const msghdr*>(r->buf), static_cast<unsigned>(r->flags));
         break;
+      case Op::RecvMsg:
+        io_uring_prep_recvmsg(sqe, r->fd, static_cast<msghdr*>(r->buf), static_cast<unsigned>(r->flags));
+        break;
+      // Offset -1: the descriptor's own position (eventfds and pipes have none).
+      case Op::ReadStream: io_uring_prep_read(sqe, r->fd, r->buf, static_cast<unsigned>(r->len), ~0ull); break;
       case Op::Accept: io_uring_prep_accept(sqe, r->fd, nullptr, nullptr, SOCK_CLOEXEC); break;
       case Op::Connect: io_uring_prep_connect(sqe, r->fd, r->addr, r->addrlen); break;
       case Op::PollIn: io_uring_prep_poll_add(sqe, r->fd, POLLIN); break;
@@ -203,6 +209,8 @@ class UringBackend final : public Backend {
         if (req->op == IoRequest::Op::Send) req->flags |= kWasSend;
         if (req->op == IoRequest::Op::SendMsg) req->flags |= kWasSendMsg;
         if (req->op == IoRequest::Op::Accept) req->flags |= kWasAccept;
+        if (req->op == IoRequest::Op::RecvMsg) req->flags |= kWasRecvMsg;
+        if (req->op == IoRequest::Op::ReadStream) req->flags |= kWasReadStream;
         req->op = out ? IoRequest::Op::PollOut : IoRequest::Op::PollIn;
         submit(req);
         continue;
@@ -234,17 +242,24 @@ class UringBackend final : public Backend {
       req->op = IoRequest::Op::SendMsg;
     } else if (req->flags & kWasAccept) {
       req->op = IoRequest::Op::Accept;
+    } else if (req->flags & kWasRecvMsg) {
+      req->op = IoRequest::Op::RecvMsg;
+    } else if (req->flags & kWasReadStream) {
+      req->op = IoRequest::Op::ReadStream;
     } else {
       req->op = IoRequest::Op::Recv;
     }
-    req->flags &= ~(kWasSend | kWasSendMsg | kWasAccept);
+    req->flags &= ~(kWasSend | kWasSendMsg | kWasAccept | kWasRecvMsg | kWasReadStream);
   }
 
   static constexpr unsigned kPeerWaitsPerEntry = 32;
   static constexpr unsigned kMaxCqEntries = 65536;  // the kernel's IORING_MAX_CQ_ENTRIES
 
   // Flag bits kept in IoRequest::flags while a socket op waits for readiness
-  // (MSG_* flags never use these high bits).
+  // (MSG_* flags never use these high bits: MSG_CMSG_CLOEXEC, bit 30, is
+  // never passed to recvmsg here).
+  static constexpr int kWasReadStream = 1 << 26;
+  static constexpr int kWasRecvMsg = 1 << 27;
   static constexpr int kWasSendMsg = 1 << 28;
   static constexpr int kWasSend = 1 << 29;
   static constexpr int kWasAccept = 1 << 30;

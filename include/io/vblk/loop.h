@@ -46,6 +46,8 @@ struct IoRequest {
     Recv,
     Send,
     SendMsg,
+    RecvMsg,
+    ReadStream,
     Accept,
     Connect,
     Blocking,
@@ -142,6 +144,12 @@ class Loop {
   IoAwaitable send(int fd, const void* buf, size_t len, int flags = MSG_NOSIGNAL);
   // sendmsg(2): many buffers in one call (msg must outlive the await).
   IoAwaitable sendmsg(int fd, const msghdr* msg, int flags = MSG_NOSIGNAL);
+  // recvmsg(2), for descriptors passed with SCM_RIGHTS (msg must outlive
+  // the await; received descriptors are not close-on-exec: set it).
+  IoAwaitable recvmsg(int fd, msghdr* msg, int flags = 0);
+  // read(2) on a pollable descriptor that is not a socket (an eventfd, a
+  // pipe): waits until it is readable. The descriptor must be O_NONBLOCK.
+  IoAwaitable read_stream(int fd, void* buf, size_t len);
   IoAwaitable accept(int fd);
   IoAwaitable connect(int fd, const sockaddr* addr, socklen_t len);
 
