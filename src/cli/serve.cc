@@ -180,13 +180,16 @@ void do_export(qmp::Daemon& d, const std::string& arg) {
   std::string err;
   for (const char* k : {"writable", "writethrough", "fixed-iothread", "allocation-depth"})
     if (!to_bool(o, k, err)) opt_fail("export", arg, err);
-  static const std::vector<qmp::Arg> kExport = {
-      {"type", qmp::ArgType::Enum, true, {"nbd"}}, {"id", qmp::ArgType::Str, true},
-      {"fixed-iothread", qmp::ArgType::Bool},      {"iothread", qmp::ArgType::Str},
-      {"node-name", qmp::ArgType::Str, true},      {"writable", qmp::ArgType::Bool},
-      {"writethrough", qmp::ArgType::Bool},        {"name", qmp::ArgType::Str},
-      {"description", qmp::ArgType::Str},          {"allocation-depth", qmp::ArgType::Bool}};
-  if (auto e = qmp::check_args(kExport, false, o)) opt_fail("export", arg, *e);
+  // keyval gives strings; the vhost-user-blk numbers are integers.
+  for (const char* k : {"logical-block-size", "num-queues"}) {
+    if (!o.contains(k) || !o[k].is_string()) continue;
+    auto v = parse_ulong(o[k].get<std::string>(), UINT64_MAX);
+    if (!v)
+      opt_fail("export", arg,
+               std::string("Parameter '") + k + "' expects " + (k[0] == 'l' ? "a size value" : "uint16_t"));
+    o[k] = *v;
+  }
+  if (auto e = qmp::check_export_args(o)) opt_fail("export", arg, *e);
   auto st = qmp::add_block_export(d, o);
   if (!st) opt_fail("export", arg, st.error().what());
 }

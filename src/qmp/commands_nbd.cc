@@ -1,5 +1,5 @@
-// NBD server and block export commands: nbd-server-start/stop,
-// block-export-add/del, query-block-exports. The exports are served by
+// NBD server commands: nbd-server-start/stop, nbd-server-add, and the NBD
+// side of block-export-add (commands_export.cc). The exports are served by
 // nbd::Server through its public API.
 #include <algorithm>
 
@@ -51,17 +51,9 @@ Task<Reply> nbd_server_start(Daemon& d, const OJson& args) {
   co_return Reply::ok();
 }
 
-Task<void> delete_export(Daemon& d, std::string id);
-
 Task<Reply> nbd_server_stop(Daemon& d, const OJson&) {
   if (!d.nbd) co_return Reply::fail("NBD server not running");
   co_await d.nbd_stop();
-  co_return Reply::ok();
-}
-
-Task<Reply> block_export_add(Daemon& d, const OJson& args) {
-  auto st = add_block_export(d, args);
-  if (!st) co_return Reply::fail(st.error().what());
   co_return Reply::ok();
 }
 
@@ -80,67 +72,6 @@ Task<Reply> nbd_server_add(Daemon& d, const OJson& args) {
   auto st = add_block_export(d, o);
   if (!st) co_return Reply::fail(st.error().what());
   co_return Reply::ok();
-}
-
-// Removes the export, ends its clients (mode=hard) and waits until they
-// let go of it, so the node is free when the BLOCK_EXPORT_DELETED event
-// and the reply go out. (QEMU sends the event once the clients' coroutines
-// have ended, which can be later than its reply.)
-Task<void> delete_export(Daemon& d, std::string id) {
-  auto it = d.exports.find(id);
-  if (it == d.exports.end()) co_return;
-  std::string name = it->second.nbd_name;
-  d.exports.erase(it);
-  std::erase(d.export_order, id);
-  if (d.nbd) {
-    std::weak_ptr<const nbd::Export> held = d.nbd->find_export(name);
-    // Its bitmaps are free again (QEMU clears busy when the export goes).
-    if (auto e = held.lock())
-      for (const auto& [owner, bname] : e->bitmaps)
-        if (NamedBitmap* bm = owner->bitmaps().find(bname)) bm->busy = false;
-    d.nbd->remove_export(name);
-    d.nbd->disconnect_clients(name);
-    for (int i = 0; i < 10000 && !held.expired(); ++i) co_await d.loop.sleep(std::chrono::milliseconds(1));
-  }
-  d.emit("BLOCK_EXPORT_DELETED", {{"id", id}});
-}
-
-Task<Reply> block_export_del(Daemon& d, const OJson& args) {
-  std::string id = args.at("id");
-  auto it = d.exports.find(id);
-  if (it == d.exports.end()) co_return Reply::fail("Export '" + id + "' is not found");
-  bool hard = args.contains("mode") && args.at("mode") == "hard";
-  if (!hard && d.nbd) {
-    // Connected clients hold the export (QEMU: its reference count): the
-    // map here, `e`, and one per client.
-    auto e = d.nbd->find_export(it->second.nbd_name);
-    if (e && e.use_count() > 2) co_return Reply::fail("export '" + id + "' still in use");
-  }
-  co_await delete_export(d, id);
-  co_return Reply::ok();
-}
-
-// The node an export uses now: a job's filter above the node it was made
-// for, or the target a mirror switched it to (QEMU shows the same).
-const Node* export_node(const Daemon& d, const BlockExport& e) {
-  if (d.nbd)
-    if (auto x = d.nbd->find_export(e.nbd_name); x && x->node) return x->node.get();
-  return d.graph.find(e.node_name).get();
-}
-
-std::string export_node_name(const Daemon& d, const BlockExport& e) {
-  const Node* n = export_node(d, e);
-  return n ? n->node_name() : e.node_name;
-}
-
-Task<Reply> query_block_exports(Daemon& d, const OJson&) {
-  OJson list = OJson::array();
-  // Newest first, as QEMU's list.
-  for (auto it = d.export_order.rbegin(); it != d.export_order.rend(); ++it) {
-    const BlockExport& e = d.exports.at(*it);
-    list.push_back({{"type", e.type}, {"id", e.id}, {"node-name", export_node_name(d, e)}, {"shutting-down", false}});
-  }
-  co_return Reply::ok(std::move(list));
 }
 
 }  // namespace
@@ -183,19 +114,14 @@ Task<void> Daemon::nbd_stop() {
   // come (its bottom halves run in the reverse of its export list's order).
   std::vector<std::string> ids;
   for (const auto& id : export_order)
-    if (exports.at(id).type == "nbd") ids.push_back(id);
-  for (auto& id : ids) co_await delete_export(*this, id);
+    if (std::string_view(exports.at(id)->type()) == "nbd") ids.push_back(id);
+  for (auto& id : ids) co_await delete_export(id);
   nbd->stop();
   nbd = nullptr;
 }
 
-Status add_block_export(Daemon& d, const OJson& o) {
-  std::string id = o.at("id");
-  if (!id_wellformed(id)) return Error(EINVAL, "Invalid block export id");
-  if (d.exports.count(id)) return Error(EEXIST, "Block export id '" + id + "' is already in use");
-  std::string node_name = o.at("node-name");
-  auto node = d.graph.find(node_name);
-  if (!node) return Error(ENOENT, "Cannot find device='' nor node-name='" + node_name + "'");
+Result<std::unique_ptr<BlockExport>> add_nbd_export(Daemon& d, const OJson& o, const std::shared_ptr<Node>& node) {
+  const std::string node_name = o.at("node-name");
   if (!d.nbd) return Error(EINVAL, "NBD server not running");
   std::string name = o.contains("name") ? o.at("name").get<std::string>() : node_name;
   if (name.size() > 4096) return Error(EINVAL, "export name '" + name + "' too long");
@@ -246,15 +172,10 @@ Status add_block_export(Daemon& d, const OJson& o) {
   for (const auto& [owner, bname] : bitmaps) busy.push_back(owner->bitmaps().find(bname));
   VBLK_TRY(d.nbd->add_export(nbd::Export{name, desc, node, writable, std::move(bitmaps)}));
   for (NamedBitmap* bm : busy) bm->busy = true;
-  d.exports[id] = BlockExport{id, "nbd", node_name, name};
-  d.export_order.push_back(id);
-  return {};
+  return nbd::make_block_export(*d.nbd, name);
 }
 
 void register_nbd_commands(Daemon& d) {
-  d.node_users.push_back([&d](const Node& n) {
-    return std::any_of(d.exports.begin(), d.exports.end(), [&](auto& kv) { return export_node(d, kv.second) == &n; });
-  });
   d.registry.add({"nbd-server-start",
                   {{{"addr", ArgType::Struct, true, {}, {{"type", ArgType::Enum, true, kAddrTypes}}, true},
                     {"tls-creds", ArgType::Str},
@@ -262,19 +183,6 @@ void register_nbd_commands(Daemon& d) {
                     {"max-connections", ArgType::UInt32}}},
                   [&d](const OJson& a) { return nbd_server_start(d, a); }});
   d.registry.add({"nbd-server-stop", {}, [&d](const OJson& a) { return nbd_server_stop(d, a); }});
-  d.registry.add({"block-export-add",
-                  {{{"type", ArgType::Enum, true, {"nbd"}},
-                    {"id", ArgType::Str, true},
-                    {"fixed-iothread", ArgType::Bool},
-                    {"iothread", ArgType::Str},
-                    {"node-name", ArgType::Str, true},
-                    {"writable", ArgType::Bool},
-                    {"writethrough", ArgType::Bool},
-                    {"name", ArgType::Str},
-                    {"description", ArgType::Str},
-                    {"bitmaps", ArgType::List},
-                    {"allocation-depth", ArgType::Bool}}},
-                  [&d](const OJson& a) { return block_export_add(d, a); }});
   d.registry.add({"nbd-server-add",
                   {{{"device", ArgType::Str, true},
                     {"name", ArgType::Str},
@@ -282,10 +190,6 @@ void register_nbd_commands(Daemon& d) {
                     {"writable", ArgType::Bool},
                     {"bitmap", ArgType::Str}}},
                   [&d](const OJson& a) { return nbd_server_add(d, a); }});
-  d.registry.add({"block-export-del",
-                  {{{"id", ArgType::Str, true}, {"mode", ArgType::Enum, false, {"safe", "hard"}}}},
-                  [&d](const OJson& a) { return block_export_del(d, a); }});
-  d.registry.add({"query-block-exports", {}, [&d](const OJson& a) { return query_block_exports(d, a); }});
 }
 
 Task<void> Daemon::shutdown() {
@@ -294,6 +198,8 @@ Task<void> Daemon::shutdown() {
   // (backup filters leave the graph before the nodes close).
   co_await jobs.cancel_all();
   co_await nbd_stop();
+  // The other exports, oldest first.
+  while (!export_order.empty()) co_await delete_export(export_order.front());
   co_await nbd_running.wait();
   co_await monitors.wait();
   // Close every node, parents first (they write back into their children).

@@ -96,11 +96,6 @@ class ExternalSnapshot final : public TxAction {
       r->reset(new_);
       moved_.push_back(r);
     }
-    for (auto& [id, e] : d.exports)
-      if (e.node_name == old_->node_name()) {
-        e.node_name = new_->node_name();
-        moved_exports_.push_back(id);
-      }
     appended_ = true;
     co_return Status{};
   }
@@ -123,8 +118,6 @@ class ExternalSnapshot final : public TxAction {
   Task<void> abort(TxContext& tx) override {
     if (appended_) {
       for (NodeRef* r : moved_) r->reset(old_);
-      for (const auto& id : moved_exports_)
-        if (auto it = tx.d.exports.find(id); it != tx.d.exports.end()) it->second.node_name = old_->node_name();
       (void)new_->attach_backing(nullptr);
     }
     if (!opened_.empty()) {
@@ -141,7 +134,6 @@ class ExternalSnapshot final : public TxAction {
   bool appended_ = false;
   bool committed_ = false;
   std::vector<NodeRef*> moved_;
-  std::vector<std::string> moved_exports_;
 };
 
 class InternalSnapshot final : public TxAction {

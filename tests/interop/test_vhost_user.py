@@ -142,6 +142,8 @@ def fnv1a64(data):
 class QsdBackend:
     name = "qemu-storage-daemon"
     available = QSD is not None
+    command = [QSD] if QSD else []
+    env = {}
     expect = {
         "features": 0x175007e46,
         "protocol_features": 0x8f2b,
@@ -168,7 +170,7 @@ class QsdBackend:
         self.workdir = workdir
         self.exports = exports
         self.socks = [os.path.join(workdir, "vhost%d.sock" % i) for i in range(len(exports))]
-        self.argv = [QSD]
+        self.argv = list(self.command)
         if throttle_bps:
             self.argv += ["--object", "throttle-group,id=tg0,x-bps-total=%d" % throttle_bps]
         for i, e in enumerate(exports):
@@ -189,12 +191,13 @@ class QsdBackend:
             if os.path.exists(s):
                 os.unlink(s)
         self.logf = open(self.log, "ab")
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self.logf, stderr=self.logf)
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self.logf, stderr=self.logf,
+                                     env=dict(os.environ, **self.env))
         self.pid = self.proc.pid
         end = time.time() + 10
         while not all(os.path.exists(s) for s in self.socks):
             if self.proc.poll() is not None or time.time() > end:
-                raise AssertionError("qemu-storage-daemon did not start: %s" % self.log_text())
+                raise AssertionError("%s did not start: %s" % (self.name, self.log_text()))
             time.sleep(0.02)
 
     def alive(self):
@@ -226,11 +229,64 @@ class QsdBackend:
             return f.read().decode("utf-8", "replace")
 
 
-# The back ends the scenarios run against. vblk's goes here once `vblk
-# serve` exports vhost-user-blk, e.g. "vblk": VblkBackend, a class like
-# QsdBackend that starts [VBLK, "serve", ...] with the same exports.
+class VblkBackend(QsdBackend):
+    """`vblk serve` with the same command line. Where it answers otherwise
+    than qemu-storage-daemon 7.2, on purpose:
+      - wce is 1: the export caches writes unless writethrough=on, and says
+        so, so a guest sends flushes (qsd 7.2 says 0 and caches anyway: a
+        guest's fsync never reaches the image); write_zeroes_may_unmap is 1
+        and the unmap flag is honoured (qsd ignores it);
+      - features: no SIZE_MAX (qsd offers it with size_max 0), no
+        NOTIFY_ON_EMPTY or LOG_ALL (no migration dirty log); protocol
+        features: MQ, REPLY_ACK, CONFIG only;
+      - a malformed request the device cannot answer (header too short, no
+        writable status byte, a nested indirect table) ends the connection
+        as every other ring error does, where qsd drops the request and
+        leaves the driver waiting for it forever;
+      - a zero-length descriptor is not an error (the virtio spec allows
+        it; qsd disconnects): a read with a zero-length data buffer
+        completes OK with no data;
+      - SET_VRING_NUM 0 is refused at once (REPLY_ACK 1, disconnect), not
+        at the first request; a need_reply message that fails is acked 1,
+        not 0, before the disconnect."""
+    name = "vblk"
+    available = os.access(VBLK, os.X_OK) and os.path.basename(VBLK) == "vblk"
+    command = [VBLK, "serve"]
+    expect = {
+        "features": 0x170007e44,
+        "protocol_features": 0x209,
+        "config": {"size_max": 0, "seg_max": 126, "blk_size": 512, "min_io_size": 1, "opt_io_size": 1,
+                   "wce": 1, "max_discard_sectors": 32768, "max_discard_seg": 1,
+                   "discard_sector_alignment": 1, "max_write_zeroes_sectors": 32768,
+                   "max_write_zeroes_seg": 1, "write_zeroes_may_unmap": 1},
+        "getid": "vhost_user_blk",
+        "hostile": {
+            "desc-addr-out-of-range": "disconnect", "desc-len-past-region": "disconnect",
+            "desc-loop": "disconnect", "next-out-of-range": "disconnect",
+            "head-out-of-range": "disconnect", "indirect-out-of-range": "disconnect",
+            "indirect-nested": "disconnect", "indirect-bad-len": "disconnect",
+            "queue-size-zero": "refused", "avail-idx-jump": "disconnect",
+            "read-into-readonly": "reply:OK", "write-from-writable": "reply:OK",
+            "header-too-short": "disconnect", "no-writable-status": "disconnect",
+            "zero-length-desc": "reply:OK", "writable-before-readable": "disconnect",
+            "msg-unknown-request": "reply", "msg-oversize": "disconnect",
+            "msg-bad-vring-index": "reply", "msg-mem-table-no-fd": "reply",
+        },
+    }
+
+
+class VblkNoUringBackend(VblkBackend):
+    """vblk without io_uring: the socket, kick and call descriptors wait in
+    the epoll fallback instead of the ring."""
+    name = "vblk-no-io-uring"
+    env = {"VBLK_NO_IO_URING": "1"}
+
+
+# The back ends the scenarios run against.
 DAEMONS = {
     "qemu-storage-daemon": QsdBackend,
+    "vblk": VblkBackend,
+    "vblk-no-io-uring": VblkNoUringBackend,
 }
 
 

@@ -15,6 +15,7 @@
 #include <stop_token>
 #include <string>
 
+#include "vblk/block_export.h"
 #include "vblk/net.h"
 #include "vblk/node.h"
 #include "vblk/node_ref.h"
@@ -109,5 +110,10 @@ class Server {
   size_t pooled_bytes_ = 0;
   bool stopping_ = false;
 };
+
+// Server `s`'s export `name` as a block export (block-export-add type=nbd);
+// its remove() takes the entry off the server and ends its clients. The
+// server must outlive it, or have removed it first.
+std::unique_ptr<BlockExport> make_block_export(Server& s, std::string name);
 
 }  // namespace vblk::nbd

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "vblk/block_export.h"
 #include "vblk/graph.h"
 #include "vblk/job.h"
 #include "vblk/nbd_server.h"
@@ -33,13 +34,6 @@ struct NodeSettings {
   bool direct = false;
   bool no_flush = false;
   std::string detect_zeroes = "off";
-};
-
-struct BlockExport {
-  std::string id;
-  std::string type;  // "nbd"
-  std::string node_name;
-  std::string nbd_name;  // the name clients ask for
 };
 
 struct Daemon {
@@ -66,7 +60,8 @@ struct Daemon {
   nbd::Server* nbd = nullptr;  // owned by its serve task (freed when it ends)
   std::string nbd_unix_path;   // unlinked when the server stops
   WaitGroup nbd_running;
-  std::map<std::string, BlockExport> exports;
+  // Every export (block-export-add, nbd-server-add, --export) by id.
+  std::map<std::string, std::unique_ptr<BlockExport>> exports;
   std::vector<std::string> export_order;  // ids, oldest first
 
   // Nodes opened by a job's command for the job alone (drive-backup's
@@ -108,6 +103,9 @@ struct Daemon {
   Task<void> drop_node(const std::string& name);
   // Stops the NBD server (exports removed, BLOCK_EXPORT_DELETED each).
   Task<void> nbd_stop();
+  // Removes export `id` (its clients disconnected, its node let go), then
+  // emits BLOCK_EXPORT_DELETED.
+  Task<void> delete_export(std::string id);
   // Everything down: monitors, exports, server, nodes closed.
   Task<void> shutdown();
 };
@@ -115,6 +113,7 @@ struct Daemon {
 void register_core_commands(Daemon& d);
 void register_block_commands(Daemon& d);
 void register_nbd_commands(Daemon& d);
+void register_export_commands(Daemon& d);
 void register_job_commands(Daemon& d);
 void register_object_commands(Daemon& d);
 void register_bitmap_commands(Daemon& d);
@@ -126,6 +125,7 @@ inline void register_all_commands(Daemon& d) {
   register_core_commands(d);
   register_block_commands(d);
   register_nbd_commands(d);
+  register_export_commands(d);
   register_job_commands(d);
   register_object_commands(d);
   register_bitmap_commands(d);
@@ -148,8 +148,12 @@ OJson dirty_bitmaps_info(const Node& n);
 Result<Fd> listen_socket_address(Loop& loop, const OJson& addr, std::string* unix_path);
 // nbd-server-start for QMP and --nbd-server: `addr` flat, max_connections 0 = no limit.
 Status start_nbd_server(Daemon& d, const OJson& addr, unsigned max_connections);
-// block-export-add for QMP and --export (options already type-checked).
+// block-export-add for QMP and --export: `opts` checked against the
+// members of its type (check_export_args), then the export made.
+std::optional<std::string> check_export_args(const OJson& opts);
 Status add_block_export(Daemon& d, const OJson& opts);
+// The NBD type's part of it: the export on the running server.
+Result<std::unique_ptr<BlockExport>> add_nbd_export(Daemon& d, const OJson& opts, const std::shared_ptr<Node>& node);
 // QEMU's id_wellformed (export and object ids): a letter, then letters,
 // digits, '-', '.', '_'.
 bool id_wellformed(const std::string& id);
