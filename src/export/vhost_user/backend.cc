@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,7 +20,7 @@ namespace {
 // Ring and vhost-user features every device gets.
 constexpr uint64_t kBackendFeatures =
     bit(kFVersion1) | bit(kFRingIndirectDesc) | bit(kFRingEventIdx) | bit(kFProtocolFeatures);
-constexpr uint64_t kProtocolFeatures = bit(kPfMq) | bit(kPfReplyAck) | bit(kPfConfig);
+constexpr uint64_t kProtocolFeatures = bit(kPfMq) | bit(kPfReplyAck) | bit(kPfConfig) | bit(kPfInflightShmfd);
 
 struct Msg {
   MsgHeader hdr{};
@@ -58,6 +60,8 @@ const char* request_name(uint32_t r) {
     case kSetVringEnable: return "SET_VRING_ENABLE";
     case kGetConfig: return "GET_CONFIG";
     case kSetConfig: return "SET_CONFIG";
+    case kGetInflightFd: return "GET_INFLIGHT_FD";
+    case kSetInflightFd: return "SET_INFLIGHT_FD";
     default: return "unknown request";
   }
 }
@@ -77,12 +81,35 @@ struct Queue {
   CoEvent exited;         // the run_queue task has ended
 };
 
+// The inflight area the front end keeps for us (GET/SET_INFLIGHT_FD).
+struct InflightArea {
+  InflightArea() = default;
+  InflightArea(const InflightArea&) = delete;
+  InflightArea& operator=(const InflightArea&) = delete;
+  ~InflightArea() { reset(); }
+  void reset() {
+    if (map) ::munmap(map, map_len);
+    map = nullptr;
+    map_len = 0;
+    queues = queue_size = 0;
+  }
+  InflightQueue* queue(size_t i) const {
+    return reinterpret_cast<InflightQueue*>(map + offset + i * inflight_queue_bytes(queue_size));
+  }
+  uint8_t* map = nullptr;
+  size_t map_len = 0;
+  uint64_t offset = 0;
+  uint16_t queues = 0;
+  uint16_t queue_size = 0;
+};
+
 struct Session {
   Session(Loop& l, Device& d, Fd s) : loop(l), dev(d), sock(std::move(s)) {}
   Loop& loop;
   Device& dev;
   Fd sock;
   GuestMemory mem;
+  InflightArea inflight;
   std::vector<std::unique_ptr<Queue>> queues;
   uint64_t features = 0;
   uint64_t protocol = 0;
@@ -224,7 +251,13 @@ out:
 Status start_queue(Session& s, size_t index) {
   Queue& q = *s.queues[index];
   if (q.running || !q.kick.valid() || !s.features_set) return {};
-  VBLK_TRY(q.ring.start(s.mem, s.features & bit(kFRingEventIdx), s.features & bit(kFRingIndirectDesc)));
+  InflightQueue* area = nullptr;
+  if (s.inflight.map) {
+    if (index >= s.inflight.queues || q.ring.num > s.inflight.queue_size)
+      return proto("queue " + std::to_string(index) + " does not fit the inflight area");
+    area = s.inflight.queue(index);
+  }
+  VBLK_TRY(q.ring.start(s.mem, s.features & bit(kFRingEventIdx), s.features & bit(kFRingIndirectDesc), area));
   q.running = true;
   q.stopping = false;
   q.exited.reset();
@@ -403,6 +436,58 @@ Task<Status> handle(Session& s, Msg& m, bool& replied) {
       const auto& c = m.as<ConfigMsg>();
       if (c.size > sizeof c.region || m.hdr.size != kConfigHeader + c.size) co_return proto("SET_CONFIG size");
       s.dev.set_config(c.offset, std::span(c.region, c.size));
+      co_return Status{};
+    }
+    case kGetInflightFd: {
+      VBLK_CO_TRY(need_size(m, sizeof(InflightMsg)));
+      InflightMsg in = m.as<InflightMsg>();
+      if (in.num_queues == 0 || in.num_queues > s.queues.size() || in.queue_size == 0 || in.queue_size > kMaxQueueSize)
+        co_return proto("inflight area for " + std::to_string(in.num_queues) + " queues of " +
+                        std::to_string(in.queue_size));
+      for (auto& q : s.queues)
+        if (q->running) co_return proto("GET_INFLIGHT_FD with a queue running");
+      const uint64_t size = in.num_queues * inflight_queue_bytes(in.queue_size);
+      Fd fd(::memfd_create("vblk-vhost-inflight", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+      if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(size)) < 0)
+        co_return Error(errno, std::string("inflight area: ") + std::strerror(errno));
+      // Its size is fixed: nobody can shrink it under our mapping.
+      (void)::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
+      void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+      if (p == MAP_FAILED) co_return Error(errno, std::string("inflight area: ") + std::strerror(errno));
+      s.inflight.reset();
+      s.inflight.map = static_cast<uint8_t*>(p);
+      s.inflight.map_len = size;
+      s.inflight.offset = 0;
+      s.inflight.queues = in.num_queues;
+      s.inflight.queue_size = in.queue_size;
+      InflightMsg out{size, 0, in.num_queues, in.queue_size};
+      replied = true;
+      co_return co_await send_reply(s, req, &out, sizeof out, fd.get());
+    }
+    case kSetInflightFd: {
+      VBLK_CO_TRY(need_size(m, sizeof(InflightMsg)));
+      const InflightMsg& in = m.as<InflightMsg>();
+      if (m.fds.size() != 1) co_return proto("SET_INFLIGHT_FD without one descriptor");
+      for (auto& q : s.queues)
+        if (q->running) co_return proto("SET_INFLIGHT_FD with a queue running");
+      if (in.num_queues == 0 || in.num_queues > s.queues.size() || in.queue_size == 0 ||
+          in.queue_size > kMaxQueueSize || in.mmap_size < in.num_queues * inflight_queue_bytes(in.queue_size) ||
+          in.mmap_offset > (1ull << 40) || in.mmap_size > (1ull << 40))
+        co_return proto("inflight area of " + std::to_string(in.mmap_size) + " bytes for " +
+                        std::to_string(in.num_queues) + " queues of " + std::to_string(in.queue_size));
+      // A file shorter than the area would fault on first touch.
+      struct stat st {};
+      const uint64_t len = in.mmap_offset + in.mmap_size;
+      if (::fstat(m.fds[0].get(), &st) < 0 || static_cast<uint64_t>(st.st_size) < len)
+        co_return proto("inflight area past the end of its file");
+      void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, m.fds[0].get(), 0);
+      if (p == MAP_FAILED) co_return Error(errno, std::string("inflight area: ") + std::strerror(errno));
+      s.inflight.reset();
+      s.inflight.map = static_cast<uint8_t*>(p);
+      s.inflight.map_len = len;
+      s.inflight.offset = in.mmap_offset;
+      s.inflight.queues = in.num_queues;
+      s.inflight.queue_size = in.queue_size;
       co_return Status{};
     }
     default:

@@ -1,6 +1,7 @@
 #include "vhost_user/guest_memory.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -26,6 +27,10 @@ Status GuestMemory::add(const MemRegion& r, int fd) {
   // The offset need not be page-aligned: map from the start of the file
   // and skip it (as libvhost-user does).
   size_t len = r.mmap_offset + r.memory_size;
+  // A file shorter than the region would fault (SIGBUS) on first touch.
+  struct stat st {};
+  if (::fstat(fd, &st) < 0 || (S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_size) < len))
+    return Error(EINVAL, "memory region past the end of its file");
   void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
   if (p == MAP_FAILED) return Error(errno, std::string("mmap of guest memory: ") + std::strerror(errno));
   // A guest's RAM in a core dump of the daemon helps nobody.

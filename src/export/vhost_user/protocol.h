@@ -97,6 +97,31 @@ struct InflightMsg {
   uint16_t num_queues;
   uint16_t queue_size;
 };
+// The inflight area (VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD) is the back
+// end's own: the front end only keeps its descriptor across a back-end
+// restart and hands it back. vblk lays each queue's part out as
+// libvhost-user does for split rings: a header, then one entry per
+// descriptor, each part rounded up to 64 bytes.
+struct InflightDesc {
+  uint8_t inflight;  // popped, not yet completed
+  uint8_t padding[5];
+  uint16_t next;
+  uint64_t counter;  // pop order, for resubmitting in order
+};
+struct InflightQueue {
+  uint64_t features;
+  uint16_t version;  // 0: never used; kInflightVersion once started
+  uint16_t desc_num;
+  uint16_t last_batch_head;  // the head being completed
+  uint16_t used_idx;         // the used index once it was
+  InflightDesc desc[];
+};
+static_assert(sizeof(InflightDesc) == 16 && sizeof(InflightQueue) == 16);
+constexpr uint16_t kInflightVersion = 1;
+constexpr uint64_t inflight_queue_bytes(uint32_t queue_size) {
+  return (sizeof(InflightQueue) + uint64_t{queue_size} * sizeof(InflightDesc) + 63) & ~uint64_t{63};
+}
+
 constexpr uint32_t kMaxPayload = sizeof(MemTable) > sizeof(ConfigMsg) ? sizeof(MemTable) : sizeof(ConfigMsg);
 static_assert(sizeof(ConfigMsg) <= kMaxPayload);
 

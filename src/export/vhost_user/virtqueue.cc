@@ -1,5 +1,6 @@
 #include "vhost_user/virtqueue.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -25,7 +26,7 @@ Error bad(const std::string& why) { return Error(EPROTO, why); }
 
 }  // namespace
 
-Status SplitQueue::start(const GuestMemory& mem, bool event_idx, bool indirect) {
+Status SplitQueue::start(const GuestMemory& mem, bool event_idx, bool indirect, InflightQueue* inflight) {
   if (num == 0 || num > kMaxQueueSize || (num & (num - 1))) return bad("invalid queue size " + std::to_string(num));
   if (!addr_set) return bad("queue addresses not set");
   if (addr.desc_user_addr % 16 || addr.avail_user_addr % 2 || addr.used_user_addr % 4)
@@ -41,6 +42,48 @@ Status SplitQueue::start(const GuestMemory& mem, bool event_idx, bool indirect) 
   indirect_ = indirect;
   used_idx_ = load_acquire(&used_[1]);
   signalled_valid_ = false;
+  inflight_ = inflight;
+  resubmit_.clear();
+  resubmit_pos_ = 0;
+  counter_ = 0;
+  if (inflight_) return recover_inflight();
+  return {};
+}
+
+// libvhost-user's vu_check_queue_inflights, with every field the front end
+// could have scribbled on checked.
+Status SplitQueue::recover_inflight() {
+  InflightQueue& f = *inflight_;
+  if (f.version == 0) {  // a fresh area
+    std::memset(f.desc, 0, sizeof(InflightDesc) * num);
+    f.desc_num = static_cast<uint16_t>(num);
+    f.used_idx = used_idx_;
+    f.version = kInflightVersion;
+    return {};
+  }
+  if (f.version != kInflightVersion || f.desc_num != num)
+    return bad("inflight area of version " + std::to_string(f.version) + " for " + std::to_string(f.desc_num) +
+               " descriptors");
+  // Killed between publishing a completion and clearing its entry: the
+  // used index moved, so that request is done.
+  if (f.used_idx != used_idx_) {
+    if (f.last_batch_head >= num) return bad("inflight batch head out of range");
+    f.desc[f.last_batch_head].inflight = 0;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    f.used_idx = used_idx_;
+  }
+  std::vector<std::pair<uint64_t, uint16_t>> pending;
+  for (uint32_t i = 0; i < num; ++i)
+    if (f.desc[i].inflight == 1)
+      pending.push_back({f.desc[i].counter, static_cast<uint16_t>(i)});
+    else if (f.desc[i].inflight != 0)
+      return bad("inflight entry " + std::to_string(i) + " corrupt");
+  std::sort(pending.begin(), pending.end());
+  for (const auto& [counter, head] : pending) resubmit_.push_back(head);
+  if (!pending.empty()) counter_ = pending.back().first + 1;
+  // Everything popped before is either completed or about to be popped
+  // again: new requests start after them.
+  last_avail = static_cast<uint16_t>(used_idx_ + pending.size());
   return {};
 }
 
@@ -49,12 +92,29 @@ uint16_t SplitQueue::avail_idx() const { return load_acquire(&avail_[1]); }
 bool SplitQueue::empty() const { return avail_idx() == last_avail; }
 
 Result<bool> SplitQueue::pop(const GuestMemory& mem, Chain& c) {
+  if (resubmit_pos_ < resubmit_.size()) {
+    // Already marked in flight, with its old counter.
+    uint16_t head = resubmit_[resubmit_pos_++];
+    return walk(mem, head, c);
+  }
   uint16_t idx = avail_idx();
   if (idx == last_avail) return false;
   if (static_cast<uint16_t>(idx - last_avail) > num)
     return bad("available index moved from " + std::to_string(last_avail) + " to " + std::to_string(idx));
   uint16_t head = load_once(&avail_[2 + last_avail % num]);
   if (head >= num) return bad("descriptor head " + std::to_string(head) + " out of range");
+  auto r = walk(mem, head, c);
+  if (!r) return r;
+  ++last_avail;
+  if (inflight_) {
+    InflightDesc& d = inflight_->desc[head];
+    d.counter = counter_++;
+    d.inflight = 1;
+  }
+  return true;
+}
+
+Result<bool> SplitQueue::walk(const GuestMemory& mem, uint16_t head, Chain& c) {
   c.clear();
   c.head = head;
   const Desc* table = desc_;
@@ -92,7 +152,6 @@ Result<bool> SplitQueue::pop(const GuestMemory& mem, Chain& c) {
     i = d.next;
     if (i >= max) return bad("descriptor next " + std::to_string(i) + " out of range");
   }
-  ++last_avail;
   return true;
 }
 
@@ -100,8 +159,17 @@ void SplitQueue::push(uint16_t head, uint32_t len) {
   auto* ring = reinterpret_cast<UsedElem*>(used_ + 2);
   UsedElem e{head, len};
   std::memcpy(&ring[used_idx_ % num], &e, sizeof e);
+  if (inflight_) inflight_->last_batch_head = head;
   ++used_idx_;
   store_release(&used_[1], used_idx_);
+  if (inflight_) {
+    // In this order, so that a back end killed anywhere in between leaves
+    // an area recover_inflight() reads right.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    inflight_->desc[head].inflight = 0;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    inflight_->used_idx = used_idx_;
+  }
 }
 
 bool SplitQueue::need_notify() {

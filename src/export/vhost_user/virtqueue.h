@@ -46,9 +46,13 @@ class SplitQueue {
   uint16_t last_avail = 0;
 
   // Maps the rings through `mem` (front-end addresses) and reads the used
-  // index the driver left; EINVAL if anything is missing, misaligned or
-  // not mapped.
-  Status start(const GuestMemory& mem, bool event_idx, bool indirect);
+  // index the driver left; EPROTO if anything is missing, misaligned or
+  // not mapped. With an inflight area (`inflight`, this queue's part of
+  // it, desc_num entries long), every pop and completion is recorded there
+  // first, and the requests a previous back end popped but never
+  // completed are popped again, oldest first, before anything new (the
+  // available index then resumes after them, whatever SET_VRING_BASE said).
+  Status start(const GuestMemory& mem, bool event_idx, bool indirect, InflightQueue* inflight = nullptr);
   bool started() const { return desc_ != nullptr; }
   void stop() { desc_ = nullptr; }
 
@@ -66,9 +70,13 @@ class SplitQueue {
   void set_notify(bool on);
   bool empty() const;
   uint16_t used_idx() const { return used_idx_; }
+  // Requests from a previous back end still to be popped again.
+  size_t resubmits() const { return resubmit_.size() - resubmit_pos_; }
 
  private:
   uint16_t avail_idx() const;
+  Status recover_inflight();
+  Result<bool> walk(const GuestMemory& mem, uint16_t head, Chain& c);
 
   Desc* desc_ = nullptr;
   uint16_t* avail_ = nullptr;  // flags, idx, ring[num], used_event
@@ -78,6 +86,10 @@ class SplitQueue {
   uint16_t used_idx_ = 0;
   uint16_t signalled_used_ = 0;
   bool signalled_valid_ = false;
+  InflightQueue* inflight_ = nullptr;
+  uint64_t counter_ = 0;
+  std::vector<uint16_t> resubmit_;  // heads, in their old pop order
+  size_t resubmit_pos_ = 0;
 };
 
 }  // namespace vblk::vhost
