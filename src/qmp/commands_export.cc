@@ -99,7 +99,6 @@ Result<std::unique_ptr<BlockExport>> add_vhost_user_blk(Daemon& d, const OJson& 
     if (v == 0) return Error(EINVAL, "num-queues must be greater than 0");
     b.num_queues = static_cast<uint16_t>(v);
   }
-  if (b.writable && node->read_only()) return Error(EACCES, "Block node is read-only");
   std::string path;
   auto fd = listen_unix_or_fd(d, o.at("addr"), path);
   VBLK_TRY(fd);
@@ -158,6 +157,8 @@ Status add_block_export(Daemon& d, const OJson& o) {
   const std::string node_name = o.at("node-name");
   auto node = d.graph.find(node_name);
   if (!node) return Error(ENOENT, "Cannot find device='' nor node-name='" + node_name + "'");
+  if (o.contains("writable") && o.at("writable").get<bool>() && node->read_only())
+    return Error(EACCES, "Cannot export read-only node as writable");
   auto e = type == "nbd" ? add_nbd_export(d, o, node) : add_vhost_user_blk(d, o, node);
   VBLK_TRY(e);
   d.exports[id] = std::move(*e);

@@ -166,7 +166,6 @@ Result<std::unique_ptr<BlockExport>> add_nbd_export(Daemon& d, const OJson& o, c
       bitmaps.push_back({owner, bname});
     }
   }
-  if (writable && node->read_only()) return Error(EACCES, "Block node is read-only");
   // Exported bitmaps are busy while the export lives (QEMU's nbd_export_create).
   std::vector<NamedBitmap*> busy;
   for (const auto& [owner, bname] : bitmaps) busy.push_back(owner->bitmaps().find(bname));
