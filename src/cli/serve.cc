@@ -178,7 +178,7 @@ void do_nbd_server(qmp::Daemon& d, const std::string& arg) {
 void do_export(qmp::Daemon& d, const std::string& arg) {
   OJson o = keyval("export", arg, "type");
   std::string err;
-  for (const char* k : {"writable", "writethrough", "fixed-iothread", "allocation-depth"})
+  for (const char* k : {"writable", "writethrough", "fixed-iothread", "allocation-depth", "growable"})
     if (!to_bool(o, k, err)) opt_fail("export", arg, err);
   // keyval gives strings; the vhost-user-blk numbers are integers.
   for (const char* k : {"logical-block-size", "num-queues"}) {

@@ -3,6 +3,7 @@
 // (export layer); the table here owns them and sends BLOCK_EXPORT_DELETED.
 #include <algorithm>
 
+#include "vblk/fuse_export.h"
 #include "vblk/qmp_daemon.h"
 #include "vblk/vhost_user_blk.h"
 
@@ -10,7 +11,7 @@ namespace vblk::qmp {
 
 namespace {
 
-const std::vector<std::string> kExportTypes = {"nbd", "vhost-user-blk"};
+const std::vector<std::string> kExportTypes = {"nbd", "vhost-user-blk", "fuse"};
 
 // BlockExportOptions: the common members, then each type's own.
 const std::vector<Arg>& common_members() {
@@ -37,6 +38,10 @@ std::vector<Arg> members_of(const std::string& type) {
         {{"addr", ArgType::Struct, true, {}, {{"type", ArgType::Enum, true, {"inet", "unix", "vsock", "fd"}}}, true},
          {"logical-block-size", ArgType::UInt64},
          {"num-queues", ArgType::UInt32}});
+  } else if (type == "fuse") {
+    m.insert(m.end(), {{"mountpoint", ArgType::Str, true},
+                       {"growable", ArgType::Bool},
+                       {"allow-other", ArgType::Enum, false, {"off", "on", "auto"}}});
   }
   return m;
 }
@@ -110,6 +115,21 @@ Result<std::unique_ptr<BlockExport>> add_vhost_user_blk(Daemon& d, const OJson& 
   return std::unique_ptr<BlockExport>(std::move(*e));
 }
 
+Result<std::unique_ptr<BlockExport>> add_fuse(Daemon& d, const OJson& o, const std::shared_ptr<Node>& node) {
+  fuse::Options f;
+  f.node = node;
+  f.mountpoint = o.at("mountpoint");
+  f.writable = o.contains("writable") && o.at("writable").get<bool>();
+  f.growable = o.contains("growable") && o.at("growable").get<bool>();
+  if (o.contains("allow-other")) {
+    const std::string a = o.at("allow-other");
+    f.allow_other = a == "on" ? fuse::AllowOther::On : a == "off" ? fuse::AllowOther::Off : fuse::AllowOther::Auto;
+  }
+  auto e = fuse::FuseExport::create(d.loop, std::move(f));
+  VBLK_TRY(e);
+  return std::unique_ptr<BlockExport>(std::move(*e));
+}
+
 Task<Reply> block_export_add(Daemon& d, const OJson& args) {
   if (auto e = check_export_args(args)) co_return Reply::fail(*e);
   auto st = add_block_export(d, args);
@@ -159,7 +179,9 @@ Status add_block_export(Daemon& d, const OJson& o) {
   if (!node) return Error(ENOENT, "Cannot find device='' nor node-name='" + node_name + "'");
   if (o.contains("writable") && o.at("writable").get<bool>() && node->read_only())
     return Error(EACCES, "Cannot export read-only node as writable");
-  auto e = type == "nbd" ? add_nbd_export(d, o, node) : add_vhost_user_blk(d, o, node);
+  auto e = type == "nbd"              ? add_nbd_export(d, o, node)
+           : type == "vhost-user-blk" ? add_vhost_user_blk(d, o, node)
+                                      : add_fuse(d, o, node);
   VBLK_TRY(e);
   d.exports[id] = std::move(*e);
   d.export_order.push_back(id);

@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Interop: the FUSE export (type=fuse) as the host uses it: fio with crc32c
+verify at QD32 on the mounted file (qemu-storage-daemon 7.2 corrupts data
+here), a loop device in both modes with ext4 made, filled, trimmed and
+checked, holes seen through SEEK_HOLE, qemu-img and cp on the mount, a
+killed daemon's stale mount cleared at the next start, and the errors
+qemu-storage-daemon gives for bad mountpoints."""
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import unittest  # noqa: E402
+
+from common import MiB, QEMU_IMG, VBLK, InteropTestCase, make_tempdir, rand_bytes, shm_dir  # noqa: E402
+
+FIO = shutil.which("fio")
+QSD = shutil.which("qemu-storage-daemon")
+
+
+def mounted(path):
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+class FuseExportTest(InteropTestCase):
+    def setUp(self):
+        super().setUp()
+        if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+            self.skipTest("needs root and /dev/fuse")
+        self.dir = make_tempdir(self, base=shm_dir(), prefix="vblk-fuse-")
+        self.mp = os.path.join(self.dir, "disk")
+        open(self.mp, "w").close()
+        self.procs = []
+
+    def tearDown(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if mounted(self.mp):
+            subprocess.run(["umount", "-l", self.mp])
+        super().tearDown()
+
+    def serve(self, img, fmt="qcow2", extra="", check_mount=True):
+        argv = [VBLK, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0" % img,
+                "--blockdev", "driver=%s,file=f0,node-name=d0" % fmt,
+                "--export", "type=fuse,id=e0,node-name=d0,mountpoint=%s,writable=on%s" % (self.mp, extra)]
+        with open(os.path.join(self.dir, "serve.log"), "ab") as log:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.procs.append(p)
+        end = time.time() + 20
+        while check_mount and not mounted(self.mp):
+            self.assertIsNone(p.poll(), self.log())
+            self.assertLess(time.time(), end)
+            time.sleep(0.02)
+        return p
+
+    def log(self):
+        with open(os.path.join(self.dir, "serve.log"), errors="replace") as f:
+            return f.read()
+
+    def stop(self, p):
+        p.send_signal(signal.SIGTERM)
+        self.assertEqual(p.wait(60), 0)
+        self.assertFalse(mounted(self.mp))
+
+    def image(self, size=128 * MiB, fmt="qcow2"):
+        img = os.path.join(self.dir, "img." + fmt)
+        subprocess.run([QEMU_IMG, "create", "-q", "-f", fmt, img, str(size)], check=True)
+        return img
+
+    def qemu_img_check(self, img):
+        r = subprocess.run([QEMU_IMG, "check", img], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_fio_verify_qd32(self):
+        if not FIO:
+            self.skipTest("fio not installed")
+        img = self.image(64 * MiB, "raw")
+        p = self.serve(img, "raw")
+        for engine, extra in (("io_uring", []), ("libaio", []), ("psync", ["--numjobs=4", "--offset_increment=16M",
+                                                                            "--size=16M"])):
+            with self.subTest(engine=engine):
+                argv = [FIO, "--name=v", "--filename=" + self.mp, "--rw=randwrite", "--bs=4k", "--iodepth=32",
+                        "--ioengine=" + engine, "--direct=1", "--verify=crc32c", "--do_verify=1",
+                        "--verify_fatal=1", "--randrepeat=0", "--size=64M", "--group_reporting"] + extra
+                r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-2000:])
+                self.assertIn("err= 0", r.stdout)
+        self.stop(p)
+        # What the mount held is in the image: verify again on the file itself.
+        r = subprocess.run([FIO, "--name=v", "--filename=" + img, "--rw=randwrite", "--bs=4k", "--iodepth=32",
+                            "--ioengine=psync", "--verify=crc32c", "--verify_only=1", "--verify_fatal=1",
+                            "--numjobs=4", "--offset_increment=16M", "--size=16M", "--randrepeat=0"],
+                           capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-2000:])
+
+    def test_ext4_on_loop(self):
+        img = self.image()
+        p = self.serve(img)
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src")
+        for dio in ("on", "off"):
+            with self.subTest(direct_io=dio):
+                loop = subprocess.run(["losetup", "--direct-io=" + dio, "-f", "--show", self.mp], capture_output=True,
+                                      text=True, check=True).stdout.strip()
+                try:
+                    subprocess.run(["mkfs.ext4", "-q", "-F", loop], check=True)
+                    mnt = os.path.join(self.dir, "mnt")
+                    os.makedirs(mnt, exist_ok=True)
+                    subprocess.run(["mount", loop, mnt], check=True)
+                    try:
+                        digests = []
+                        for i in range(3):
+                            subprocess.run(["tar", "cf", os.path.join(mnt, "t%d.tar" % i), "-C", src, "."],
+                                           check=True)
+                            d = os.path.join(mnt, "x%d" % i)
+                            os.mkdir(d)
+                            subprocess.run(["tar", "xf", os.path.join(mnt, "t%d.tar" % i), "-C", d], check=True)
+                            os.unlink(os.path.join(mnt, "t%d.tar" % i))
+                        subprocess.run(["sync"], check=True)
+                        with open("/proc/sys/vm/drop_caches", "w") as f:
+                            f.write("3")
+                        for i in range(3):
+                            r = subprocess.run("cd %s && find . -type f | sort | xargs md5sum" % os.path.join(mnt, "x%d" % i),
+                                               shell=True, capture_output=True, check=True)
+                            digests.append(r.stdout)
+                        self.assertEqual(len(set(digests)), 1)
+                        subprocess.run(["fstrim", mnt], check=False)
+                    finally:
+                        subprocess.run(["umount", mnt], check=True)
+                    r = subprocess.run(["e2fsck", "-fn", loop], capture_output=True, text=True)
+                    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                finally:
+                    subprocess.run(["losetup", "-d", loop])
+        self.stop(p)
+        self.qemu_img_check(img)
+
+    def test_tools_on_the_mount(self):
+        img = self.image(64 * MiB)
+        p = self.serve(img)
+        data = rand_bytes(MiB, "fuse-tools")
+        with open(self.mp, "r+b") as f:
+            f.seek(8 * MiB)
+            f.write(data)
+        fd = os.open(self.mp, os.O_RDONLY)
+        try:
+            self.assertEqual(os.lseek(fd, 0, os.SEEK_DATA), 8 * MiB)
+            self.assertEqual(os.lseek(fd, 8 * MiB, os.SEEK_HOLE), 9 * MiB)
+            with self.assertRaises(OSError):
+                os.lseek(fd, 64 * MiB, os.SEEK_DATA)
+        finally:
+            os.close(fd)
+        # Punched holes read as zeroes; cp keeps them sparse.
+        subprocess.run(["fallocate", "-p", "-o", str(8 * MiB), "-l", str(256 * 1024), self.mp], check=True)
+        copy = os.path.join(self.dir, "copy.raw")
+        subprocess.run(["cp", "--sparse=always", self.mp, copy], check=True)
+        with open(copy, "rb") as f:
+            f.seek(8 * MiB)
+            self.assertEqual(f.read(MiB), bytes(256 * 1024) + data[256 * 1024:])
+        self.assertLess(os.stat(copy).st_blocks * 512, 2 * MiB)
+        r = subprocess.run([QEMU_IMG, "compare", "-f", "raw", "-F", "raw", self.mp, copy], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        # Past the end: a write is cut short, one at the end fails (as qsd).
+        with open(self.mp, "r+b", buffering=0) as f:
+            f.seek(64 * MiB - 4)
+            self.assertEqual(f.write(b"12345678"), 4)
+            with self.assertRaises(OSError):
+                f.write(b"x")
+        self.stop(p)
+        self.qemu_img_check(img)
+        # The image holds what the mount showed, and the short write's bytes.
+        out = os.path.join(self.dir, "out.raw")
+        subprocess.run([QEMU_IMG, "convert", "-f", "qcow2", "-O", "raw", img, out], check=True)
+        with open(copy, "rb") as c, open(out, "rb") as o:
+            self.assertEqual(hashlib.sha256(c.read(64 * MiB - 4)).digest(),
+                             hashlib.sha256(o.read(64 * MiB - 4)).digest())
+            self.assertEqual(o.read(), b"1234")
+
+    def test_killed_daemon_and_restart(self):
+        img = self.image(64 * MiB)
+        p = self.serve(img)
+        w = subprocess.Popen(["dd", "if=/dev/urandom", "of=" + self.mp, "bs=64k", "count=512", "oflag=direct",
+                              "conv=notrunc"], stderr=subprocess.DEVNULL)
+        time.sleep(0.3)
+        p.kill()
+        p.wait()
+        w.wait(30)
+        # The stale mount answers ENOTCONN; a new daemon clears it.
+        with self.assertRaises(OSError):
+            os.stat(self.mp)
+        p = self.serve(img, check_mount=False)
+        end = time.time() + 20
+        while True:
+            try:
+                if os.stat(self.mp).st_size == 64 * MiB:
+                    break
+            except OSError:
+                pass
+            self.assertLess(time.time(), end, "stale mount not replaced")
+            time.sleep(0.05)
+        self.stop(p)
+        self.qemu_img_check(img)
+
+    def test_bad_mountpoints_match_qsd(self):
+        img = self.image(16 * MiB, "raw")
+        for mp in (os.path.join(self.dir, "missing"), self.dir):
+            out = []
+            for argv0 in ([VBLK, "serve"], [QSD] if QSD else None):
+                if not argv0:
+                    continue
+                r = subprocess.run(argv0 + ["--blockdev", "driver=file,filename=%s,node-name=f0" % img, "--export",
+                                            "type=fuse,id=e0,node-name=f0,mountpoint=%s" % mp],
+                                   capture_output=True, text=True, timeout=30)
+                self.assertEqual(r.returncode, 1)
+                out.append(r.stderr.split(": ", 1)[1].strip())
+            self.assertEqual(len(set(out)), 1, out)
+
+
+if __name__ == "__main__":
+    unittest.main()
