@@ -175,9 +175,14 @@ class Connection {
         size_t have = std::min<size_t>(rend_ - rpos_, r.length);
         if (have) std::memcpy(r.payload.data(), rbuf_.data() + rpos_, have);
         rpos_ += have;
-        if (have < r.length && !co_await recv_exact(s_.loop, s_.fd, r.payload.span().subspan(have, r.length - have))) {
-          release(r.charge);
-          break;
+        if (have < r.length) {
+          // (Not one condition with the co_await after &&: see
+          // docs/architecture.md, compiler pitfalls.)
+          Status got = co_await recv_exact(s_.loop, s_.fd, r.payload.span().subspan(have, r.length - have));
+          if (!got) {
+            release(r.charge);
+            break;
+          }
         }
       }
       co_await slots_.acquire();

@@ -363,7 +363,8 @@ TEST_P(LoopTest, IdleSocketsDoNotStopOtherIo) {
     auto c = co_await connect_unix(loop, sock);
     if (!c) co_return false;
     uint8_t out[4] = {1, 2, 3, 4}, in[4] = {};
-    if (!co_await send_all(loop, c->get(), out) || !co_await recv_exact(loop, c->get(), in)) co_return false;
+    if (!co_await send_all(loop, c->get(), out)) co_return false;
+    if (!co_await recv_exact(loop, c->get(), in)) co_return false;
     co_return std::equal(in, in + 4, out);
   };
   EXPECT_TRUE(loop.run(busy()));
