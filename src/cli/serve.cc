@@ -3,7 +3,7 @@
 // command line starts either daemon:
 //   --blockdev JSON|key=val,...   --chardev socket,path=P,server=on,wait=off,id=ID
 //   --monitor chardev=ID          --nbd-server addr.type=unix,addr.path=P
-//   --export type=nbd,id=..,node-name=..[,name=..][,writable=on]
+//   --export type=nbd|vhost-user-blk|fuse,id=..,node-name=..,...
 //   --object TYPE,id=..           --pidfile PATH   --daemonize
 // SIGTERM, SIGINT and SIGHUP (and QMP `quit`) shut down cleanly: monitors
 // and exports end, every node is drained and closed.
@@ -47,6 +47,19 @@ void serve_help() {
       "  --export [type=]nbd,id=<id>,node-name=<node-name>[,name=<export-name>]\n"
       "           [,writable=on|off][,description=<text>]\n"
       "                         export the specified block node over NBD\n"
+      "  --export [type=]fuse,id=<id>,node-name=<node-name>,mountpoint=<file>\n"
+      "           [,growable=on|off][,writable=on|off][,allow-other=on|off|auto]\n"
+      "                         export the specified block node over FUSE\n"
+      "  --export [type=]vhost-user-blk,id=<id>,node-name=<node-name>,\n"
+      "           addr.type=unix,addr.path=<socket-path>[,writable=on|off]\n"
+      "           [,logical-block-size=<block-size>][,num-queues=<num-queues>]\n"
+      "                         export the specified block node as a\n"
+      "                         vhost-user-blk device over UNIX domain socket\n"
+      "  --export [type=]vhost-user-blk,id=<id>,node-name=<node-name>,\n"
+      "           addr.type=fd,addr.str=<fd>[,writable=on|off]\n"
+      "           [,logical-block-size=<block-size>][,num-queues=<num-queues>]\n"
+      "                         export the specified block node as a\n"
+      "                         vhost-user-blk device over file descriptor\n"
       "  --monitor [chardev=]name[,mode=control]\n"
       "                         configure a QMP monitor\n"
       "  --nbd-server addr.type=inet,addr.host=<host>,addr.port=<port>\n"
