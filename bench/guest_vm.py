@@ -8,8 +8,11 @@ the initramfs itself (cpio "newc", no compression). The result is cached in
 $VBLK_GUEST_DIR (default /var/tmp/vblk-guest), keyed by the package versions.
 
 The guest's /init mounts /proc, /sys, /dev and a tmpfs on /mnt, prints
-GUEST-UP and runs a shell on the serial console. `Guest` drives it: QMP on a
-unix socket, the serial console on another; `sh()` runs a shell command and
+GUEST-UP and runs a shell on the serial console. `build_guest(virtio=True)`
+gives a second initramfs that also carries Debian's virtio PCI and
+virtio-blk modules and loads them first, so a virtio-blk or
+vhost-user-blk-pci disk is /dev/vda (the kernel has them as modules only).
+`Guest` drives it: QMP on a unix socket, the serial console on another; `sh()` runs a shell command and
 returns what it printed. `fill_ram()` writes a known pattern into the tmpfs
 (guest RAM: no swap) and returns its digest; `ram_digest()` asks again, so a
 guest restored from a snapshot or an incoming migration proves its RAM came
@@ -43,6 +46,23 @@ echo 0 > /proc/sys/kernel/printk
 echo GUEST-UP
 exec setsid cttyhack sh
 """
+
+# The virtio PCI transport and virtio-blk, modules in Debian's kernel, in
+# load order (no depmod in the initramfs: insmod one after the other). Only
+# the "virtio" initramfs carries them; it loads them before GUEST-UP, so a
+# virtio-blk or vhost-user-blk-pci disk is /dev/vda once the guest is up.
+VIRTIO_MODULES = ("drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko",
+                  "drivers/virtio/virtio_pci_legacy_dev.ko", "drivers/virtio/virtio_pci_modern_dev.ko",
+                  "drivers/virtio/virtio_pci.ko", "drivers/block/virtio_blk.ko")
+
+# The virtio initramfs's console shell is not PID 1 but PID 1's child: a process orphaned in the
+# guest (a writer left running in the background) is reparented to PID 1,
+# and when it exits while an interactive busybox sh as PID 1 reads the
+# console, that sh takes the interrupted read for the end of input and
+# exits: "Attempted to kill init", the guest panics. PID 1 here is the
+# script's own sh, which reaps orphans as it waits.
+INIT_VIRTIO = INIT.replace("echo GUEST-UP", "for m in $(cat /lib/modules/order); do insmod /lib/modules/$m; done\n"
+                           "echo GUEST-UP").replace("exec setsid cttyhack sh", "setsid cttyhack sh\npoweroff -f")
 
 
 class GuestUnavailable(Exception):
@@ -88,13 +108,15 @@ def _cpio_newc(entries):
     return bytes(out)
 
 
-def build_guest():
-    """(vmlinuz path, initramfs path), built once and cached."""
+def build_guest(virtio=False):
+    """(vmlinuz path, initramfs path), built once and cached. virtio: the
+    initramfs that loads the virtio-blk modules (VIRTIO_MODULES) at boot."""
     if not QEMU_SYSTEM:
         raise GuestUnavailable("qemu-system-x86_64 is not installed")
     kpkg = _kernel_package()
     key = os.path.join(CACHE, kpkg)
-    kernel, initrd = os.path.join(key, "vmlinuz"), os.path.join(key, "initramfs.cpio")
+    kernel = os.path.join(key, "vmlinuz")
+    initrd = os.path.join(key, "initramfs-virtio.cpio" if virtio else "initramfs.cpio")
     if os.path.exists(kernel) and os.path.exists(initrd):
         return kernel, initrd
     os.makedirs(CACHE, exist_ok=True)
@@ -117,12 +139,27 @@ def build_guest():
             bb = f.read()
         dirs = [(d, 0o040755, b"") for d in ("bin", "dev", "proc", "sys", "mnt", "tmp")]
         cpio = _cpio_newc(dirs + [("bin/busybox", 0o100755, bb), ("init", 0o100755, INIT.encode())])
-        os.makedirs(key + ".new", exist_ok=True)
-        shutil.copy(vmlinuz[0], os.path.join(key + ".new", "vmlinuz"))
-        with open(os.path.join(key + ".new", "initramfs.cpio"), "wb") as f:
-            f.write(cpio)
+        files = {"initramfs.cpio": cpio}
+        mods = glob.glob(os.path.join(work, "root", "lib", "modules", "*", "kernel"))
+        if mods and all(os.path.exists(os.path.join(mods[0], m)) for m in VIRTIO_MODULES):
+            mod_entries = [("lib", 0o040755, b""), ("lib/modules", 0o040755, b"")]
+            for m in VIRTIO_MODULES:
+                with open(os.path.join(mods[0], m), "rb") as f:
+                    mod_entries.append(("lib/modules/" + os.path.basename(m), 0o100644, f.read()))
+            order = "".join(os.path.basename(m) + "\n" for m in VIRTIO_MODULES).encode()
+            mod_entries.append(("lib/modules/order", 0o100644, order))
+            files["initramfs-virtio.cpio"] = _cpio_newc(dirs + mod_entries + [
+                ("bin/busybox", 0o100755, bb), ("init", 0o100755, INIT_VIRTIO.encode())])
+        new = tempfile.mkdtemp(dir=CACHE, prefix=kpkg + ".new")
+        shutil.copy(vmlinuz[0], os.path.join(new, "vmlinuz"))
+        for name, data in files.items():
+            with open(os.path.join(new, name), "wb") as f:
+                f.write(data)
+        os.chmod(new, 0o755)
         shutil.rmtree(key, ignore_errors=True)
-        os.rename(key + ".new", key)
+        os.rename(new, key)
+    if not os.path.exists(initrd):
+        raise GuestUnavailable("the kernel package has no %s" % ", ".join(VIRTIO_MODULES))
     return kernel, initrd
 
 
@@ -131,11 +168,16 @@ class Guest:
 
     disk: a qcow2 attached as a virtio-blk device (savevm needs a writable
     image that takes snapshots), or drive: -blockdev options of the disk
-    instead (an NBD export: "driver=nbd,server.type=unix,..."); extra: more QEMU arguments (-incoming,
-    -loadvm, -S). The serial console and QMP are unix sockets in workdir."""
+    instead (an NBD export: "driver=nbd,server.type=unix,..."); or disk_args:
+    the QEMU arguments of the disk and its device instead of both (a
+    vhost-user-blk-pci device); extra: more QEMU arguments (-incoming,
+    -loadvm, -S). virtio: boot the initramfs that loads the virtio-blk
+    modules, so the guest sees its disk as /dev/vda. The serial console and
+    QMP are unix sockets in workdir."""
 
-    def __init__(self, workdir, disk, mem_mib=256, extra=(), name="g", cache="writeback", drive=None):
-        self.kernel, self.initrd = build_guest()
+    def __init__(self, workdir, disk, mem_mib=256, extra=(), name="g", cache="writeback", drive=None,
+                 disk_args=None, virtio=False):
+        self.kernel, self.initrd = build_guest(virtio=virtio)
         self.workdir = workdir
         self.serial_path = os.path.join(workdir, name + ".serial")
         self.qmp_path = os.path.join(workdir, name + ".qmp")
@@ -143,11 +185,13 @@ class Guest:
             if os.path.exists(p):
                 os.unlink(p)
         cache_opts = {"writeback": "", "none": ",cache.direct=on"}[cache]
-        if drive:
-            disk_args = ["-blockdev", drive + ",node-name=d0"]
+        if disk_args is not None:
+            disk_args = list(disk_args)
+        elif drive:
+            disk_args = ["-blockdev", drive + ",node-name=d0", "-device", "virtio-blk,drive=d0"]
         else:
             disk_args = ["-blockdev", "driver=file,node-name=f0,filename=%s%s" % (disk, cache_opts),
-                         "-blockdev", "driver=qcow2,node-name=d0,file=f0"]
+                         "-blockdev", "driver=qcow2,node-name=d0,file=f0", "-device", "virtio-blk,drive=d0"]
         self.argv = [QEMU_SYSTEM, "-nodefaults", "-display", "none", "-accel", "tcg", "-m", str(mem_mib),
                      "-kernel", self.kernel, "-initrd", self.initrd,
                      "-append", "console=ttyS0 quiet panic=-1 rdinit=/init",
@@ -156,7 +200,7 @@ class Guest:
                      "-serial", "chardev:ser",
                      "-chardev", "socket,id=mon,path=%s,server=on,wait=off" % self.qmp_path,
                      "-mon", "chardev=mon,mode=control",
-                     ] + disk_args + ["-device", "virtio-blk,drive=d0"] + list(extra)
+                     ] + disk_args + list(extra)
         self.log = open(os.path.join(workdir, name + ".log"), "wb")
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT)

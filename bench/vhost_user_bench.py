@@ -9,9 +9,10 @@ Back ends (--envs; each started for its measurement and stopped after it):
   qsd-native    aio=native, cache.direct=on (native AIO needs O_DIRECT)
   qsd-uring     aio=io_uring, cache.direct=on
   qsd-uring-wb  aio=io_uring, cache.direct=off
-  vblk          (hook, BACKENDS below) vblk's vhost-user-blk export, once it
-                exists
-Every qsd export has num-queues=--queues; the client uses that many queues.
+  vblk          `vblk serve` (--vblk), the same --blockdev/--export command
+                line, file node with vblk's defaults (io_uring, page cache)
+  vblk-dio      the same with cache.direct=on
+Every export has num-queues=--queues; the client uses that many queues.
 
 Cases (--cases REGEX over the names): 4 KiB randread at QD1 and QD32,
 4 KiB randwrite at QD32, 1 MiB sequential read and write at QD8 (QD per
@@ -74,15 +75,25 @@ def start_qsd(args, env, image, sock):
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+VBLK_ENVS = {
+    "vblk": "",
+    "vblk-dio": ",cache.direct=on",
+}
+
+
 def start_vblk(args, env, image, sock):
-    """Hook: start vblk's vhost-user-blk export of `image` on `sock` (argv to
-    be settled when `vblk serve` has the export type)."""
-    raise NotImplementedError("vblk has no vhost-user-blk export yet")
+    """`vblk serve` with qemu-storage-daemon's command line: a raw node on a
+    file node, one vhost-user-blk export (write-back, as qsd's export)."""
+    argv = [args.vblk, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0%s" % (image, VBLK_ENVS[env]),
+            "--blockdev", "driver=raw,file=f0,node-name=d0",
+            "--export", "type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path=%s,writable=on,"
+            "num-queues=%d" % (sock, args.queues)]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 # Environment name -> starter(args, env, image, sock) -> Popen.
 BACKENDS = {e: start_qsd for e in QSD_ENVS}
-BACKENDS["vblk"] = start_vblk
+BACKENDS.update({e: start_vblk for e in VBLK_ENVS})
 
 
 def stop(proc):
@@ -132,6 +143,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--client", default=os.path.join(ROOT, "build", "tests", "vblk-vhost-client"))
     ap.add_argument("--qsd", default=shutil.which("qemu-storage-daemon"))
+    ap.add_argument("--vblk", default=os.path.join(ROOT, "build", "vblk"))
     ap.add_argument("--dir", help="image directory (default: a temp dir under /var/tmp)")
     ap.add_argument("--size", type=int, default=1024, help="image size in MiB (1024)")
     ap.add_argument("--runs", type=int, default=3)
