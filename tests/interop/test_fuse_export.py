@@ -209,6 +209,42 @@ class FuseExportTest(InteropTestCase):
         self.stop(p)
         self.qemu_img_check(img)
 
+    def test_delete_while_busy(self):
+        """block-export-del with a loop device holding the mounted file: the
+        mount is detached and its connection aborted, the export goes within
+        seconds (BLOCK_EXPORT_DELETED), and the loop device's I/O fails
+        instead of hanging."""
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+        import qmp_driver
+        img = self.image(16 * MiB, "raw")
+        qsock = os.path.join(self.dir, "qmp.sock")
+        argv = [VBLK, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0" % img,
+                "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on" % self.mp,
+                "--chardev", "socket,path=%s,server=on,wait=off,id=m0" % qsock, "--monitor", "chardev=m0"]
+        with open(os.path.join(self.dir, "serve.log"), "ab") as log:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.procs.append(p)
+        end = time.time() + 20
+        while not (mounted(self.mp) and os.path.exists(qsock)):
+            self.assertLess(time.time(), end, self.log())
+            time.sleep(0.02)
+        loop = subprocess.run(["losetup", "-f", "--show", self.mp], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        try:
+            q = qmp_driver.QMP(qsock)
+            t0 = time.time()
+            self.assertEqual(q.cmd("block-export-del", {"id": "e0"}), {"return": {}})
+            self.assertLess(time.time() - t0, 15)
+            self.assertEqual(q.event("BLOCK_EXPORT_DELETED", 10)["data"], {"id": "e0"})
+            self.assertFalse(mounted(self.mp))
+            r = subprocess.run(["dd", "if=" + loop, "of=/dev/null", "bs=4k", "count=1", "iflag=direct"],
+                               capture_output=True, timeout=30)
+            self.assertNotEqual(r.returncode, 0)
+            q.cmd("quit")
+            self.assertEqual(p.wait(30), 0)
+        finally:
+            subprocess.run(["losetup", "-d", loop])
+
     def test_bad_mountpoints_match_qsd(self):
         img = self.image(16 * MiB, "raw")
         for mp in (os.path.join(self.dir, "missing"), self.dir):
