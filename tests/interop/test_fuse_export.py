@@ -210,8 +210,8 @@ class FuseExportTest(InteropTestCase):
         self.qemu_img_check(img)
 
     def test_delete_while_busy(self):
-        """block-export-del with a loop device holding the mounted file: the
-        mount is detached and its connection aborted, the export goes within
+        """block-export-del with a loop device holding the mounted file: mode
+        safe refuses; mode hard detaches the mount and aborts its connection, the export goes within
         seconds (BLOCK_EXPORT_DELETED), and the loop device's I/O fails
         instead of hanging."""
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
@@ -232,8 +232,13 @@ class FuseExportTest(InteropTestCase):
                               check=True).stdout.strip()
         try:
             q = qmp_driver.QMP(qsock)
+            # The loop device is a client: mode safe refuses (QAPI's "no
+            # connections"; qemu-storage-daemon 7.2 deletes here).
+            r = q.cmd("block-export-del", {"id": "e0"})
+            self.assertEqual(r["error"]["desc"], "export 'e0' still in use")
+            self.assertTrue(mounted(self.mp))
             t0 = time.time()
-            self.assertEqual(q.cmd("block-export-del", {"id": "e0"}), {"return": {}})
+            self.assertEqual(q.cmd("block-export-del", {"id": "e0", "mode": "hard"}), {"return": {}})
             self.assertLess(time.time() - t0, 15)
             self.assertEqual(q.event("BLOCK_EXPORT_DELETED", 10)["data"], {"id": "e0"})
             self.assertFalse(mounted(self.mp))

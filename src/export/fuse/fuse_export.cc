@@ -94,11 +94,12 @@ class Export final : public FuseExport {
 
   const char* type() const override { return "fuse"; }
   const Node* node() const override { return node_.get(); }
-  // Open files are not counted (qemu-storage-daemon does not either).
-  bool in_use() const override { return false; }
+  // Files open on the mount (a loop device, a program) are its clients:
+  // block-export-del in mode safe refuses then, as QAPI documents and
+  // unlike qemu-storage-daemon 7.2, which aborts their I/O.
+  bool in_use() const override { return open_files_ > 0; }
 
   Task<void> remove() override {
-    stopping_ = true;
     unmount();
     // Without users the unmount ends the connection and every reader sees
     // ENODEV. Files still open keep a lazily unmounted file system alive:
@@ -254,10 +255,14 @@ class Export final : public FuseExport {
         fuse_open_out o{};
         // Concurrent O_DIRECT writes are safe here: each has its buffer.
         o.open_flags = FOPEN_PARALLEL_DIRECT_WRITES;
+        ++open_files_;
         reply(u, 0, &o, sizeof o);
         break;
       }
-      case FUSE_RELEASE: reply(u, 0); break;
+      case FUSE_RELEASE:
+        if (open_files_) --open_files_;
+        reply(u, 0);
+        break;
       case FUSE_READ: co_await read(u, arg<fuse_read_in>(req), buf); break;
       case FUSE_WRITE: co_await write(u, req); break;
       case FUSE_FLUSH:
@@ -499,7 +504,7 @@ class Export final : public FuseExport {
   Fd fd_;
   WaitGroup readers_;
   bool mounted_ = false;
-  bool stopping_ = false;
+  size_t open_files_ = 0;  // OPENs not yet RELEASEd (a loop device holds one)
   unsigned conn_id_ = 0;
   std::time_t created_;
   std::time_t mtime_;

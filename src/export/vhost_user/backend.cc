@@ -62,7 +62,7 @@ const char* request_name(uint32_t r) {
     case kSetConfig: return "SET_CONFIG";
     case kGetInflightFd: return "GET_INFLIGHT_FD";
     case kSetInflightFd: return "SET_INFLIGHT_FD";
-    default: return "unknown request";
+    default: return "request";
   }
 }
 
@@ -92,6 +92,14 @@ struct InflightArea {
     map = nullptr;
     map_len = 0;
     queues = queue_size = 0;
+  }
+  void set(void* p, size_t len, uint64_t off, uint16_t nqueues, uint16_t qsize) {
+    reset();
+    map = static_cast<uint8_t*>(p);
+    map_len = len;
+    offset = off;
+    queues = nqueues;
+    queue_size = qsize;
   }
   InflightQueue* queue(size_t i) const {
     return reinterpret_cast<InflightQueue*>(map + offset + i * inflight_queue_bytes(queue_size));
@@ -185,9 +193,11 @@ Task<Status> send_reply(Session& s, uint32_t request, const void* payload, uint3
   }
   long r = co_await s.loop.sendmsg(s.sock.get(), &mh);
   if (r < 0) co_return Error(static_cast<int>(-r), "vhost-user socket");
+  const size_t total = sizeof h + size;
+  if (static_cast<size_t>(r) == total) co_return Status{};
   // A reply is a few hundred bytes at most: the rest of a short send goes
   // out plainly (the descriptor went with the first byte).
-  std::vector<uint8_t> all(sizeof h + size);
+  std::vector<uint8_t> all(total);
   std::memcpy(all.data(), &h, sizeof h);
   if (size) std::memcpy(all.data() + sizeof h, payload, size);
   co_return co_await send_all(s.loop, s.sock.get(), std::span<const uint8_t>(all).subspan(static_cast<size_t>(r)));
@@ -222,8 +232,11 @@ Task<void> run_queue(Session& s, Queue& q, size_t index) {
     // look, since the driver may have added a request in between.
     for (;;) {
       q.ring.set_notify(false);
+      // One chain is kept for the pop that finds the ring empty; a popped
+      // one goes with its request.
+      std::unique_ptr<Chain> c;
       for (;;) {
-        auto c = std::make_unique<Chain>();
+        if (!c) c = std::make_unique<Chain>();
         auto got = q.ring.pop(s.mem, *c);
         if (!got) {
           s.fail("queue " + std::to_string(index) + ": " + got.error().what());
@@ -454,12 +467,7 @@ Task<Status> handle(Session& s, Msg& m, bool& replied) {
       (void)::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
       void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
       if (p == MAP_FAILED) co_return Error(errno, std::string("inflight area: ") + std::strerror(errno));
-      s.inflight.reset();
-      s.inflight.map = static_cast<uint8_t*>(p);
-      s.inflight.map_len = size;
-      s.inflight.offset = 0;
-      s.inflight.queues = in.num_queues;
-      s.inflight.queue_size = in.queue_size;
+      s.inflight.set(p, size, 0, in.num_queues, in.queue_size);
       InflightMsg out{size, 0, in.num_queues, in.queue_size};
       replied = true;
       co_return co_await send_reply(s, req, &out, sizeof out, fd.get());
@@ -482,16 +490,10 @@ Task<Status> handle(Session& s, Msg& m, bool& replied) {
         co_return proto("inflight area past the end of its file");
       void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, m.fds[0].get(), 0);
       if (p == MAP_FAILED) co_return Error(errno, std::string("inflight area: ") + std::strerror(errno));
-      s.inflight.reset();
-      s.inflight.map = static_cast<uint8_t*>(p);
-      s.inflight.map_len = len;
-      s.inflight.offset = in.mmap_offset;
-      s.inflight.queues = in.num_queues;
-      s.inflight.queue_size = in.queue_size;
+      s.inflight.set(p, len, in.mmap_offset, in.num_queues, in.queue_size);
       co_return Status{};
     }
-    default:
-      co_return proto(std::string("unsupported request ") + std::to_string(req) + " (" + request_name(req) + ")");
+    default: co_return proto("not supported");
   }
 }
 
@@ -539,7 +541,11 @@ Task<void> Backend::run_session(Fd sock) {
     Status st = co_await handle(s, *m, replied);
     bool ack = (s.protocol & bit(kPfReplyAck)) && (m->hdr.flags & kFlagNeedReply) && !replied;
     if (ack) (void)co_await reply_u64(s, m->hdr.request, st ? 0 : 1);
-    if (!st) s.fail(std::string(request_name(m->hdr.request)) + ": " + st.error().what());
+    if (!st) {
+      std::string name = request_name(m->hdr.request);
+      if (name == "request") name += " " + std::to_string(m->hdr.request);
+      s.fail(name + ": " + st.error().what());
+    }
   }
   co_await stop_all(s);
   s.mem.clear();
