@@ -514,7 +514,7 @@ class VhostUserScenarios:
         d.restart()
         out, err = p.communicate(timeout=120)
         doc = json.loads(out)
-        self.assertEqual(p.returncode, 0, (doc, err))
+        self.assertEqual(p.returncode, 0, (doc, err, d.log_text()))
         self.assertEqual(doc["reconnects"], 1)
         self.assertGreater(doc["resubmitted"], 0)
         self.assertEqual(doc["mismatches"], 0)

@@ -721,13 +721,26 @@ size_t Device::reconnect(double timeout_s) {
   reap(stash_);  // the back end may have used elements nobody reaped yet
   size_t n = in_flight();
   chan_.reset();
+  resume_base_.assign(queues_.size(), std::nullopt);
   int saved = opts_.connect_timeout_ms;
-  opts_.connect_timeout_ms = static_cast<int>(timeout_s * 1000);
-  try {
-    handshake(true);
-  } catch (...) {
-    opts_.connect_timeout_ms = saved;
-    throw;
+  auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  for (;;) {
+    auto left = std::chrono::duration<double>(end - std::chrono::steady_clock::now()).count();
+    opts_.connect_timeout_ms = static_cast<int>(std::max(0.0, left) * 1000);
+    try {
+      handshake(true);
+      break;
+    } catch (const Disconnected&) {
+      chan_.reset();
+      if (std::chrono::steady_clock::now() >= end) {
+        opts_.connect_timeout_ms = saved;
+        throw;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } catch (...) {
+      opts_.connect_timeout_ms = saved;
+      throw;
+    }
   }
   opts_.connect_timeout_ms = saved;
   return n;
@@ -843,9 +856,12 @@ void Device::setup_rings(bool again) {
     uint32_t base = 0;
     if (again && has_protocol(kPfInflightShmfd)) {
       base = vq.used_idx();
+    } else if (again && q < resume_base_.size() && resume_base_[q]) {
+      base = *resume_base_[q];
     } else if (again) {
       base = vq.avail_idx();
       vq.requeue_outstanding();
+      if (q < resume_base_.size()) resume_base_[q] = base;
     }
     set_state(kSetVringBase, q, base);
     std::vector<uint8_t> a;

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -467,6 +468,8 @@ class Device {
   // holds. Without it, the requests still outstanding are put on the avail
   // rings again and the rings restart at the old avail index. Returns how
   // many requests were in flight; their completions come through reap().
+  // A connection dropped during the handshake is retried too: a back end
+  // killed with a client queued on its listener resets that connection.
   size_t reconnect(double timeout_s);
   // GET_VRING_BASE on every ring (stops them); the avail indices the back
   // end reports.
@@ -538,6 +541,10 @@ class Device {
   BlkConfig config_;
   std::vector<uint8_t> config_bytes_;
   Fd inflight_fd_;
+  // Per queue, the ring base of the reconnection under way: computed (and
+  // the outstanding chains requeued) once, however often the handshake is
+  // retried.
+  std::vector<std::optional<uint32_t>> resume_base_;
   uint64_t inflight_size_ = 0, inflight_offset_ = 0;
   // Per queue: request slots (16-byte header + status byte) in guest memory.
   struct Slots {
