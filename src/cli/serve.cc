@@ -5,10 +5,13 @@
 //   --monitor chardev=ID          --nbd-server addr.type=unix,addr.path=P
 //   --export type=nbd|vhost-user-blk|fuse,id=..,node-name=..,...
 //   --object TYPE,id=..           --pidfile PATH   --daemonize
+//   --mlock (vblk's own: lock the daemon's memory)
 // SIGTERM, SIGINT and SIGHUP (and QMP `quit`) shut down cleanly: monitors
 // and exports end, every node is drained and closed.
 #include <fcntl.h>
 #include <getopt.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -71,6 +74,9 @@ void serve_help() {
       "  --object throttle-group,id=<id>[,x-bps-total=<n>,...][,limits.bps-write=<n>,...]\n"
       "                         an I/O limit for `throttle` nodes (QEMU's ThrottleLimits)\n"
       "  --pidfile <path>       write process ID to a file after startup\n"
+      "  --mlock                lock the daemon's memory as it is touched (vblk only;\n"
+      "                         a daemon serving the host's own kernel (FUSE) cannot\n"
+      "                         then wait for reclaim that writes to its own export)\n"
       "  --daemonize            daemonize the process, and close the parent once\n"
       "                         startup is complete\n");
 }
@@ -271,6 +277,19 @@ void do_object(qmp::Daemon& d, const std::string& arg) {
   }
 }
 
+// MCL_ONFAULT: pages are locked as they are touched, so a vhost-user
+// front end's guest memory mapped later is not populated and pinned whole
+// (MCL_FUTURE alone would fault in all of it at SET_MEM_TABLE).
+void lock_memory() {
+  if (::mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT) == 0) return;
+  int e = errno;
+  std::string msg = "--mlock: cannot lock memory: " + std::string(std::strerror(e));
+  rlimit rl{};
+  if ((e == ENOMEM || e == EPERM) && ::getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+    msg += " (RLIMIT_MEMLOCK is " + std::to_string(rl.rlim_cur) + " bytes; raise it or grant CAP_IPC_LOCK)";
+  serve_fail(msg);
+}
+
 Task<void> run_daemon(qmp::Daemon& d) {
   co_await d.quit.wait();
   co_await d.shutdown();
@@ -279,7 +298,7 @@ Task<void> run_daemon(qmp::Daemon& d) {
 }  // namespace
 
 int cmd_serve(int argc, char** argv) {
-  enum { kBlockdev = 256, kChardev, kDaemonize, kExport, kMonitor, kNbdServer, kObject, kPidfile };
+  enum { kBlockdev = 256, kChardev, kDaemonize, kExport, kMlock, kMonitor, kNbdServer, kObject, kPidfile };
   static const option longopts[] = {{"help", no_argument, nullptr, 'h'},
                                     {"version", no_argument, nullptr, 'V'},
                                     {"trace", required_argument, nullptr, 'T'},
@@ -287,6 +306,7 @@ int cmd_serve(int argc, char** argv) {
                                     {"chardev", required_argument, nullptr, kChardev},
                                     {"daemonize", no_argument, nullptr, kDaemonize},
                                     {"export", required_argument, nullptr, kExport},
+                                    {"mlock", no_argument, nullptr, kMlock},
                                     {"monitor", required_argument, nullptr, kMonitor},
                                     {"nbd-server", required_argument, nullptr, kNbdServer},
                                     {"object", required_argument, nullptr, kObject},
@@ -295,6 +315,7 @@ int cmd_serve(int argc, char** argv) {
   // First pass: everything that must be known before the loop exists.
   std::vector<std::pair<int, std::string>> opts;
   bool daemonize = false;
+  bool mlock = false;
   std::string pidfile;
   opterr = 0;
   optind = 1;
@@ -307,6 +328,7 @@ int cmd_serve(int argc, char** argv) {
       case 1: serve_fail(std::string(optarg) + ": Unexpected argument");
       case kDaemonize: daemonize = true; break;
       case kPidfile: pidfile = optarg; break;
+      case kMlock: mlock = true; break;
       // getopt's words, without qemu-img's "Try --help" line (as qsd).
       case ':':
         if (optopt > 0 && optopt < 256)
@@ -327,6 +349,9 @@ int cmd_serve(int argc, char** argv) {
     int status = bg.fork_and_wait([](const std::string& m) { serve_fail(m); });
     if (status >= 0) return status;
   }
+  // In the process that serves (locks are not inherited over fork), before
+  // any image is opened or thread started.
+  if (mlock) lock_memory();
   sigset_t sigs = block_stop_signals();
 
   Loop loop;

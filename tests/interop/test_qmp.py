@@ -664,6 +664,34 @@ class QmpTest(InteropTestCase):
             return out
         self.assertBoth(scenario)
 
+    def test_mlock(self):
+        """vblk's --mlock (qsd has none): the serving process's memory is
+        locked as it is touched and it serves; without the privilege or the
+        limit to lock, it fails at once with the limit in the message."""
+        raw, _ = self.images()
+        d = self.start(VBLK_CMD, ["--mlock", "--blockdev", "driver=file,node-name=f0,filename=%s" % raw,
+                                  "--nbd-server", "addr.type=unix,addr.path=%s" % self.nbd,
+                                  "--export", "type=nbd,id=e0,node-name=f0,writable=on"])
+        d.wait_socket(self.nbd)
+        uri = "nbd+unix:///f0?socket=%s" % self.nbd
+        r = run([QEMU_IO, "-f", "raw", "-c", "write -P 0x6d 0 512k", "-c", "read -P 0x6d 0 512k", uri])
+        self.assertEqual(r.rc, 0, r)
+        with open("/proc/%d/status" % d.proc.pid) as f:
+            locked = int(re.search(r"VmLck:\s+(\d+) kB", f.read()).group(1))
+        self.assertGreater(locked, 0)
+        self.assertEqual(d.stop(), 0)
+        # Without CAP_IPC_LOCK and a 64 KiB limit: a clear error, exit 1,
+        # nothing served (the monitor socket is never created).
+        if os.path.exists(self.mon):
+            os.unlink(self.mon)
+        r = run(["prlimit", "--memlock=65536:65536", "setpriv", "--bounding-set", "-ipc_lock"] + VBLK_CMD +
+                ["--mlock", "--chardev", "socket,path=%s,server=on,wait=off,id=m" % self.mon, "--monitor",
+                 "chardev=m", "--blockdev", "driver=file,node-name=f0,filename=%s" % raw])
+        self.assertEqual(r.rc, 1, r)
+        self.assertIn("--mlock: cannot lock memory", r.stderr)
+        self.assertIn("RLIMIT_MEMLOCK is 65536 bytes", r.stderr)
+        self.assertFalse(os.path.exists(self.mon))
+
 
 if __name__ == "__main__":
     unittest.main()
