@@ -203,7 +203,10 @@ Task<Status> send_reply(Session& s, uint32_t request, const void* payload, uint3
   co_return co_await send_all(s.loop, s.sock.get(), std::span<const uint8_t>(all).subspan(static_cast<size_t>(r)));
 }
 
-Task<Status> reply_u64(Session& s, uint32_t request, uint64_t v) { return send_reply(s, request, &v, sizeof v); }
+// A coroutine, so that `v` lives in its frame while send_reply reads it.
+Task<Status> reply_u64(Session& s, uint32_t request, uint64_t v) {
+  co_return co_await send_reply(s, request, &v, sizeof v);
+}
 
 // ---- rings
 
