@@ -552,6 +552,92 @@ class VhostUserScenarios:
         sys.stderr.write("\n%s hostile outcomes: %s\n" % (self.backend.name, json.dumps(seen)))
 
 
+class VblkStallWatchBackend(VblkBackend):
+    """vblk with a one-second stall watch (60 s by default)."""
+    env = {"VBLK_VHOST_STALL_SECONDS": "1"}
+
+
+class TestVhostUserStallWatch(InteropTestCase):
+    """vblk's stall watch (qemu-storage-daemon has none): a queue with work
+    outstanding that stops moving is reported once, with both sides' ring
+    indices and whose move it is, and again when it moves; an idle queue
+    is never reported."""
+
+    def setUp(self):
+        super().setUp()
+        if not CLIENT:
+            self.skipTest("vblk-vhost-client not built (VBLK_VHOST_CLIENT)")
+        if not VblkBackend.available:
+            self.skipTest("vblk not built")
+        self.dir = make_tempdir(self, base=shm_dir(), prefix="vblk-vhost-stall-")
+
+    def start(self, **kw):
+        img = make_image(os.path.join(self.dir, "disk0.raw"), 16 * MiB)
+        log = os.path.join(self.dir, "qsd.log")
+        since = os.path.getsize(log) if os.path.exists(log) else 0
+        d = VblkStallWatchBackend(self.dir, [{"image": img, "writable": True, "num_queues": 1}], **kw)
+        d.since = since  # daemons in one test share the log
+        self.addCleanup(d.stop)
+        return d
+
+    def reports(self, d):
+        return [line for line in d.log_text()[d.since:].splitlines() if "vhost-user-blk " in line]
+
+    def run_client(self, d, *script, opts=()):
+        rc, doc, err = client("io", d.socks[0], "--qd", 4, *opts, *script)
+        self.assertEqual(rc, 0, (doc, err, d.log_text()))
+        return doc
+
+    def test_idle_is_not_a_stall(self):
+        d = self.start()
+        self.run_client(d, "write 0 64k 0x11", "wait", "sleep 2500")
+        self.assertEqual(self.reports(d), [])
+
+    def test_kick_not_sent(self):
+        # Made available without a kick: the daemon's side, not popped.
+        d = self.start()
+        self.run_client(d, "write 0 4k 0x11", "publish", "sleep 2500", "wait", "sleep 1000")
+        r = self.reports(d)
+        self.assertEqual(len(r), 2, r)
+        self.assertIn("queue 0 stalled for", r[0])
+        self.assertIn("1 request(s) available and not popped", r[0])
+        self.assertIn("avail idx 1, popped 0, used idx 0", r[0])
+        self.assertIn("queue 0 moving again after", r[1])
+
+    def test_interrupt_not_consumed(self):
+        # Completed and signalled; the driver does not look for 2.5 s: with
+        # EVENT_IDX its used_event shows it has not consumed the completion.
+        d = self.start()
+        self.run_client(d, "write 0 4k 0x11", "kick", "sleep 2500", "wait", "write 4k 4k 0x12", "wait",
+                        "sleep 1000", opts=("--event-idx", "on"))
+        r = self.reports(d)
+        self.assertEqual(len(r), 2, r)
+        self.assertIn("every request completed and signalled", r[0])
+        self.assertIn("consumed completions only up to 0 of 1", r[0])
+        self.assertIn("last interrupt at used idx 1", r[0])
+        self.assertIn("moving again", r[1])
+        # Without EVENT_IDX the daemon cannot see the driver consume: that
+        # queue looks idle, and nothing is said.
+        d.stop()
+        d2 = self.start()
+        self.run_client(d2, "write 0 4k 0x11", "kick", "sleep 2500", "wait", opts=("--event-idx", "off"))
+        self.assertEqual(self.reports(d2), [])
+
+    def test_request_held_by_the_node(self):
+        # A node throttled to 4 KiB/s: the first 32 KiB write goes out of
+        # the burst allowance, the second is held about 8 s: popped, not
+        # completed.
+        d = self.start(throttle_bps=4096)
+        doc = self.run_client(d, "write 0 32k 0x11", "wait", "write 32k 32k 0x12", "wait", "sleep 1000",
+                              opts=("--timeout", 60))
+        self.assertEqual([x.get("status") for x in doc["results"] if "status" in x], ["OK", "OK"])
+        r = self.reports(d)
+        self.assertEqual(len(r), 2, r)
+        self.assertIn("1 request(s) popped and not completed", r[0])
+        self.assertIn("avail idx 2, popped 2, used idx 1", r[0])
+        self.assertIn("moving again", r[1])
+
+
 def _make_cases():
     for name, cls in DAEMONS.items():
         tc = type("TestVhostUser_" + name.replace("-", "_"), (VhostUserScenarios, InteropTestCase),

@@ -75,6 +75,7 @@ Skipped, with the reason, where qemu-system-x86_64 is missing or the kernel
 contrast qemu-storage-daemon.
 """
 
+import glob
 import hashlib
 import os
 import shutil
@@ -298,8 +299,21 @@ class GuestBase(unittest.TestCase):
     # --- helpers in the guest ------------------------------------------------
     def gsh(self, command, timeout=300):
         rc, out = self.guest.sh(command, timeout=timeout)
-        self.assertEqual(rc, 0, "guest: %s: %s" % (command, out))
+        self.assertEqual(rc, 0, "guest: %s: %s\n%s" % (command, out, self.stall_reports()))
         return out
+
+    def stall_reports(self):
+        """What vblk's stall watch (60 s) said, to tell a hang on the
+        daemon's side (requests popped and not completed, or not popped)
+        from one on the front end's (completions signalled, not consumed;
+        with event_idx=off a lost interrupt leaves the daemon idle, so
+        silence says the same)."""
+        lines = []
+        for f in sorted(glob.glob(os.path.join(self.dir, "*.log"))):
+            with open(f, errors="replace") as fh:
+                lines += ["%s: %s" % (os.path.basename(f), x.rstrip()) for x in fh
+                          if "stalled for" in x or "moving again" in x]
+        return "stall watch: " + ("\n".join(lines) if lines else "no queue with work outstanding stalled")
 
     def new_pattern(self, name, mib=PATTERN_MIB):
         """A random file of `mib` MiB in the guest's tmpfs; its md5."""

@@ -30,6 +30,10 @@ struct BlkOptions {
   bool writethrough = false;
   uint32_t logical_block_size = 512;  // a power of two, 512 to kMaxLogicalBlockSize
   uint16_t num_queues = 1;            // at least 1
+  // A queue with work outstanding that has not moved for this long is
+  // reported (stderr) with its ring indices; 0: never. Negative: the
+  // environment's VBLK_VHOST_STALL_SECONDS, else 60.
+  double stall_seconds = -1;
 };
 // QEMU's MAX_BLOCK_SIZE (util/block-helpers.h).
 constexpr uint32_t kMaxLogicalBlockSize = 2u << 20;

@@ -7,11 +7,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <stop_token>
 #include <vector>
 
 #include "vhost_user/guest_memory.h"
+#include "vhost_user/stall_watch.h"
 
 namespace vblk::vhost {
 
@@ -75,10 +78,11 @@ struct Queue {
   Fd call;
   Fd err;
   bool enabled = false;
-  bool running = false;   // a run_queue task serves the ring
-  bool stopping = false;  // ... and has been asked to end
-  WaitGroup inflight;     // requests being served
-  CoEvent exited;         // the run_queue task has ended
+  bool running = false;    // a run_queue task serves the ring
+  bool stopping = false;   // ... and has been asked to end
+  WaitGroup inflight;      // requests being served
+  CoEvent exited;          // the run_queue task has ended
+  QueueActivity activity;  // for the stall watch
 };
 
 // The inflight area the front end keeps for us (GET/SET_INFLIGHT_FD).
@@ -124,6 +128,7 @@ struct Session {
   bool features_set = false;
   bool broken = false;
   std::string why;
+  std::stop_source end_watch;  // the stall watch's
 
   void fail(const std::string& w) {
     if (broken) return;
@@ -224,8 +229,13 @@ Task<void> serve_request(Session& s, Queue& q, std::unique_ptr<Chain> c) {
     // Even on a session that is ending: the rings stay mapped until every
     // request is done, and the front end may look at them again.
     q.ring.push(c->head, *r);
-    if (q.ring.need_notify()) signal(q.call.get());
+    q.activity.completed++;
+    if (q.ring.need_notify()) {
+      signal(q.call.get());
+      q.activity.signalled++;
+    }
   }
+  q.activity.in_flight--;
   q.inflight.done();
 }
 
@@ -247,6 +257,8 @@ Task<void> run_queue(Session& s, Queue& q, size_t index) {
         }
         if (!*got) break;
         q.inflight.add();
+        q.activity.popped++;
+        q.activity.in_flight++;
         spawn_detached(serve_request(s, q, std::move(c)));
         if (q.stopping || s.broken) goto out;
       }
@@ -277,6 +289,7 @@ Status start_queue(Session& s, size_t index) {
   q.running = true;
   q.stopping = false;
   q.exited.reset();
+  q.activity = {};
   spawn_detached(run_queue(s, q, index));
   return {};
 }
@@ -293,6 +306,31 @@ Task<void> stop_queue(Session& s, Queue& q) {
   co_await q.inflight.wait();
   q.ring.stop();
   (void)s;
+}
+
+// Samples every running queue a few times per limit (stall_watch.h).
+Task<void> watch_stalls(Session& s, std::chrono::steady_clock::duration limit,
+                        const std::function<void(const std::string&)>& report, CoEvent& done) {
+  std::vector<StallWatch> watch;
+  auto period = std::clamp<std::chrono::steady_clock::duration>(limit / 4, std::chrono::milliseconds(250),
+                                                                std::chrono::seconds(15));
+  auto stop = s.end_watch.get_token();
+  while (!stop.stop_requested()) {
+    co_await s.loop.sleep(period, stop);
+    if (stop.stop_requested()) break;
+    auto now = std::chrono::steady_clock::now();
+    watch.resize(s.queues.size(), StallWatch(limit));
+    for (size_t i = 0; i < s.queues.size(); ++i) {
+      Queue& q = *s.queues[i];
+      if (!q.running || !q.ring.started()) {
+        watch[i].reset();
+        continue;
+      }
+      if (auto line = watch[i].check(now, q.activity, q.ring.state()); line && report)
+        report("queue " + std::to_string(i) + " " + *line);
+    }
+  }
+  done.set();
 }
 
 Task<void> stop_all(Session& s) {
@@ -532,6 +570,11 @@ Task<void> Backend::run_session(Fd sock) {
   Session s(loop_, dev_, std::move(sock));
   for (uint16_t i = 0; i < dev_.num_queues(); ++i) s.queues.push_back(std::make_unique<Queue>(loop_));
   session_ = &s;
+  CoEvent watch_done(loop_);
+  if (stall_limit.count() > 0)
+    spawn_detached(watch_stalls(s, stall_limit, on_stall, watch_done));
+  else
+    watch_done.set();
   auto m = std::make_unique<Msg>();
   while (!s.broken) {
     auto got = co_await read_msg(s, *m);
@@ -550,6 +593,8 @@ Task<void> Backend::run_session(Fd sock) {
       s.fail(name + ": " + st.error().what());
     }
   }
+  s.end_watch.request_stop();
+  co_await watch_done.wait();
   co_await stop_all(s);
   s.mem.clear();
   session_ = nullptr;

@@ -11,6 +11,7 @@
 // accepts the next front end.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -39,6 +40,10 @@ class Backend {
   bool connected() const { return session_ != nullptr; }
 
   std::function<void(const std::string&)> on_error;
+  // A queue stalled with work outstanding, or moving again (stall_watch.h).
+  std::function<void(const std::string&)> on_stall;
+  // 0: no stall watch.
+  std::chrono::steady_clock::duration stall_limit{};
 
  private:
   Task<void> run_session(Fd sock);

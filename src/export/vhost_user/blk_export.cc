@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "vblk/buffer.h"
@@ -25,6 +26,19 @@ constexpr uint64_t kMaxRequestBytes = (uint64_t{INT32_MAX} >> 9) << 9;
 // front end with full rings of huge requests costs no more than that.
 constexpr uint64_t kBounceWindow = 1u << 20;
 constexpr uint64_t kBounceBudget = 64u << 20;
+
+// BlkOptions::stall_seconds; the environment variable lets a test or an
+// operator chasing a hung guest shorten (or, with 0, silence) the watch
+// without a QMP option qemu-storage-daemon lacks.
+double stall_seconds(double given) {
+  if (given >= 0) return given;
+  if (const char* e = std::getenv("VBLK_VHOST_STALL_SECONDS")) {
+    char* end = nullptr;
+    double v = std::strtod(e, &end);
+    if (end != e && *end == 0 && v >= 0 && v < 1e6) return v;
+  }
+  return 60;
+}
 // What GET_ID answers (qemu-storage-daemon 7.2 answers the same).
 constexpr const char* kSerial = "vhost_user_blk";
 
@@ -97,6 +111,11 @@ class BlkDevice final : public Device, public BlkExport {
       : opts_(std::move(o)), node_(opts_.node), backend_(loop, *this), bounce_(loop, kBounceBudget), served_(loop) {
     wce_ = !opts_.writethrough;
     backend_.on_error = [](const std::string& why) { std::fprintf(stderr, "vblk: vhost-user-blk: %s\n", why.c_str()); };
+    backend_.on_stall = [this](const std::string& what) {
+      std::fprintf(stderr, "vblk: vhost-user-blk %s: %s\n", unix_path_.c_str(), what.c_str());
+    };
+    backend_.stall_limit = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        std::chrono::duration<double>(stall_seconds(opts_.stall_seconds)));
   }
 
   Status claim() {

@@ -197,4 +197,31 @@ void SplitQueue::set_notify(bool on) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
+RingState SplitQueue::state() const {
+  RingState r;
+  r.avail_idx = avail_idx();
+  r.last_avail = last_avail;
+  r.used_idx = used_idx_;
+  r.avail_flags = load_once(&avail_[0]);
+  r.used_flags = load_once(&used_[0]);
+  r.event_idx = event_idx_;
+  if (event_idx_) {
+    r.used_event = load_once(&avail_[2 + num]);
+    r.avail_event = load_once(&used_[2 + 4 * num]);
+  }
+  r.signalled = signalled_valid_;
+  r.signalled_at = signalled_used_;
+  return r;
+}
+
+std::string to_string(const RingState& r) {
+  std::string s = "avail idx " + std::to_string(r.avail_idx) + ", popped " + std::to_string(r.last_avail) +
+                  ", used idx " + std::to_string(r.used_idx) + ", avail flags " + std::to_string(r.avail_flags) +
+                  ", used flags " + std::to_string(r.used_flags);
+  if (r.event_idx)
+    s += ", used_event " + std::to_string(r.used_event) + ", avail_event " + std::to_string(r.avail_event);
+  s += r.signalled ? ", last interrupt at used idx " + std::to_string(r.signalled_at) : ", no interrupt sent";
+  return s;
+}
+
 }  // namespace vblk::vhost

@@ -37,6 +37,21 @@ struct Chain {
   }
 };
 
+// What the two sides of a ring say, read in place (a stall report).
+struct RingState {
+  uint16_t avail_idx = 0;     // the driver's: requests made available
+  uint16_t last_avail = 0;    // ours: popped up to here
+  uint16_t used_idx = 0;      // ours: completions published
+  uint16_t avail_flags = 0;   // the driver's (NO_INTERRUPT)
+  uint16_t used_flags = 0;    // ours (NO_NOTIFY)
+  bool event_idx = false;     // with EVENT_IDX, also:
+  uint16_t used_event = 0;    //   the driver's: notify once used passes this
+  uint16_t avail_event = 0;   //   ours: kick once avail passes this
+  bool signalled = false;     // an interrupt was sent since start,
+  uint16_t signalled_at = 0;  //   the last at this used index
+};
+std::string to_string(const RingState& r);
+
 class SplitQueue {
  public:
   // Set up from SET_VRING_NUM/ADDR/BASE; start() translates the rings.
@@ -70,6 +85,8 @@ class SplitQueue {
   void set_notify(bool on);
   bool empty() const;
   uint16_t used_idx() const { return used_idx_; }
+  // Both sides' indices and flags as they are now (started() only).
+  RingState state() const;
   // Requests from a previous back end still to be popped again.
   size_t resubmits() const { return resubmit_.size() - resubmit_pos_; }
 

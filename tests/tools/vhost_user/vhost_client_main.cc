@@ -16,6 +16,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "vhost_user_client.h"
@@ -42,6 +43,9 @@ modes:
                                 wce 0|1       (SET_CONFIG of the wce byte)
                                 config        (GET_CONFIG now)
                                 stop          (GET_VRING_BASE on every queue)
+                                kick          (publish what was added, kick)
+                                publish       (publish it, never kick)
+                                sleep MS      (neither kick nor reap)
                               a command may start with @Q to pick queue Q;
                               PATTERN is a byte (0xab, 171) or rand:SEED
   verify SOCKET               write a pattern over a range, read it back and
@@ -288,7 +292,22 @@ Pattern parse_pattern(const std::string& s) {
 }
 
 struct Op {
-  enum Kind { kWrite, kRead, kFlush, kDiscard, kZero, kGetId, kRaw, kWait, kWce, kConfig, kStop } kind;
+  enum Kind {
+    kWrite,
+    kRead,
+    kFlush,
+    kDiscard,
+    kZero,
+    kGetId,
+    kRaw,
+    kWait,
+    kWce,
+    kConfig,
+    kStop,
+    kKick,
+    kPublish,
+    kSleep
+  } kind;
   std::string text;
   uint64_t off = 0, len = 0;
   Pattern pat;
@@ -397,6 +416,14 @@ std::vector<Op> parse_script(const std::string& text) {
       op.kind = Op::kConfig;
     } else if (k == "stop") {
       op.kind = Op::kStop;
+    } else if (k == "kick") {
+      op.kind = Op::kKick;
+    } else if (k == "publish") {
+      op.kind = Op::kPublish;
+    } else if (k == "sleep") {
+      need(2);
+      op.kind = Op::kSleep;
+      op.len = parse_size(w[1]);
     } else {
       usage_error("script: unknown command '" + k + "'");
     }
@@ -588,6 +615,9 @@ struct Runner {
           r["vring_bases"] = dev.stop();
           continue;
         }
+        case Op::kKick: dev.kick_all(); continue;
+        case Op::kPublish: dev.publish_all_silently(); continue;
+        case Op::kSleep: std::this_thread::sleep_for(std::chrono::milliseconds(op.len)); continue;
         default: break;
       }
       while (dev.in_flight() >= qd) {

@@ -530,9 +530,15 @@ bool Virtqueue::add(std::span<const Seg> segs, uint64_t token) {
   return true;
 }
 
-bool Virtqueue::publish() {
+bool Virtqueue::publish(bool may_kick) {
   uint16_t old_idx = published_avail_, new_idx = shadow_avail_;
-  if (old_idx == new_idx) return false;
+  if (old_idx == new_idx) {
+    // Published silently before: the kick it did not get.
+    if (!may_kick || !owe_kick_) return false;
+    owe_kick_ = false;
+    kick();
+    return true;
+  }
   store16(&avail_[1], new_idx);
   published_avail_ = new_idx;
   std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -543,7 +549,12 @@ bool Virtqueue::publish() {
   } else {
     need = !(load16(reinterpret_cast<uint16_t*>(used_)) & kUsedNoNotify);
   }
-  if (need) kick();
+  if (!may_kick) {
+    owe_kick_ = owe_kick_ || need;
+    return false;
+  }
+  if (need || owe_kick_) kick();
+  owe_kick_ = false;
   return need;
 }
 
@@ -605,6 +616,10 @@ bool Virtqueue::arm() {
     store16(&avail_[0], 0);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   return pending();
+}
+
+void Virtqueue::note_consumed() {
+  if (event_idx_) store16(&avail_[2 + size_], last_used_);
 }
 
 void Virtqueue::push_avail(uint16_t head) {
@@ -923,6 +938,10 @@ void Device::kick_all() {
   for (auto& vq : queues_) vq->publish();
 }
 
+void Device::publish_all_silently() {
+  for (auto& vq : queues_) vq->publish(false);
+}
+
 size_t Device::reap(std::vector<Completion>& out) {
   size_t n = stash_.size();
   out.insert(out.end(), stash_.begin(), stash_.end());
@@ -930,12 +949,15 @@ size_t Device::reap(std::vector<Completion>& out) {
   for (unsigned q = 0; q < queues_.size(); q++) {
     uint64_t slot;
     uint32_t len;
+    bool any = false;
     while (queues_[q]->pop_used(slot, len)) {
       Slots& s = slots_[q];
       out.push_back(Completion{q, s.token[slot], s.block.host[32ull * slot + 16], len});
       s.free.push_back(static_cast<uint16_t>(slot));
       n++;
+      any = true;
     }
+    if (any) queues_[q]->note_consumed();
   }
   return n;
 }

@@ -348,12 +348,16 @@ class Virtqueue {
   bool add(std::span<const Seg> segs, uint64_t token);
   // Makes the added chains visible (avail idx) and kicks if the device
   // wants a notification (EVENT_IDX avail_event or the used ring's
-  // NO_NOTIFY flag). Returns whether it kicked.
-  bool publish();
+  // NO_NOTIFY flag). Returns whether it kicked. With `may_kick` false it
+  // never kicks (a driver that forgot to: the stall tests).
+  bool publish(bool may_kick = true);
   // One used element if there is one: its token and written length.
   bool pop_used(uint64_t& token, uint32_t& len, uint16_t* head = nullptr);
   // Asks for a call on the next used element (used_event or the avail
   // flag); returns true if used elements are already pending.
+  // After reaping, as Linux's virtqueue_enable_cb: with EVENT_IDX, tells
+  // the device (used_event) how far completions have been consumed.
+  void note_consumed();
   bool arm();
   bool pending() const;
   size_t in_flight() const { return in_flight_; }
@@ -407,6 +411,7 @@ class Virtqueue {
   Fd kick_, call_;
   uint64_t kicks_ = 0, calls_ = 0;
   uint64_t seq_ = 0;
+  bool owe_kick_ = false;  // published without the kick the device wanted
 };
 
 // ---------------------------------------------------------------------------
@@ -511,6 +516,8 @@ class Device {
   bool submit(unsigned q, const BlkRequest& req, uint64_t token);
   void kick(unsigned q) { queues_.at(q)->publish(); }
   void kick_all();
+  // Makes the added chains visible without kicking.
+  void publish_all_silently();
   // Appends completed requests of every queue to out; returns how many.
   size_t reap(std::vector<Completion>& out);
   // Waits until a queue has used elements, up to timeout_ms. Returns false
