@@ -6,6 +6,7 @@ pkgs=(build-essential cmake ninja-build pkg-config python3 clang-format  # clang
       liburing-dev zlib1g-dev libzstd-dev libdeflate-dev libssl-dev nlohmann-json3-dev libfmt-dev
       libgtest-dev libgmock-dev libbenchmark-dev
       qemu-utils qemu-system-common qemu-system-x86 libnbd-bin nbdkit fio  # qemu-system-x86: test_vmstate saves and restores a VM
+      stress-ng e2fsprogs  # test_fuse_export: file system load (fsstress is not in Debian 12), mkfs.ext4/e2fsck
       ceph-mon ceph-osd librbd-dev librados-dev qemu-block-extra cryptsetup-bin  # Ceph RBD: the driver, QEMU's rbd, a test cluster, LUKS images for its encryption
       clang libclang-rt-14-dev llvm)  # clang + libFuzzer runtime + llvm-symbolizer: scripts/fuzz.sh
 missing=()
