@@ -14,8 +14,8 @@ Back ends (--envs; each started for its measurement and stopped after it):
   vblk-dio      the same with cache.direct=on
 Every export has num-queues=--queues; the client uses that many queues.
 
-Cases (--cases REGEX over the names): 4 KiB randread at QD1 and QD32,
-4 KiB randwrite at QD32, 1 MiB sequential read and write at QD8 (QD per
+Cases (--cases REGEX over the names): 4 KiB randread and randwrite at QD1
+and QD32, 1 MiB sequential read and write at QD8 (QD per
 queue). The image (--size, default 1 GiB, filled with random data) lives in
 --dir (default a temp dir under /var/tmp: a real disk, so cache.direct=on
 means the device; on tmpfs O_DIRECT is refused). Environments run
@@ -43,6 +43,7 @@ CASES = [
     # name, rw, bs, qd (per queue)
     ("randread-4k-qd1", "randread", "4k", 1),
     ("randread-4k-qd32", "randread", "4k", 32),
+    ("randwrite-4k-qd1", "randwrite", "4k", 1),
     ("randwrite-4k-qd32", "randwrite", "4k", 32),
     ("read-1M-qd8", "read", "1M", 8),
     ("write-1M-qd8", "write", "1M", 8),
