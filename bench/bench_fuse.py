@@ -10,7 +10,10 @@ Workloads (fio --ioengine=io_uring --direct=1 on the mounted file):
   4k randread QD32, 4k randwrite QD32, 1M read QD8, 1M write QD8.
 Reported per case: IOPS and MiB/s mean ± stdev, the daemon's CPU per request
 (utime + stime of the daemon over the run / requests), and vblk's ratio
-against the fastest qemu-storage-daemon configuration.
+against the fastest qemu-storage-daemon configuration. The `fuse-ceiling`
+row is vblk's FUSE export of a null-co node (no data moved behind the
+export): what the kernel's FUSE path and fio leave on this machine for any
+FUSE daemon, so no export can beat qsd by more than ceiling / qsd.
 
 Python 3 standard library only; needs root (mount) and /dev/fuse.
 """
@@ -65,7 +68,9 @@ class Daemon:
 def envs(args, img, mp):
     vblk = [args.vblk, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0" % img,
             "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on" % mp]
-    out = {"file": None, "vblk": vblk}
+    null = [args.vblk, "serve", "--blockdev", "driver=null-co,size=%d,node-name=f0" % args.size,
+            "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on" % mp]
+    out = {"file": None, "vblk": vblk, "fuse-ceiling": null}
     if args.qsd:
         for aio in ("threads", "io_uring"):
             out["qsd-" + aio] = [args.qsd, "--blockdev", "driver=file,filename=%s,node-name=f0,aio=%s" % (img, aio),
@@ -141,6 +146,10 @@ def main():
             vc = statistics.mean(x[2] for x in res[("vblk", c)])
             qc = statistics.mean(x[2] for x in res[(best, c)])
             print("vblk / %s (fastest qsd): %.2fx IOPS, %.2fx daemon CPU per request" % (best, v / q, vc / qc))
+            if ("fuse-ceiling", c) in res:
+                ceil = statistics.mean(x[0] for x in res[("fuse-ceiling", c)])
+                print("fuse-ceiling / %s: %.2fx IOPS (the most any FUSE export could beat it by here)" %
+                      (best, ceil / q))
     return 0
 
 
