@@ -179,6 +179,10 @@ Status add_block_export(Daemon& d, const OJson& o) {
   if (!node) return Error(ENOENT, "Cannot find device='' nor node-name='" + node_name + "'");
   if (o.contains("writable") && o.at("writable").get<bool>() && node->read_only())
     return Error(EACCES, "Cannot export read-only node as writable");
+  // vblk serves every export from its one loop; an iothread is accepted
+  // when it exists, as QEMU checks it.
+  if (o.contains("iothread") && !d.iothreads.count(o.at("iothread").get<std::string>()))
+    return Error(ENOENT, "iothread \"" + o.at("iothread").get<std::string>() + "\" not found");
   auto e = type == "nbd"              ? add_nbd_export(d, o, node)
            : type == "vhost-user-blk" ? add_vhost_user_blk(d, o, node)
                                       : add_fuse(d, o, node);

@@ -605,6 +605,17 @@ class QmpTest(InteropTestCase):
             ["--chardev", "socket,path=%s,server=on,wait=off,id=m" % os.path.join(self.tmp, "c1"),
              "--chardev", "socket,path=%s,server=on,wait=off,id=m" % os.path.join(self.tmp, "c2")],
             ["-x"], ["-T"], ["--blockdev"],
+            # An export's iothread must exist (every type; checked after
+            # the node and its read-only state).
+            ["--object", "iothread,id=io0", "--blockdev", "driver=null-co,node-name=n", "--nbd-server",
+             "addr.type=unix,addr.path=%s" % os.path.join(self.tmp, "io.sock"),
+             "--export", "type=nbd,id=e,node-name=n,iothread=io1"],
+            ["--blockdev", "driver=null-co,node-name=n,read-only=on", "--export",
+             "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path=%s,iothread=io1,writable=on"
+             % os.path.join(self.tmp, "vu.sock")],
+            ["--blockdev", "driver=null-co,node-name=n", "--export",
+             "type=vhost-user-blk,id=e,node-name=n,addr.type=unix,addr.path=%s,iothread=io1"
+             % os.path.join(self.tmp, "vu.sock")],
         ]
         self.images()
         for args in cases:
