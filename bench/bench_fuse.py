@@ -28,14 +28,11 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from daemon_bench import add_common_args, cpu_seconds, random_image  # noqa: E402
+
 CASES = [("randread", "4k", 32), ("randwrite", "4k", 32), ("read", "1M", 8), ("write", "1M", 8)]
-TICK = os.sysconf("SC_CLK_TCK")
 
-
-def cpu_seconds(pid):
-    with open("/proc/%d/stat" % pid) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def mounted(path):
@@ -92,19 +89,13 @@ def fio(target, rw, bs, qd, seconds, size):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vblk", default=os.environ.get("VBLK", "build/vblk"))
-    ap.add_argument("--qsd", default=shutil.which("qemu-storage-daemon"))
-    ap.add_argument("--dir", default="/dev/shm")
-    ap.add_argument("--size", type=int, default=1 << 30)
+    add_common_args(ap)
     ap.add_argument("--seconds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="vblk-bench-fuse-", dir=args.dir)
     img = os.path.join(work, "img.raw")
     mp = os.path.join(work, "mnt")
-    with open(img, "wb") as f:
-        for _ in range(args.size >> 20):
-            f.write(os.urandom(1 << 20))
+    random_image(img, args.size)
     open(mp, "w").close()
     print("# bench_fuse.py --size %d --seconds %d --reps %d (image on %s)" %
           (args.size, args.seconds, args.reps, "tmpfs" if args.dir.startswith("/dev/shm") else args.dir))

@@ -22,17 +22,14 @@ import sys
 import tempfile
 import time
 
-TICK = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from daemon_bench import add_common_args, cpu_seconds, random_image  # noqa: E402
+
 # (name, buffer size, depth, write, count)
 CASES = [("read-4k-qd32", 4096, 32, False, 200000),
          ("read-1M-qd8", 1 << 20, 8, False, 6000),
          ("write-1M-qd8", 1 << 20, 8, True, 6000)]
 
-
-def cpu_seconds(pid):
-    with open("/proc/%d/stat" % pid) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 class Daemon:
@@ -81,18 +78,12 @@ def bench(sock, size, depth, write, count, img_size):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vblk", default=os.environ.get("VBLK", "build/vblk"))
-    ap.add_argument("--qsd", default=shutil.which("qemu-storage-daemon"))
-    ap.add_argument("--dir", default="/dev/shm")
-    ap.add_argument("--size", type=int, default=1 << 30)
-    ap.add_argument("--reps", type=int, default=3)
+    add_common_args(ap)
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="vblk-bench-nbd-cpu-", dir=args.dir)
     img = os.path.join(work, "img.raw")
     sock = os.path.join(work, "nbd.sock")
-    with open(img, "wb") as f:
-        for _ in range(args.size >> 20):
-            f.write(os.urandom(1 << 20))
+    random_image(img, args.size)
     print("# bench_nbd_cpu.py --size %d --reps %d (image on %s; client qemu-img bench over nbd+unix)" %
           (args.size, args.reps, "tmpfs" if args.dir.startswith("/dev/shm") else args.dir))
     e = envs(args, img, sock)

@@ -22,15 +22,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest_vm  # noqa: E402
+from daemon_bench import cpu_seconds  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 MIB = 1 << 20
 
-
-def cpu_seconds(pid):
-    with open("/proc/%d/stat" % pid) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def start(argv, sock):
