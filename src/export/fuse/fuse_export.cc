@@ -322,7 +322,17 @@ class Export final : public FuseExport {
     c.qid = e.qid;
     std::memcpy(sqe->cmd, &c, sizeof c);
     io_uring_sqe_set_data(sqe, &e);
-    if (!batching_) (void)io_uring_submit(&ring_);
+    if (batching_ || flush_pending_) return;
+    // A reply after node I/O: submitted once the loop has run what else
+    // is ready, with the replies those make.
+    flush_pending_ = true;
+    spawn_detached(flush_later());
+  }
+
+  Task<void> flush_later() {
+    co_await loop_.yield();
+    flush_pending_ = false;
+    if (ring_ready_ && io_uring_sq_ready(&ring_)) (void)io_uring_submit(&ring_);
   }
 
   // The reply of a request that came through the ring: header and payload
@@ -763,9 +773,10 @@ class Export final : public FuseExport {
   unsigned conn_id_ = 0;
   // FUSE over io_uring
   io_uring ring_{};
-  bool ring_ready_ = false;  // ring_ set up (the transport may be offered)
-  bool batching_ = false;    // queue_cmd leaves the submit to the caller
-  bool defer_ = false;       // IORING_SETUP_DEFER_TASKRUN
+  bool ring_ready_ = false;     // ring_ set up (the transport may be offered)
+  bool batching_ = false;       // queue_cmd leaves the submit to the caller
+  bool defer_ = false;          // IORING_SETUP_DEFER_TASKRUN
+  bool flush_pending_ = false;  // a flush_later() is on its way
   Fd efd_;
   unsigned nq_ = 0, per_queue_ = 0;
   std::vector<std::unique_ptr<RingEnt>> ents_;
