@@ -15,6 +15,11 @@ row is vblk's FUSE export of a null-co node (no data moved behind the
 export): what the kernel's FUSE path and fio leave on this machine for any
 FUSE daemon, so no export can beat qsd by more than ceiling / qsd.
 
+When the kernel allows FUSE over io_uring (/sys/module/fuse/parameters/
+enable_uring is Y), the `vblk-uring` and `fuse-ceiling-uring` rows run the
+same two daemons with VBLK_FUSE_URING=1 (requests through io_uring rather
+than read/write on /dev/fuse), interleaved with the others.
+
 Python 3 standard library only; needs root (mount) and /dev/fuse.
 """
 import argparse
@@ -41,10 +46,10 @@ def mounted(path):
 
 
 class Daemon:
-    def __init__(self, argv, mp):
+    def __init__(self, argv, mp, env=None):
         self.mp = mp
         self.p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+                                  stderr=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
         end = time.time() + 20
         while not mounted(mp):
             if self.p.poll() is not None or time.time() > end:
@@ -62,12 +67,23 @@ class Daemon:
             subprocess.run(["umount", "-l", self.mp])
 
 
+def uring_enabled():
+    try:
+        with open("/sys/module/fuse/parameters/enable_uring") as f:
+            return f.read().strip() == "Y"
+    except OSError:
+        return False
+
+
 def envs(args, img, mp):
     vblk = [args.vblk, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0" % img,
             "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on" % mp]
     null = [args.vblk, "serve", "--blockdev", "driver=null-co,size=%d,node-name=f0" % args.size,
             "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on" % mp]
     out = {"file": None, "vblk": vblk, "fuse-ceiling": null}
+    if uring_enabled():
+        out["vblk-uring"] = (vblk, {"VBLK_FUSE_URING": "1"})
+        out["fuse-ceiling-uring"] = (null, {"VBLK_FUSE_URING": "1"})
     if args.qsd:
         for aio in ("threads", "io_uring"):
             out["qsd-" + aio] = [args.qsd, "--blockdev", "driver=file,filename=%s,node-name=f0,aio=%s" % (img, aio),
@@ -106,7 +122,8 @@ def main():
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for n in order:
-                d = Daemon(e[n], mp) if e[n] else None
+                argv, env = e[n] if isinstance(e[n], tuple) else (e[n], None)
+                d = Daemon(argv, mp, env) if argv else None
                 try:
                     for c in CASES:
                         cpu0 = cpu_seconds(d.p.pid) if d else 0
@@ -124,10 +141,10 @@ def main():
 
     for c in CASES:
         print("\n## %s %s QD%d" % c)
-        print("%-14s %16s %14s %18s" % ("env", "IOPS", "MiB/s", "daemon us/req"))
+        print("%-18s %16s %14s %18s" % ("env", "IOPS", "MiB/s", "daemon us/req"))
         for n in names:
             r = res[(n, c)]
-            print("%-14s %16s %14s %18s" % (n, ms([x[0] for x in r]), ms([x[1] for x in r]),
+            print("%-18s %16s %14s %18s" % (n, ms([x[0] for x in r]), ms([x[1] for x in r]),
                                              "-" if n == "file" else ms([x[2] for x in r])))
         qsds = [n for n in names if n.startswith("qsd")]
         if qsds:
@@ -137,10 +154,16 @@ def main():
             vc = statistics.mean(x[2] for x in res[("vblk", c)])
             qc = statistics.mean(x[2] for x in res[(best, c)])
             print("vblk / %s (fastest qsd): %.2fx IOPS, %.2fx daemon CPU per request" % (best, v / q, vc / qc))
-            if ("fuse-ceiling", c) in res:
-                ceil = statistics.mean(x[0] for x in res[("fuse-ceiling", c)])
-                print("fuse-ceiling / %s: %.2fx IOPS (the most any FUSE export could beat it by here)" %
-                      (best, ceil / q))
+            if ("vblk-uring", c) in res:
+                u = statistics.mean(x[0] for x in res[("vblk-uring", c)])
+                uc = statistics.mean(x[2] for x in res[("vblk-uring", c)])
+                print("vblk-uring / %s (fastest qsd): %.2fx IOPS, %.2fx daemon CPU per request" %
+                      (best, u / q, uc / qc))
+            for ce in ("fuse-ceiling", "fuse-ceiling-uring"):
+                if (ce, c) in res:
+                    ceil = statistics.mean(x[0] for x in res[(ce, c)])
+                    print("%s / %s: %.2fx IOPS (the most any FUSE export could beat it by here)" %
+                          (ce, best, ceil / q))
     return 0
 
 

@@ -10,7 +10,9 @@
 // own (a request's data is never shared with another's). The mount is
 // made with mount(2) (root only, no fusermount), removed when the export
 // is deleted or the daemon stops, and a stale one left by a killed daemon
-// on the same mountpoint is cleared at the next start.
+// on the same mountpoint is cleared at the next start. With
+// VBLK_FUSE_URING=1 and the kernel's fuse.enable_uring=Y, requests come
+// through FUSE over io_uring instead (a prototype; docs/exports.md).
 #pragma once
 
 #include <memory>

@@ -3,7 +3,9 @@
 #include "vblk/fuse_export.h"
 
 #include <fcntl.h>
+#include <liburing.h>
 #include <linux/fuse.h>
+#include <sys/eventfd.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -18,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <vector>
 
 #include "vblk/buffer.h"
 #include "vblk/net.h"
@@ -38,6 +41,56 @@ constexpr size_t kBufSize = kDataOffset + kMaxWrite;
 constexpr int kReaders = 32;
 // How long the kernel may cache the file's attributes.
 constexpr uint64_t kAttrValidSec = 1;
+
+// FUSE over io_uring (Linux 6.14, protocol 7.42; not in every system's
+// linux/fuse.h, hence our own names). Opt-in: VBLK_FUSE_URING=1, and the
+// kernel's fuse.enable_uring=Y. After FUSE_INIT the daemon registers ring
+// entries (a header and a payload buffer each) on one queue per possible
+// CPU with IORING_OP_URING_CMD on /dev/fuse; once every queue has one, the
+// kernel sends requests (those of a task on CPU n to queue n) as
+// completions of those commands, and a reply is committed with the next
+// fetch in one command. Forgets and interrupts still come on /dev/fuse.
+constexpr uint64_t kFuseOverIoUring = 1ull << 41;  // init flags2 bit 9
+constexpr uint32_t kUringCmdRegister = 1;
+constexpr uint32_t kUringCmdCommitAndFetch = 2;
+struct UringEntInOut {
+  uint64_t flags;
+  uint64_t commit_id;  // to echo in the commit
+  uint32_t payload_sz;
+  uint32_t padding;
+  uint64_t reserved;
+};
+struct UringReqHeader {
+  uint8_t in_out[128];  // fuse_in_header, then fuse_out_header
+  uint8_t op_in[128];   // the opcode's own struct (the request's first argument)
+  UringEntInOut ent;
+};
+struct UringCmdReq {  // in the SQE128's command area
+  uint64_t flags;
+  uint64_t commit_id;
+  uint16_t qid;
+  uint8_t padding[6];
+};
+static_assert(sizeof(UringReqHeader) == 288 && sizeof(UringCmdReq) == 24);
+// Ring entries in all (spread over the queues), as many as /dev/fuse readers.
+constexpr unsigned kRingEntries = kReaders;
+
+// The kernel's num_possible_cpus(): one queue each must be registered.
+unsigned possible_cpus() {
+  unsigned hi = 0;
+  if (FILE* f = std::fopen("/sys/devices/system/cpu/possible", "re")) {
+    char line[256];
+    if (std::fgets(line, sizeof line, f)) {
+      // "0-3" or "0,2-5": the highest number + 1
+      for (char* t = std::strtok(line, ",\n"); t; t = std::strtok(nullptr, ",\n")) {
+        const char* dash = std::strchr(t, '-');
+        hi = std::max(hi, static_cast<unsigned>(std::strtoul(dash ? dash + 1 : t, nullptr, 10)) + 1);
+      }
+    }
+    std::fclose(f);
+  }
+  return hi ? hi : static_cast<unsigned>(::sysconf(_SC_NPROCESSORS_CONF));
+}
 
 #ifndef PR_SET_IO_FLUSHER
 #define PR_SET_IO_FLUSHER 57
@@ -65,6 +118,23 @@ unsigned mount_minor(const std::string& path) {
   return found;
 }
 
+// A ring entry: the kernel writes a request into hdr and the payload
+// (buf from kDataOffset, so node reads land aligned), we the reply.
+struct RingEnt {
+  UringReqHeader hdr{};
+  AlignedBuffer buf{kBufSize};
+  iovec iov[2]{};
+  uint16_t qid = 0;
+  bool replied = false;
+};
+
+// Whom to answer: the request's id, and its ring entry if it came through
+// io_uring (null: /dev/fuse).
+struct Req {
+  uint64_t unique;
+  RingEnt* ent = nullptr;
+};
+
 class Export final : public FuseExport {
  public:
   Export(Loop& loop, Options o) : loop_(loop), opts_(std::move(o)), node_(opts_.node), readers_(loop) {
@@ -74,6 +144,7 @@ class Export final : public FuseExport {
   }
 
   ~Export() override {
+    close_ring();  // first: the unmount may wait for the ring's entries
     if (mounted_) (void)::umount2(opts_.mountpoint.c_str(), MNT_DETACH);
   }
 
@@ -81,6 +152,7 @@ class Export final : public FuseExport {
     const uint32_t perm = kPermConsistentRead | (opts_.writable ? kPermWrite : 0u);
     VBLK_TRY(node_.set_perms(PermPair{perm, kPermAll}));
     VBLK_TRY(node_.set_perms(PermPair{perm, kPermAll & ~kPermResize}));
+    if (const char* e = std::getenv("VBLK_FUSE_URING"); e && std::strcmp(e, "1") == 0) setup_ring();
     VBLK_TRY(mount());
     // The loop serves a kernel client now: memory reclaim must not wait
     // on the I/O this thread is about to do (see docs/architecture.md).
@@ -100,13 +172,25 @@ class Export final : public FuseExport {
   bool in_use() const override { return open_files_ > 0; }
 
   Task<void> remove() override {
-    unmount();
+    if (ring_ready_) {
+      // Off the loop thread: the unmount waits for the ring entries to be
+      // torn down, and one the kernel is handing a request to needs this
+      // thread's task work to finish.
+      std::function<long()> fn = [this] {
+        unmount();
+        return 0L;
+      };
+      (void)co_await loop_.run_blocking(fn);
+    } else {
+      unmount();
+    }
     // Without users the unmount ends the connection and every reader sees
     // ENODEV. Files still open keep a lazily unmounted file system alive:
     // give them a moment, then abort the connection.
     for (int i = 0; i < 200 && readers_.count(); ++i) co_await loop_.sleep(std::chrono::milliseconds(5));
     if (readers_.count()) abort_connection();
     co_await readers_.wait();
+    close_ring();
     fd_.reset();
     node_.reset();
   }
@@ -163,6 +247,168 @@ class Export final : public FuseExport {
     ::rmdir(dir);
   }
 
+  // ---- FUSE over io_uring
+
+  // A ring of our own (SQE128, for the commands' 80-byte area) whose
+  // completions ring an eventfd the loop reads. Failing here just leaves
+  // the transport off: FUSE_INIT does not offer it then.
+  void setup_ring() {
+    nq_ = possible_cpus();
+    per_queue_ = std::max(1u, kRingEntries / nq_);
+    // Prototype knob: entries per queue (a task's requests all go to the
+    // queue of the CPU it runs on, so one busy client sees only these).
+    if (const char* d = std::getenv("VBLK_FUSE_URING_PER_QUEUE"))
+      per_queue_ = std::clamp(static_cast<unsigned>(std::atoi(d)), 1u, 256u);
+    const unsigned n = nq_ * per_queue_;
+    io_uring_params p{};
+    p.flags = IORING_SETUP_SQE128 | IORING_SETUP_CQSIZE;
+    // Prototype knob: the kernel's copies into our entries (task work of
+    // this thread) run when we enter the ring, not by interrupting the loop.
+    if (const char* d = std::getenv("VBLK_FUSE_URING_DEFER"); d && std::strcmp(d, "1") == 0) {
+      p.flags |= IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
+      defer_ = true;
+    }
+    p.cq_entries = 2 * n;
+    if (io_uring_queue_init_params(n, &ring_, &p) < 0) return;
+    efd_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!efd_.valid() || io_uring_register_eventfd(&ring_, efd_.get()) < 0) {
+      io_uring_queue_exit(&ring_);
+      efd_.reset();
+      return;
+    }
+    for (unsigned q = 0; q < nq_; ++q)
+      for (unsigned i = 0; i < per_queue_; ++i) {
+        auto e = std::make_unique<RingEnt>();
+        e->qid = static_cast<uint16_t>(q);
+        e->iov[0] = {&e->hdr, sizeof e->hdr};
+        e->iov[1] = {e->buf.data() + kDataOffset, kMaxWrite};
+        ents_.push_back(std::move(e));
+      }
+    ring_ready_ = true;
+  }
+
+  void close_ring() {
+    if (!ring_ready_) return;
+    ring_ready_ = false;
+    io_uring_queue_exit(&ring_);  // cancels what is still registered
+    efd_.reset();
+  }
+
+  void register_ring() {
+    batching_ = true;
+    for (auto& e : ents_) queue_cmd(*e, kUringCmdRegister, 0);
+    live_ents_ = ents_.size();
+    batching_ = false;
+    (void)io_uring_submit(&ring_);
+    readers_.add();
+    spawn_detached(ring_reader());
+  }
+
+  // One command per entry is ever outstanding, and the SQ holds them all.
+  void queue_cmd(RingEnt& e, uint32_t op, uint64_t commit_id) {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    if (!sqe) {
+      (void)io_uring_submit(&ring_);
+      if (!(sqe = io_uring_get_sqe(&ring_))) return;
+    }
+    std::memset(sqe, 0, 2 * sizeof *sqe);
+    sqe->opcode = IORING_OP_URING_CMD;
+    sqe->fd = fd_.get();
+    sqe->cmd_op = op;
+    sqe->addr = reinterpret_cast<uint64_t>(e.iov);
+    sqe->len = 2;
+    UringCmdReq c{};
+    c.commit_id = commit_id;
+    c.qid = e.qid;
+    std::memcpy(sqe->cmd, &c, sizeof c);
+    io_uring_sqe_set_data(sqe, &e);
+    if (batching_ || flush_pending_) return;
+    // A reply after node I/O: submitted once the loop has run what else
+    // is ready, with the replies those make.
+    flush_pending_ = true;
+    spawn_detached(flush_later());
+  }
+
+  Task<void> flush_later() {
+    co_await loop_.yield();
+    flush_pending_ = false;
+    if (ring_ready_ && io_uring_sq_ready(&ring_)) (void)io_uring_submit(&ring_);
+  }
+
+  // The reply of a request that came through the ring: header and payload
+  // into the entry, committed along with the fetch of the next request.
+  void commit(RingEnt& e, uint64_t unique, int error, const void* p, size_t len, const void* p2, size_t len2) {
+    uint8_t* pay = e.buf.data() + kDataOffset;
+    size_t n = 0;
+    if (!error) {
+      if (len && p != pay) std::memmove(pay, p, len);
+      n = len;
+      if (len2) std::memcpy(pay + n, p2, len2);
+      n += len2;
+    }
+    fuse_out_header h{};
+    h.unique = unique;
+    h.error = error ? -std::abs(error) : 0;
+    h.len = static_cast<uint32_t>(sizeof h + n);
+    std::memcpy(e.hdr.in_out, &h, sizeof h);
+    const uint64_t id = e.hdr.ent.commit_id;
+    e.hdr.ent.payload_sz = static_cast<uint32_t>(n);
+    e.replied = true;
+    queue_cmd(e, kUringCmdCommitAndFetch, id);
+  }
+
+  // Waits on the eventfd, serves what completed; ends when every entry's
+  // command has failed (the connection ended or refused the ring).
+  Task<void> ring_reader() {
+    uint64_t v;
+    std::vector<std::pair<RingEnt*, int>> got;
+    while (live_ents_) {
+      long n = co_await loop_.read_stream(efd_.get(), &v, sizeof v);
+      if (n == -EINTR) continue;
+      if (n < 0 && n != -EAGAIN) break;
+      if (defer_) (void)io_uring_get_events(&ring_);
+      // A few rounds: the submit's return runs the kernel's task work,
+      // which often has the next requests ready.
+      for (int round = 0; round < 4 && live_ents_; ++round) {
+        got.clear();
+        unsigned head, seen = 0;
+        io_uring_cqe* cqe;
+        io_uring_for_each_cqe(&ring_, head, cqe) {
+          got.emplace_back(static_cast<RingEnt*>(io_uring_cqe_get_data(cqe)), cqe->res);
+          ++seen;
+        }
+        io_uring_cq_advance(&ring_, seen);
+        if (got.empty()) break;
+        // Replies made while serving these go out in one submit.
+        batching_ = true;
+        for (auto [e, res] : got) {
+          if (res < 0) {
+            --live_ents_;
+            continue;
+          }
+          spawn_detached(serve_ent(*e));
+        }
+        batching_ = false;
+        if (io_uring_sq_ready(&ring_)) {
+          if (defer_)
+            (void)io_uring_submit_and_get_events(&ring_);
+          else
+            (void)io_uring_submit(&ring_);
+        }
+      }
+    }
+    readers_.done();
+  }
+
+  Task<void> serve_ent(RingEnt& e) {
+    e.replied = false;
+    const auto h = *reinterpret_cast<const fuse_in_header*>(e.hdr.in_out);
+    const size_t n = std::min<size_t>(e.hdr.ent.payload_sz, kMaxWrite);
+    co_await serve(Req{h.unique, &e}, h, std::span(e.hdr.op_in), e.buf.span().subspan(kDataOffset, n), e.buf);
+    // The entry must go back to the kernel, answered or not.
+    if (!e.replied) reply(Req{h.unique, &e}, ENOSYS);
+  }
+
   // ---- requests
 
   Task<void> reader() {
@@ -174,15 +420,20 @@ class Export final : public FuseExport {
       if (n == -ENOENT) continue;
       if (n < 0) break;  // ENODEV: unmounted
       if (static_cast<size_t>(n) < sizeof(fuse_in_header)) continue;
-      co_await serve(std::span(buf.data(), static_cast<size_t>(n)), buf);
+      auto req = std::span(buf.data(), static_cast<size_t>(n));
+      const auto& h = *reinterpret_cast<const fuse_in_header*>(req.data());
+      co_await serve(Req{h.unique}, h, req.subspan(sizeof(fuse_in_header)), {}, buf);
     }
     readers_.done();
   }
 
-  void reply(uint64_t unique, int error, const void* p = nullptr, size_t len = 0, const void* p2 = nullptr,
-             size_t len2 = 0) {
+  void reply(Req u, int error, const void* p = nullptr, size_t len = 0, const void* p2 = nullptr, size_t len2 = 0) {
+    if (u.ent) {
+      commit(*u.ent, u.unique, error, p, len, p2, len2);
+      return;
+    }
     fuse_out_header h{};
-    h.unique = unique;
+    h.unique = u.unique;
     h.error = error ? -std::abs(error) : 0;
     iovec iov[3] = {{&h, sizeof h}, {const_cast<void*>(p), len}, {const_cast<void*>(p2), len2}};
     int n = 1;
@@ -197,10 +448,12 @@ class Export final : public FuseExport {
     (void)::writev(fd_.get(), iov, n);
   }
 
+  // The opcode's struct: `op` holds what follows the fuse_in_header (on
+  // /dev/fuse) or the ring entry's op_in.
   template <class T>
-  static const T* arg(std::span<uint8_t> req) {
-    if (req.size() < sizeof(fuse_in_header) + sizeof(T)) return nullptr;
-    return reinterpret_cast<const T*>(req.data() + sizeof(fuse_in_header));
+  static const T* arg(std::span<uint8_t> op) {
+    if (op.size() < sizeof(T)) return nullptr;
+    return reinterpret_cast<const T*>(op.data());
   }
 
   fuse_attr attr() const {
@@ -219,31 +472,33 @@ class Export final : public FuseExport {
     return a;
   }
 
-  void reply_attr(uint64_t unique) {
+  void reply_attr(Req u) {
     fuse_attr_out o{};
     o.attr_valid = kAttrValidSec;
     o.attr = attr();
-    reply(unique, 0, &o, sizeof o);
+    reply(u, 0, &o, sizeof o);
   }
 
-  Task<void> serve(std::span<uint8_t> req, AlignedBuffer& buf) {
-    const auto& h = *reinterpret_cast<const fuse_in_header*>(req.data());
-    const uint64_t u = h.unique;
+  // One request, from either transport: `op` as for arg(), `payload` the
+  // data after the opcode's struct when it comes apart (io_uring; on
+  // /dev/fuse it follows in `op`). Replies go where u says.
+  Task<void> serve(Req u, const fuse_in_header& h, std::span<uint8_t> op, std::span<uint8_t> payload,
+                   AlignedBuffer& buf) {
     if (h.nodeid != FUSE_ROOT_ID && h.opcode != FUSE_INIT && h.opcode != FUSE_INTERRUPT && h.opcode != FUSE_FORGET &&
         h.opcode != FUSE_BATCH_FORGET && h.opcode != FUSE_DESTROY) {
       reply(u, ENOENT);
       co_return;
     }
     switch (h.opcode) {
-      case FUSE_INIT: init(u, arg<fuse_init_in>(req)); break;
+      case FUSE_INIT: init(u, arg<fuse_init_in>(op)); break;
       case FUSE_DESTROY: reply(u, 0); break;
       case FUSE_FORGET:
       case FUSE_BATCH_FORGET:
       case FUSE_INTERRUPT: break;  // no reply; requests run to completion
       case FUSE_GETATTR: reply_attr(u); break;
-      case FUSE_SETATTR: co_await setattr(u, arg<fuse_setattr_in>(req)); break;
+      case FUSE_SETATTR: co_await setattr(u, arg<fuse_setattr_in>(op)); break;
       case FUSE_OPEN: {
-        const auto* in = arg<fuse_open_in>(req);
+        const auto* in = arg<fuse_open_in>(op);
         if (!in) {
           reply(u, EINVAL);
           break;
@@ -263,16 +518,16 @@ class Export final : public FuseExport {
         if (open_files_) --open_files_;
         reply(u, 0);
         break;
-      case FUSE_READ: co_await read(u, arg<fuse_read_in>(req), buf); break;
-      case FUSE_WRITE: co_await write(u, req); break;
+      case FUSE_READ: co_await read(u, arg<fuse_read_in>(op), buf); break;
+      case FUSE_WRITE: co_await write(u, op, payload); break;
       case FUSE_FLUSH:
       case FUSE_FSYNC: {
         Status s = co_await node_->flush();
         reply(u, s ? 0 : s.error().code);
         break;
       }
-      case FUSE_FALLOCATE: co_await fallocate(u, arg<fuse_fallocate_in>(req)); break;
-      case FUSE_LSEEK: co_await lseek(u, arg<fuse_lseek_in>(req)); break;
+      case FUSE_FALLOCATE: co_await fallocate(u, arg<fuse_fallocate_in>(op)); break;
+      case FUSE_LSEEK: co_await lseek(u, arg<fuse_lseek_in>(op)); break;
       case FUSE_STATFS: {
         fuse_statfs_out o{};
         o.st.bsize = o.st.frsize = 512;
@@ -291,7 +546,7 @@ class Export final : public FuseExport {
     }
   }
 
-  void init(uint64_t u, const fuse_init_in* in) {
+  void init(Req u, const fuse_init_in* in) {
     if (!in || in->major != FUSE_KERNEL_VERSION) {
       // Tell the kernel our major version; it retries or gives up.
       fuse_init_out o{};
@@ -311,10 +566,20 @@ class Export final : public FuseExport {
     o.max_write = kMaxWrite;
     o.time_gran = 1;
     o.max_pages = kMaxWrite / 4096;
+    const bool uring =
+        ring_ready_ && (in->flags & FUSE_INIT_EXT) && ((static_cast<uint64_t>(in->flags2) << 32) & kFuseOverIoUring);
+    if (uring) {
+      o.flags |= FUSE_INIT_EXT;
+      o.flags2 = static_cast<uint32_t>(kFuseOverIoUring >> 32);
+    }
     reply(u, 0, &o, sizeof o);
+    // The kernel takes the ring entries once the connection is
+    // initialized, which the reply just did; until every queue has one,
+    // new requests wait (a refused registration lets them go to /dev/fuse).
+    if (uring) register_ring();
   }
 
-  Task<void> read(uint64_t u, const fuse_read_in* in, AlignedBuffer& buf) {
+  Task<void> read(Req u, const fuse_read_in* in, AlignedBuffer& buf) {
     if (!in) {
       reply(u, EINVAL);
       co_return;
@@ -334,10 +599,10 @@ class Export final : public FuseExport {
     reply(u, 0, data.data(), n);
   }
 
-  Task<void> write(uint64_t u, std::span<uint8_t> req) {
-    const auto* in = arg<fuse_write_in>(req);
-    const size_t hdr = sizeof(fuse_in_header) + sizeof(fuse_write_in);
-    if (!in || req.size() < hdr || req.size() - hdr < in->size) {
+  Task<void> write(Req u, std::span<uint8_t> op, std::span<uint8_t> payload) {
+    const auto* in = arg<fuse_write_in>(op);
+    const auto data = u.ent ? payload : in ? op.subspan(sizeof(fuse_write_in)) : op;
+    if (!in || data.size() < in->size) {
       reply(u, EINVAL);
       co_return;
     }
@@ -369,7 +634,7 @@ class Export final : public FuseExport {
         }
       }
     }
-    Status s = co_await node_->write(in->offset, req.subspan(hdr, size));
+    Status s = co_await node_->write(in->offset, data.subspan(0, size));
     if (!s) {
       reply(u, s.error().code);
       co_return;
@@ -390,7 +655,7 @@ class Export final : public FuseExport {
     co_return s;
   }
 
-  Task<void> setattr(uint64_t u, const fuse_setattr_in* in) {
+  Task<void> setattr(Req u, const fuse_setattr_in* in) {
     if (!in) {
       reply(u, EINVAL);
       co_return;
@@ -412,7 +677,7 @@ class Export final : public FuseExport {
     reply_attr(u);
   }
 
-  Task<void> fallocate(uint64_t u, const fuse_fallocate_in* in) {
+  Task<void> fallocate(Req u, const fuse_fallocate_in* in) {
     if (!in) {
       reply(u, EINVAL);
       co_return;
@@ -459,7 +724,7 @@ class Export final : public FuseExport {
     reply(u, s ? 0 : s.error().code);
   }
 
-  Task<void> lseek(uint64_t u, const fuse_lseek_in* in) {
+  Task<void> lseek(Req u, const fuse_lseek_in* in) {
     if (!in) {
       reply(u, EINVAL);
       co_return;
@@ -506,6 +771,16 @@ class Export final : public FuseExport {
   bool mounted_ = false;
   size_t open_files_ = 0;  // OPENs not yet RELEASEd (a loop device holds one)
   unsigned conn_id_ = 0;
+  // FUSE over io_uring
+  io_uring ring_{};
+  bool ring_ready_ = false;     // ring_ set up (the transport may be offered)
+  bool batching_ = false;       // queue_cmd leaves the submit to the caller
+  bool defer_ = false;          // IORING_SETUP_DEFER_TASKRUN
+  bool flush_pending_ = false;  // a flush_later() is on its way
+  Fd efd_;
+  unsigned nq_ = 0, per_queue_ = 0;
+  std::vector<std::unique_ptr<RingEnt>> ents_;
+  size_t live_ents_ = 0;  // entries whose command has not failed
   std::time_t created_;
   std::time_t mtime_;
   uint32_t mode_;
