@@ -255,19 +255,9 @@ class Export final : public FuseExport {
   void setup_ring() {
     nq_ = possible_cpus();
     per_queue_ = std::max(1u, kRingEntries / nq_);
-    // Prototype knob: entries per queue (a task's requests all go to the
-    // queue of the CPU it runs on, so one busy client sees only these).
-    if (const char* d = std::getenv("VBLK_FUSE_URING_PER_QUEUE"))
-      per_queue_ = std::clamp(static_cast<unsigned>(std::atoi(d)), 1u, 256u);
     const unsigned n = nq_ * per_queue_;
     io_uring_params p{};
     p.flags = IORING_SETUP_SQE128 | IORING_SETUP_CQSIZE;
-    // Prototype knob: the kernel's copies into our entries (task work of
-    // this thread) run when we enter the ring, not by interrupting the loop.
-    if (const char* d = std::getenv("VBLK_FUSE_URING_DEFER"); d && std::strcmp(d, "1") == 0) {
-      p.flags |= IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
-      defer_ = true;
-    }
     p.cq_entries = 2 * n;
     if (io_uring_queue_init_params(n, &ring_, &p) < 0) return;
     efd_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -366,7 +356,6 @@ class Export final : public FuseExport {
       long n = co_await loop_.read_stream(efd_.get(), &v, sizeof v);
       if (n == -EINTR) continue;
       if (n < 0 && n != -EAGAIN) break;
-      if (defer_) (void)io_uring_get_events(&ring_);
       // A few rounds: the submit's return runs the kernel's task work,
       // which often has the next requests ready.
       for (int round = 0; round < 4 && live_ents_; ++round) {
@@ -389,12 +378,7 @@ class Export final : public FuseExport {
           spawn_detached(serve_ent(*e));
         }
         batching_ = false;
-        if (io_uring_sq_ready(&ring_)) {
-          if (defer_)
-            (void)io_uring_submit_and_get_events(&ring_);
-          else
-            (void)io_uring_submit(&ring_);
-        }
+        if (io_uring_sq_ready(&ring_)) (void)io_uring_submit(&ring_);
       }
     }
     readers_.done();
@@ -775,7 +759,6 @@ class Export final : public FuseExport {
   io_uring ring_{};
   bool ring_ready_ = false;     // ring_ set up (the transport may be offered)
   bool batching_ = false;       // queue_cmd leaves the submit to the caller
-  bool defer_ = false;          // IORING_SETUP_DEFER_TASKRUN
   bool flush_pending_ = false;  // a flush_later() is on its way
   Fd efd_;
   unsigned nq_ = 0, per_queue_ = 0;
