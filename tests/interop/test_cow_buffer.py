@@ -449,6 +449,11 @@ class CowBufferTest(InteropTestCase):
         rng = random.Random(seed)
         stats = []
         issues = []  # checked after all repetitions (the point-in-time checks come first)
+        # Repetitions where the writer (a qemu-io process) took longer to
+        # start and finish than the whole backup: the data checks still
+        # hold, only the race was not run. A loaded machine loses a few;
+        # most must race.
+        missed_race = []
         for rep in range(reps):
             tgt = self.fresh_target(d, tgt_fmt, size, cluster=tgt_cluster)
             q.ok("blockdev-add", **target_node("tgt", tgt, tgt_fmt, group="tg" if throttle else None))
@@ -486,7 +491,7 @@ class CowBufferTest(InteropTestCase):
             if j["status"] == "running":
                 running = j
             else:
-                issues.append(("the backup ended before the writer did", rep, j["status"]))
+                missed_race.append((rep, j["status"]))
             while running is not None and xperf and running["x-cow-buffer"]["used"] + running["x-cow-buffer"]["spilled"]:
                 j = self.job(q)
                 if j["status"] != "running":
@@ -552,6 +557,8 @@ class CowBufferTest(InteropTestCase):
             self.assertEqual(img_check(tgt)[0], 0, img_check(tgt)[1])
         if src_fmt == "qcow2":
             self.assertEqual(img_check(src)[0], 0, img_check(src)[1])
+        if len(missed_race) > reps // 4:
+            issues += [("the backup ended before the writer did", r, st) for r, st in missed_race]
         return stats, issues
 
     def assertNoIssues(self, issues):
