@@ -235,7 +235,6 @@ Task<void> serve_request(Session& s, Queue& q, std::unique_ptr<Chain> c) {
       q.activity.signalled++;
     }
   }
-  q.activity.in_flight--;
   q.inflight.done();
 }
 
@@ -258,7 +257,6 @@ Task<void> run_queue(Session& s, Queue& q, size_t index) {
         if (!*got) break;
         q.inflight.add();
         q.activity.popped++;
-        q.activity.in_flight++;
         spawn_detached(serve_request(s, q, std::move(c)));
         if (q.stopping || s.broken) goto out;
       }
@@ -326,7 +324,9 @@ Task<void> watch_stalls(Session& s, std::chrono::steady_clock::duration limit,
         watch[i].reset();
         continue;
       }
-      if (auto line = watch[i].check(now, q.activity, q.ring.state()); line && report)
+      QueueActivity a = q.activity;
+      a.in_flight = q.inflight.count();
+      if (auto line = watch[i].check(now, a, q.ring.state()); line && report)
         report("queue " + std::to_string(i) + " " + *line);
     }
   }

@@ -23,7 +23,7 @@ struct QueueActivity {
   uint64_t popped = 0;
   uint64_t completed = 0;
   uint64_t signalled = 0;  // call eventfd writes
-  uint64_t in_flight = 0;
+  uint64_t in_flight = 0;  // popped, not completed (the queue's WaitGroup)
 };
 
 class StallWatch {
