@@ -26,15 +26,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from daemon_bench import add_common_args, cpu_seconds, random_image  # noqa: E402
+from daemon_bench import Daemon, add_common_args, cpu_seconds, random_image  # noqa: E402
 
 CASES = [("randread", "4k", 32), ("randwrite", "4k", 32), ("read", "1M", 8), ("write", "1M", 8)]
 
@@ -45,24 +43,13 @@ def mounted(path):
         return any(line.split()[1] == path for line in f)
 
 
-class Daemon:
+class FuseDaemon(Daemon):
     def __init__(self, argv, mp, env=None):
         self.mp = mp
-        self.p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
-        end = time.time() + 20
-        while not mounted(mp):
-            if self.p.poll() is not None or time.time() > end:
-                raise RuntimeError("%s did not mount" % argv[0])
-            time.sleep(0.02)
+        super().__init__(argv, lambda: mounted(mp), env)
 
     def stop(self):
-        self.p.send_signal(signal.SIGTERM)
-        try:
-            self.p.wait(30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
+        super().stop()
         if mounted(self.mp):
             subprocess.run(["umount", "-l", self.mp])
 
@@ -123,7 +110,7 @@ def main():
             order = names[rep % len(names):] + names[:rep % len(names)]
             for n in order:
                 argv, env = e[n] if isinstance(e[n], tuple) else (e[n], None)
-                d = Daemon(argv, mp, env) if argv else None
+                d = FuseDaemon(argv, mp, env) if argv else None
                 try:
                     for c in CASES:
                         cpu0 = cpu_seconds(d.p.pid) if d else 0

@@ -15,7 +15,6 @@ Usage: VBLK=build/vblk python3 bench/bench_nbd_cpu.py [--reps 3]
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from daemon_bench import add_common_args, cpu_seconds, random_image  # noqa: E402
+from daemon_bench import Daemon, add_common_args, cpu_seconds, random_image  # noqa: E402
 
 # (name, buffer size, depth, write, count)
 CASES = [("read-4k-qd32", 4096, 32, False, 200000),
@@ -32,25 +31,10 @@ CASES = [("read-4k-qd32", 4096, 32, False, 200000),
 
 
 
-class Daemon:
-    def __init__(self, argv, sock):
-        if os.path.exists(sock):
-            os.unlink(sock)
-        self.p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-        end = time.time() + 20
-        while not os.path.exists(sock):
-            if self.p.poll() is not None or time.time() > end:
-                raise RuntimeError("%s did not start" % argv[0])
-            time.sleep(0.02)
-
-    def stop(self):
-        self.p.send_signal(signal.SIGTERM)
-        try:
-            self.p.wait(30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
+def nbd_daemon(argv, sock):
+    if os.path.exists(sock):
+        os.unlink(sock)
+    return Daemon(argv, lambda: os.path.exists(sock))
 
 
 def envs(args, img, sock):
@@ -93,7 +77,7 @@ def main():
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for n in order:
-                d = Daemon(e[n], sock)
+                d = nbd_daemon(e[n], sock)
                 try:
                     for name, size, depth, write, count in CASES:
                         cpu0 = cpu_seconds(d.p.pid)

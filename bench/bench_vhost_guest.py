@@ -13,29 +13,17 @@ Usage: VBLK=build/vblk python3 bench/bench_vhost_guest.py [--reps 3] [--count 81
 import argparse
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest_vm  # noqa: E402
-from daemon_bench import cpu_seconds  # noqa: E402
+from daemon_bench import Daemon, cpu_seconds  # noqa: E402
 
 MIB = 1 << 20
 
-
-
-def start(argv, sock):
-    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    end = time.time() + 20
-    while not os.path.exists(sock):
-        if p.poll() is not None or time.time() > end:
-            raise RuntimeError("%s did not start" % argv[0])
-        time.sleep(0.02)
-    return p
 
 
 def main():
@@ -56,9 +44,10 @@ def main():
                 f.truncate(mib * MIB)
             sock = socks[name] = os.path.join(work, name + ".sock")
             cmd = [args.vblk, "serve"] if name == "vblk" else [args.qsd]
-            daemons[name] = start(cmd + ["--blockdev", "driver=file,filename=%s,node-name=f0" % img,
+            daemons[name] = Daemon(cmd + ["--blockdev", "driver=file,filename=%s,node-name=f0" % img,
                                          "--export", "type=vhost-user-blk,id=e0,node-name=f0,addr.type=unix,"
-                                         "addr.path=%s,writable=on,num-queues=1" % sock], sock)
+                                         "addr.path=%s,writable=on,num-queues=1" % sock],
+                                   lambda sock=sock: os.path.exists(sock))
         dargs = ["-object", "memory-backend-memfd,id=mem,size=256M,share=on", "-numa", "node,memdev=mem"]
         for i, name in enumerate(disks):
             dargs += ["-chardev", "socket,id=vu%d,path=%s" % (i, socks[name]),
@@ -89,12 +78,8 @@ def main():
     finally:
         if guest:
             guest.kill()
-        for p in daemons.values():
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for d in daemons.values():
+            d.stop()
         shutil.rmtree(work, ignore_errors=True)
 
     def ms(v, f="%.1f"):

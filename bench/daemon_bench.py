@@ -1,8 +1,11 @@
 """What the side-by-side daemon benchmarks (bench_fuse.py, bench_nbd_cpu.py,
 bench_vhost_guest.py) share: a process's CPU time, their common options,
-and the random image they serve."""
+the random image they serve and the daemon started for a measurement."""
 import os
 import shutil
+import signal
+import subprocess
+import time
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -27,3 +30,31 @@ def random_image(path, size):
     with open(path, "wb") as f:
         for _ in range(size >> 20):
             f.write(os.urandom(1 << 20))
+
+
+class Daemon:
+    """A daemon started for one measurement: `ready()` says it serves
+    (a socket exists, a mount is there); stop() is SIGTERM, then SIGKILL."""
+
+    def __init__(self, argv, ready, env=None, timeout=20):
+        self.p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
+        end = time.time() + timeout
+        while not ready():
+            if self.p.poll() is not None or time.time() > end:
+                self.stop()
+                raise RuntimeError("%s did not start" % argv[0])
+            time.sleep(0.02)
+
+    @property
+    def pid(self):
+        return self.p.pid
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
