@@ -286,6 +286,13 @@ class GuestBase(unittest.TestCase):
             raise AssertionError("; ".join(problems))
 
     @classmethod
+    def tearDownClass(cls):
+        try:
+            cls.shutdown_and_check()
+        finally:
+            cls.cleanup()
+
+    @classmethod
     def cleanup(cls):
         if getattr(cls, "guest", None):
             cls.guest.kill()
@@ -364,13 +371,6 @@ class VhostUserGuest(GuestBase):
         except BaseException:
             cls.cleanup()
             raise
-
-    @classmethod
-    def tearDownClass(cls):
-        try:
-            cls.shutdown_and_check()
-        finally:
-            cls.cleanup()
 
     # --- 1. pattern -------------------------------------------------------------
     def pattern_round_trip(self, name, writers):
@@ -511,13 +511,6 @@ class VhostUserGuestRestart(GuestBase):
         except BaseException:
             cls.cleanup()
             raise
-
-    @classmethod
-    def tearDownClass(cls):
-        try:
-            cls.shutdown_and_check()
-        finally:
-            cls.cleanup()
 
     def wait_guest_file(self, path, timeout):
         end = time.monotonic() + timeout

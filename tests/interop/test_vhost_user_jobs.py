@@ -223,6 +223,18 @@ class VhostJobScenarios:
         for mark in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:"):
             self.assertNotIn(mark, log, log[-4000:])
 
+    def finish(self, q, g, drop_node=None):
+        """The guest reads its whole disk once more (checked against the
+        model), `drop_node` (a job's target) is deleted, the export goes and
+        the daemon quits cleanly; returns the model saved as a raw image."""
+        g.read_all()
+        if drop_node:
+            q.ok("blockdev-del", {"node-name": drop_node})
+        q.ok("block-export-del", id="v0")
+        q.event("BLOCK_EXPORT_DELETED", 30)
+        self.quit()
+        return g.save_model("model.raw")
+
     def new_qcow2(self, q, name, backing=None):
         """An empty qcow2 image (backed by `backing`, a path) opened as node
         `name` without its backing chain."""
@@ -280,11 +292,7 @@ class VhostJobScenarios:
         self.completed(q, "m")
         # The export follows the job: the guest now reads the target.
         self.assertEqual(self.exported_node(q), "tgt")
-        g.read_all()
-        q.ok("block-export-del", id="v0")
-        q.event("BLOCK_EXPORT_DELETED", 30)
-        self.quit()
-        model = g.save_model("model.raw")
+        model = self.finish(q, g)
         self.assertEqual(qemu_img("compare", "-f", "qcow2", "-F", "qcow2", self.path("disk.qcow2"), tgt), SAME)
         self.assertEqual(qemu_img("compare", "-f", "raw", "-F", "qcow2", model, tgt), SAME)
         self.check(self.path("disk.qcow2"), tgt)
@@ -324,12 +332,7 @@ class VhostJobScenarios:
               for b in n.get("dirty-bitmaps", []) if "name" in b}
         self.assertEqual(bm["b"]["count"], len(clusters(w3)) * CLUSTER)
         self.assertTrue(bm["b"]["persistent"])
-        g.read_all()
-        q.ok("blockdev-del", {"node-name": "inc"})
-        q.ok("block-export-del", id="v0")
-        q.event("BLOCK_EXPORT_DELETED", 30)
-        self.quit()
-        model = g.save_model("model.raw")
+        model = self.finish(q, g, "inc")
         self.assertEqual(qemu_img("compare", "-f", "raw", "-F", "qcow2", before_full, full), SAME)
         # The increment: exactly the clusters written between the backups.
         self.assertEqual(sorted(own_clusters(inc)), sorted(increment))
@@ -408,11 +411,7 @@ class VhostJobScenarios:
         # Without the filter the export is on the disk again and still works.
         self.assertEqual(self.exported_node(q), "disk")
         g.write(g.batches(rng, 2))
-        g.read_all()
-        q.ok("block-export-del", id="v0")
-        q.event("BLOCK_EXPORT_DELETED", 30)
-        self.quit()
-        model = g.save_model("model.raw")
+        model = self.finish(q, g)
         self.assertEqual(qemu_img("compare", "-f", "raw", "-F", "qcow2", model, self.path("disk.qcow2")), SAME)
         self.check(self.path("disk.qcow2"))
 
@@ -454,12 +453,7 @@ class VhostJobScenarios:
             done = [j for j in q.ok("query-jobs") if j["id"] == "b"][0]["x-cow-buffer"]
             self.assertEqual((done["used"], done["spilled"]), (0, 0), done)
         q.ok("job-dismiss", id="b")
-        g.read_all()
-        q.ok("blockdev-del", {"node-name": "tgt"})
-        q.ok("block-export-del", id="v0")
-        q.event("BLOCK_EXPORT_DELETED", 30)
-        self.quit()
-        model = g.save_model("model.raw")
+        model = self.finish(q, g, "tgt")
         self.assertEqual(qemu_img("compare", "-f", "raw", "-F", "qcow2", before, tgt), SAME)
         self.assertEqual(qemu_img("compare", "-f", "raw", "-F", "qcow2", model, self.path("disk.qcow2")), SAME)
         self.check(self.path("disk.qcow2"), tgt)
