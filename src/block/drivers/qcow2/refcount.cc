@@ -59,20 +59,50 @@ Task<Status> Qcow2Node::check_new_clusters(uint64_t offset, uint64_t bytes) {
   co_return co_await refuse_overlap(ol, offset, bytes);
 }
 
-// First run of n free clusters at or after free_cluster_index_.
+// First run of n free clusters at or after free_cluster_index_. Scans a
+// refcount block at a time: one cache lookup per block, not per cluster
+// (a hostile or fragmented image can make the search cover every cluster).
 Task<Result<uint64_t>> Qcow2Node::find_free(uint64_t n) {
   uint64_t start = free_cluster_index_, run = 0;
-  for (uint64_t ci = start;; ++ci) {
-    auto rc = co_await get_refcount(ci);
-    if (!rc) co_return rc.take_error();
-    if (*rc == 0 && !quarantine_.count(ci)) {
-      if (run == 0) start = ci;
-      if (++run == n) co_return start;
-    } else {
-      run = 0;
-    }
+  const uint64_t covered = rt_.size() * rb_entries_;
+  auto free_at = [&](uint64_t ci) {
+    if (run == 0) start = ci;
+    return ++run == n;
+  };
+  for (uint64_t ci = start;;) {
     // Beyond what the refcount table covers every cluster is free.
-    if (ci >= rt_.size() * rb_entries_ && run > 0) co_return start;
+    if (ci >= covered) {
+      if (quarantine_.count(ci)) {
+        run = 0;
+        ++ci;
+        continue;
+      }
+      if (run == 0) start = ci;
+      co_return start;
+    }
+    const uint64_t rti = ci / rb_entries_, end = (rti + 1) * rb_entries_;
+    auto rb = co_await refblock_offset(rti);
+    if (!rb) co_return rb.take_error();
+    if (!*rb) {  // no block: every refcount in its range is 0
+      for (; ci < end; ++ci) {
+        if (quarantine_.count(ci)) {
+          run = 0;
+        } else if (free_at(ci)) {
+          co_return start;
+        }
+      }
+      continue;
+    }
+    auto t = co_await rb_cache_->get(*rb);
+    if (!t) co_return t.take_error();
+    const uint8_t* b = t->data();  // no suspension below: the entry stays put
+    for (; ci < end; ++ci) {
+      if (refcount_get(b, ci % rb_entries_) != 0 || quarantine_.count(ci)) {
+        run = 0;
+      } else if (free_at(ci)) {
+        co_return start;
+      }
+    }
   }
 }
 
