@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/table_reader.h"
 #include "vblk/buffer.h"
 
 namespace vblk::qcow2 {
@@ -1016,12 +1017,13 @@ struct Qcow2Checker {
     std::string fail, hint;
     int fail_code = 0;
     uint64_t offset = offset0, table_length = 0;
+    TableReader table(file);
     for (uint32_t i = 0; i < nb; ++i) {
       const uint64_t pre = offset;
       table_length = round_up(table_length, 8);
       offset = round_up(offset, 8);
       uint8_t h[kSnapshotHeaderSize];
-      st = co_await file.read(offset, {h, sizeof h});
+      st = co_await table.read(offset, {h, sizeof h});
       if (!st) {
         fail = std::string("Failed to read snapshot table: ") + std::strerror(st.error().code);
         fail_code = st.error().code;
@@ -1059,7 +1061,7 @@ struct Qcow2Checker {
       const uint32_t known = std::min(kSnapshotKnownExtra, sn.extra_data_size);
       uint8_t extra[kSnapshotKnownExtra] = {};
       if (known) {
-        st = co_await file.read(offset, {extra, known});
+        st = co_await table.read(offset, {extra, known});
         if (!st) {
           fail = std::string("Failed to read snapshot table: ") + std::strerror(st.error().code);
           fail_code = st.error().code;
@@ -1074,7 +1076,7 @@ struct Qcow2Checker {
         const uint64_t extra_end = offset + sn.extra_data_size - kSnapshotKnownExtra;
         if (truncate_extra) sn.extra_data_size = kMaxSnapshotExtraData;
         fs.unknown_extra.resize(sn.extra_data_size - kSnapshotKnownExtra);
-        st = co_await file.read(offset, fs.unknown_extra);
+        st = co_await table.read(offset, fs.unknown_extra);
         if (!st) {
           fail = std::string("Failed to read snapshot table: ") + std::strerror(st.error().code);
           fail_code = st.error().code;
@@ -1085,7 +1087,7 @@ struct Qcow2Checker {
       fs.extra_data_size = sn.extra_data_size;
       std::vector<uint8_t> names(size_t{id_size} + name_size);
       if (!names.empty()) {
-        st = co_await file.read(offset, names);
+        st = co_await table.read(offset, names);
         if (!st) {
           fail = std::string("Failed to read snapshot table: ") + std::strerror(st.error().code);
           fail_code = st.error().code;

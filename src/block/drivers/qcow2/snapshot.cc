@@ -26,6 +26,7 @@
 #include <unordered_map>
 
 #include "drivers/qcow2/qcow2.h"
+#include "drivers/qcow2/table_reader.h"
 #include "vblk/buffer.h"
 
 namespace vblk::qcow2 {
@@ -52,6 +53,7 @@ Task<Status> Qcow2Node::read_snapshots() {
   snapshots_size_ = 0;
   const uint64_t start = h_.snapshots_offset;
   uint64_t offset = start, table_length = 0;
+  TableReader table(*file_);
   auto fail = [](const Error& e) {
     return Error(e.code, std::string("Failed to read snapshot table: ") + std::strerror(e.code));
   };
@@ -59,7 +61,7 @@ Task<Status> Qcow2Node::read_snapshots() {
     table_length = align_up(table_length, 8);
     offset = align_up(offset, 8);
     uint8_t h[kSnapshotHeaderBytes];
-    auto st = co_await file_->read(offset, {h, sizeof h});
+    auto st = co_await table.read(offset, {h, sizeof h});
     if (!st) co_return fail(st.error());
     offset += sizeof h;
     Snapshot sn;
@@ -78,7 +80,7 @@ Task<Status> Qcow2Node::read_snapshots() {
     uint8_t extra[kSnapshotExtraBytes] = {};
     const uint32_t known = std::min(kSnapshotExtraBytes, sn.extra_data_size);
     if (known) {
-      st = co_await file_->read(offset, {extra, known});
+      st = co_await table.read(offset, {extra, known});
       if (!st) co_return fail(st.error());
     }
     offset += known;
@@ -87,13 +89,13 @@ Task<Status> Qcow2Node::read_snapshots() {
     sn.icount = sn.extra_data_size >= 24 ? be64(extra + 16) : UINT64_MAX;
     if (sn.extra_data_size > kSnapshotExtraBytes) {
       sn.unknown_extra.resize(sn.extra_data_size - kSnapshotExtraBytes);
-      st = co_await file_->read(offset, sn.unknown_extra);
+      st = co_await table.read(offset, sn.unknown_extra);
       if (!st) co_return fail(st.error());
       offset += sn.unknown_extra.size();
     }
     std::vector<uint8_t> names(size_t{id_size} + name_size);
     if (!names.empty()) {
-      st = co_await file_->read(offset, names);
+      st = co_await table.read(offset, names);
       if (!st) co_return fail(st.error());
     }
     // C strings in QEMU: a NUL ends them early.
