@@ -3,10 +3,11 @@
 // not each cost a request: a table of 65,536 entries is hundreds of
 // thousands of reads otherwise, on every open and every check.
 //
-// What a caller sees is what direct reads would give: the window never
-// reaches past the end of the file, and a piece the window cannot serve (it
-// crosses the end of the file, or filling the window failed) is read
-// directly, so errors are reported for exactly the bytes asked for.
+// What a caller sees is what direct reads would give: the window reaches
+// past the end of the file only where the file can be read there (a
+// growable node: zeros), and a piece the window cannot serve (it crosses the
+// end of the file, or filling the window failed) is read directly, so errors
+// are reported for exactly the bytes asked for.
 #pragma once
 
 #include <algorithm>
@@ -44,7 +45,8 @@ class TableReader {
   Task<void> fill(uint64_t offset, uint64_t n) {
     window_.clear();
     const uint64_t begin = offset & ~uint64_t{4095};
-    const uint64_t end = std::min(begin + std::max(kWindow, offset + n - begin), file_.length());
+    uint64_t end = begin + std::max(kWindow, offset + n - begin);
+    if (!file_.growable()) end = std::min(end, file_.length());
     if (end <= begin || end - begin < offset + n - begin) co_return;
     std::vector<uint8_t> w(end - begin);
     if (auto st = co_await file_.read(begin, w); !st) co_return;
