@@ -85,12 +85,14 @@ class FileNode final : public Node {
   }
 
   void set_page_copies(bool v) { page_copies_ = v; }
+  void set_memory_backed(bool v) { memory_backed_ = v; }
   int fd() const { return fd_; }
   uint64_t exact_length() const override { return exact_length_; }
   Node* copy_target(uint64_t&) override { return this; }
 
  protected:
   Task<Status> do_read(uint64_t offset, std::span<uint8_t> buf, uint32_t) override {
+    if (copy_inline(buf.size())) co_return read_inline(offset, buf);
     const AioMode aio = read_mode(buf.size());
     size_t done = 0;
     while (done < buf.size()) {
@@ -107,6 +109,7 @@ class FileNode final : public Node {
   }
 
   Task<Status> do_write(uint64_t offset, std::span<const uint8_t> buf, uint32_t) override {
+    if (copy_inline(buf.size())) co_return write_inline(offset, buf);
     size_t done = 0;
     while (done < buf.size()) {
       long r = co_await loop().pwrite(fd_, buf.data() + done, buf.size() - done, offset + done, aio_);
@@ -254,7 +257,8 @@ class FileNode final : public Node {
   int fd_;
   uint64_t exact_length_ = 0;  // the file size when opened (or last resized)
   bool blockdev_;
-  bool page_copies_ = false;  // reads are copies out of the page cache (see read_mode)
+  bool page_copies_ = false;    // reads are copies out of the page cache (see read_mode)
+  bool memory_backed_ = false;  // tmpfs: no request ever waits for a device (see copy_inline)
   AioMode aio_;
   ImageLock lock_;
 
@@ -271,6 +275,43 @@ class FileNode final : public Node {
   static constexpr size_t kPoolReadMin = 256 << 10;
   AioMode read_mode(size_t len) const {
     return page_copies_ && aio_ == AioMode::IoUring && len >= kPoolReadMin ? AioMode::Threads : aio_;
+  }
+
+  // Small reads and writes of a file on tmpfs are done by the loop thread
+  // itself. tmpfs has no non-blocking buffered I/O (RWF_NOWAIT gives
+  // EOPNOTSUPP), so io_uring hands every such request to an io-wq worker:
+  // a wake-up and two context switches around a copy of a few KiB that
+  // cannot block on a device. On a file system with non-blocking buffered
+  // I/O io_uring already does a cached copy inline; this makes tmpfs the
+  // same. Large copies still go out, where other cores can do them.
+  static constexpr size_t kInlineMax = 64 << 10;
+  bool copy_inline(size_t len) const { return memory_backed_ && aio_ == AioMode::IoUring && len <= kInlineMax; }
+
+  Status read_inline(uint64_t offset, std::span<uint8_t> buf) const {
+    size_t done = 0;
+    while (done < buf.size()) {
+      ssize_t r = ::pread(fd_, buf.data() + done, buf.size() - done, static_cast<off_t>(offset + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return Error(errno);
+      if (r == 0) {  // past the end of the file: the rest reads as zeroes
+        std::memset(buf.data() + done, 0, buf.size() - done);
+        break;
+      }
+      done += static_cast<size_t>(r);
+    }
+    return {};
+  }
+
+  Status write_inline(uint64_t offset, std::span<const uint8_t> buf) const {
+    size_t done = 0;
+    while (done < buf.size()) {
+      ssize_t r = ::pwrite(fd_, buf.data() + done, buf.size() - done, static_cast<off_t>(offset + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return Error(errno);
+      if (r == 0) return Error(EIO);
+      done += static_cast<size_t>(r);
+    }
+    return {};
   }
 };
 
@@ -381,7 +422,9 @@ Result<std::shared_ptr<Node>> open_posix(OpenContext& ctx, Json& opts, bool host
   node->set_read_only(read_only);
   node->set_no_flush(no_flush);
   struct statfs fs;
-  node->set_page_copies(!direct || (::fstatfs(fd, &fs) == 0 && fs.f_type == TMPFS_MAGIC));
+  const bool tmpfs = ::fstatfs(fd, &fs) == 0 && fs.f_type == TMPFS_MAGIC;
+  node->set_page_copies(!direct || tmpfs);
+  node->set_memory_backed(tmpfs);
   VBLK_TRY(node->probe_alignment(direct));
   VBLK_TRY(node->init_length());
   return std::shared_ptr<Node>(node);
