@@ -17,8 +17,8 @@ FUSE daemon, so no export can beat qsd by more than ceiling / qsd.
 
 When the kernel allows FUSE over io_uring (/sys/module/fuse/parameters/
 enable_uring is Y), the `vblk-uring` and `fuse-ceiling-uring` rows run the
-same two daemons with VBLK_FUSE_URING=1 (requests through io_uring rather
-than read/write on /dev/fuse), interleaved with the others.
+same two daemons with the export option io-uring=on (requests through
+io_uring rather than read/write on /dev/fuse), interleaved with the others.
 
 Python 3 standard library only; needs root (mount) and /dev/fuse.
 """
@@ -63,14 +63,15 @@ def uring_enabled():
 
 
 def envs(args, img, mp):
-    vblk = [args.vblk, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0" % img,
-            "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on" % mp]
-    null = [args.vblk, "serve", "--blockdev", "driver=null-co,size=%d,node-name=f0" % args.size,
-            "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on" % mp]
+    export = "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on" % mp
+    file_node = "driver=file,filename=%s,node-name=f0" % img
+    null_node = "driver=null-co,size=%d,node-name=f0" % args.size
+    vblk = [args.vblk, "serve", "--blockdev", file_node, "--export", export]
+    null = [args.vblk, "serve", "--blockdev", null_node, "--export", export]
     out = {"file": None, "vblk": vblk, "fuse-ceiling": null}
     if uring_enabled():
-        out["vblk-uring"] = (vblk, {"VBLK_FUSE_URING": "1"})
-        out["fuse-ceiling-uring"] = (null, {"VBLK_FUSE_URING": "1"})
+        out["vblk-uring"] = vblk[:-1] + [export + ",io-uring=on"]
+        out["fuse-ceiling-uring"] = null[:-1] + [export + ",io-uring=on"]
     if args.qsd:
         for aio in ("threads", "io_uring"):
             out["qsd-" + aio] = [args.qsd, "--blockdev", "driver=file,filename=%s,node-name=f0,aio=%s" % (img, aio),

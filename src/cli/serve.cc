@@ -51,7 +51,7 @@ void serve_help() {
       "           [,writable=on|off][,description=<text>]\n"
       "                         export the specified block node over NBD\n"
       "  --export [type=]fuse,id=<id>,node-name=<node-name>,mountpoint=<file>\n"
-      "           [,growable=on|off][,writable=on|off][,allow-other=on|off|auto]\n"
+      "           [,growable=on|off][,writable=on|off][,allow-other=on|off|auto][,io-uring=on|off]\n"
       "                         export the specified block node over FUSE\n"
       "  --export [type=]vhost-user-blk,id=<id>,node-name=<node-name>,\n"
       "           addr.type=unix,addr.path=<socket-path>[,writable=on|off]\n"
@@ -197,7 +197,7 @@ void do_nbd_server(qmp::Daemon& d, const std::string& arg) {
 void do_export(qmp::Daemon& d, const std::string& arg) {
   OJson o = keyval("export", arg, "type");
   std::string err;
-  for (const char* k : {"writable", "writethrough", "fixed-iothread", "allocation-depth", "growable"})
+  for (const char* k : {"writable", "writethrough", "fixed-iothread", "allocation-depth", "growable", "io-uring"})
     if (!to_bool(o, k, err)) opt_fail("export", arg, err);
   // keyval gives strings; the vhost-user-blk numbers are integers.
   for (const char* k : {"logical-block-size", "num-queues"}) {

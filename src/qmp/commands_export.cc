@@ -41,7 +41,8 @@ std::vector<Arg> members_of(const std::string& type) {
   } else if (type == "fuse") {
     m.insert(m.end(), {{"mountpoint", ArgType::Str, true},
                        {"growable", ArgType::Bool},
-                       {"allow-other", ArgType::Enum, false, {"off", "on", "auto"}}});
+                       {"allow-other", ArgType::Enum, false, {"off", "on", "auto"}},
+                       {"io-uring", ArgType::Bool}});
   }
   return m;
 }
@@ -121,6 +122,7 @@ Result<std::unique_ptr<BlockExport>> add_fuse(Daemon& d, const OJson& o, const s
   f.mountpoint = o.at("mountpoint");
   f.writable = o.contains("writable") && o.at("writable").get<bool>();
   f.growable = o.contains("growable") && o.at("growable").get<bool>();
+  f.io_uring = o.contains("io-uring") && o.at("io-uring").get<bool>();
   if (o.contains("allow-other")) {
     const std::string a = o.at("allow-other");
     f.allow_other = a == "on" ? fuse::AllowOther::On : a == "off" ? fuse::AllowOther::Off : fuse::AllowOther::Auto;

@@ -71,7 +71,29 @@ def mounted(path):
         return any(line.split()[1] == path for line in f)
 
 
+URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
+
+
+def io_urings(pid):
+    """The io_urings a process holds, in descriptor order: (fd, completions
+    so far) from /proc/PID/fdinfo."""
+    out = []
+    fds = sorted(int(n) for n in os.listdir("/proc/%d/fd" % pid))
+    for fd in fds:
+        try:
+            if os.readlink("/proc/%d/fd/%d" % (pid, fd)) != "anon_inode:[io_uring]":
+                continue
+            with open("/proc/%d/fdinfo/%d" % (pid, fd)) as f:
+                info = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        out.append((fd, int(info["CqTail"])))
+    return out
+
+
 class FuseExportTest(InteropTestCase):
+    EXPORT_EXTRA = ""  # appended to every export's options
+
     def setUp(self):
         super().setUp()
         if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
@@ -93,7 +115,8 @@ class FuseExportTest(InteropTestCase):
     def serve(self, img, fmt="qcow2", extra="", check_mount=True):
         argv = [VBLK, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0" % img,
                 "--blockdev", "driver=%s,file=f0,node-name=d0" % fmt,
-                "--export", "type=fuse,id=e0,node-name=d0,mountpoint=%s,writable=on%s" % (self.mp, extra)]
+                "--export", "type=fuse,id=e0,node-name=d0,mountpoint=%s,writable=on%s%s" % (self.mp, self.EXPORT_EXTRA,
+                                                                                           extra)]
         with open(os.path.join(self.dir, "serve.log"), "ab") as log:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self.procs.append(p)
@@ -372,7 +395,7 @@ class FuseExportTest(InteropTestCase):
         img = self.image(16 * MiB, "raw")
         qsock = os.path.join(self.dir, "qmp.sock")
         argv = [VBLK, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0" % img,
-                "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on" % self.mp,
+                "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,writable=on%s" % (self.mp, self.EXPORT_EXTRA),
                 "--chardev", "socket,path=%s,server=on,wait=off,id=m0" % qsock, "--monitor", "chardev=m0"]
         with open(os.path.join(self.dir, "serve.log"), "ab") as log:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
@@ -416,6 +439,84 @@ class FuseExportTest(InteropTestCase):
                 self.assertEqual(r.returncode, 1)
                 out.append(r.stderr.split(": ", 1)[1].strip())
             self.assertEqual(len(set(out)), 1, out)
+
+
+class FuseExportUringTest(FuseExportTest):
+    """The tests whose paths depend on the transport, again with io-uring=on:
+    requests come through FUSE over io_uring (Linux 6.14+, with the
+    kernel's fuse.enable_uring, switched on here and restored after)."""
+    EXPORT_EXTRA = ",io-uring=on"
+    saved = None
+
+    # The same code serves both transports past the request's arrival.
+    test_ext4_on_loop = None
+    test_tools_on_the_mount = None
+    test_bad_mountpoints_match_qsd = None
+
+    @classmethod
+    def set_param(cls, value):
+        with open(URING_PARAM, "w") as f:
+            f.write(value)
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        try:
+            with open(URING_PARAM) as f:
+                saved = f.read().strip()
+            cls.set_param("Y")
+            cls.saved = saved
+        except OSError:
+            cls.saved = None
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.saved is not None:
+            cls.set_param(cls.saved)
+        super().tearDownClass()
+
+    def setUp(self):
+        super().setUp()
+        if self.saved is None:
+            self.skipTest("no FUSE over io_uring here (%s)" % URING_PARAM)
+
+    def test_requests_come_through_the_ring(self):
+        """The export's own ring (opened after the loop's) completes a
+        command for every request: 2,000 O_DIRECT writes and reads."""
+        img = self.image(16 * MiB, "raw")
+        p = self.serve(img, "raw")
+        data = rand_bytes(4096 * 1000)
+        buf = mmap.mmap(-1, len(data))
+        buf.write(data)
+        fd = os.open(self.mp, os.O_RDWR | os.O_DIRECT)
+        try:
+            before = io_urings(p.pid)
+            self.assertGreaterEqual(len(before), 2, before)
+            for i in range(1000):
+                self.assertEqual(os.pwritev(fd, [memoryview(buf)[i * 4096:(i + 1) * 4096]], i * 4096), 4096)
+        finally:
+            os.close(fd)
+        self.assertEqual(self.read_direct(0, len(data)), data)
+        after = io_urings(p.pid)
+        self.assertGreaterEqual(after[-1][1] - before[-1][1], 1000, (before, after))
+        self.stop(p)
+        with open(img, "rb") as f:
+            self.assertEqual(f.read(len(data)), data)
+
+    def test_refused_when_the_kernel_disables_it(self):
+        """io-uring=on with fuse.enable_uring=N: a clear error, exit 1,
+        nothing mounted."""
+        img = self.image(16 * MiB, "raw")
+        self.set_param("N")
+        try:
+            r = subprocess.run([VBLK, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0" % img,
+                                "--export", "type=fuse,id=e0,node-name=f0,mountpoint=%s,io-uring=on" % self.mp],
+                               capture_output=True, text=True, timeout=30)
+        finally:
+            self.set_param("Y")
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("FUSE-over-io_uring is disabled in the kernel", r.stderr)
+        self.assertFalse(mounted(self.mp))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@
 // own (a request's data is never shared with another's). The mount is
 // made with mount(2) (root only, no fusermount), removed when the export
 // is deleted or the daemon stops, and a stale one left by a killed daemon
-// on the same mountpoint is cleared at the next start. With
-// VBLK_FUSE_URING=1 and the kernel's fuse.enable_uring=Y, requests come
-// through FUSE over io_uring instead (a prototype; docs/exports.md).
+// on the same mountpoint is cleared at the next start. With io-uring=on
+// (and the kernel's fuse.enable_uring=Y) requests come through FUSE over
+// io_uring instead (src/export/fuse/uring_transport.h).
 #pragma once
 
 #include <memory>
@@ -31,6 +31,7 @@ struct Options {
   bool writable = false;
   bool growable = false;  // writes past the end grow the node
   AllowOther allow_other = AllowOther::Auto;
+  bool io_uring = false;  // FUSE over io_uring (refused when the kernel does not allow it)
 };
 
 class FuseExport : public BlockExport {

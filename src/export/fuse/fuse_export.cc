@@ -3,9 +3,7 @@
 #include "vblk/fuse_export.h"
 
 #include <fcntl.h>
-#include <liburing.h>
 #include <linux/fuse.h>
-#include <sys/eventfd.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -22,6 +20,8 @@
 #include <ctime>
 #include <vector>
 
+#include "fuse/request_buffer.h"
+#include "fuse/uring_transport.h"
 #include "vblk/buffer.h"
 #include "vblk/net.h"
 #include "vblk/node_ref.h"
@@ -31,66 +31,11 @@ namespace vblk::fuse {
 
 namespace {
 
-// The largest read or write the kernel sends in one request, and the
-// request buffer that holds one (headers first, data from kDataOffset so
-// that node I/O gets aligned memory for reads).
-constexpr uint32_t kMaxWrite = 1u << 20;
-constexpr size_t kDataOffset = 4096;
-constexpr size_t kBufSize = kDataOffset + kMaxWrite;
-// Requests served at once: each has its own buffer (32 MiB in all at most).
+// Requests served at once: each has its own buffer (32 MiB in all at most),
+// and as many ring entries with io-uring=on.
 constexpr int kReaders = 32;
 // How long the kernel may cache the file's attributes.
 constexpr uint64_t kAttrValidSec = 1;
-
-// FUSE over io_uring (Linux 6.14, protocol 7.42; not in every system's
-// linux/fuse.h, hence our own names). Opt-in: VBLK_FUSE_URING=1, and the
-// kernel's fuse.enable_uring=Y. After FUSE_INIT the daemon registers ring
-// entries (a header and a payload buffer each) on one queue per possible
-// CPU with IORING_OP_URING_CMD on /dev/fuse; once every queue has one, the
-// kernel sends requests (those of a task on CPU n to queue n) as
-// completions of those commands, and a reply is committed with the next
-// fetch in one command. Forgets and interrupts still come on /dev/fuse.
-constexpr uint64_t kFuseOverIoUring = 1ull << 41;  // init flags2 bit 9
-constexpr uint32_t kUringCmdRegister = 1;
-constexpr uint32_t kUringCmdCommitAndFetch = 2;
-struct UringEntInOut {
-  uint64_t flags;
-  uint64_t commit_id;  // to echo in the commit
-  uint32_t payload_sz;
-  uint32_t padding;
-  uint64_t reserved;
-};
-struct UringReqHeader {
-  uint8_t in_out[128];  // fuse_in_header, then fuse_out_header
-  uint8_t op_in[128];   // the opcode's own struct (the request's first argument)
-  UringEntInOut ent;
-};
-struct UringCmdReq {  // in the SQE128's command area
-  uint64_t flags;
-  uint64_t commit_id;
-  uint16_t qid;
-  uint8_t padding[6];
-};
-static_assert(sizeof(UringReqHeader) == 288 && sizeof(UringCmdReq) == 24);
-// Ring entries in all (spread over the queues), as many as /dev/fuse readers.
-constexpr unsigned kRingEntries = kReaders;
-
-// The kernel's num_possible_cpus(): one queue each must be registered.
-unsigned possible_cpus() {
-  unsigned hi = 0;
-  if (FILE* f = std::fopen("/sys/devices/system/cpu/possible", "re")) {
-    char line[256];
-    if (std::fgets(line, sizeof line, f)) {
-      // "0-3" or "0,2-5": the highest number + 1
-      for (char* t = std::strtok(line, ",\n"); t; t = std::strtok(nullptr, ",\n")) {
-        const char* dash = std::strchr(t, '-');
-        hi = std::max(hi, static_cast<unsigned>(std::strtoul(dash ? dash + 1 : t, nullptr, 10)) + 1);
-      }
-    }
-    std::fclose(f);
-  }
-  return hi ? hi : static_cast<unsigned>(::sysconf(_SC_NPROCESSORS_CONF));
-}
 
 #ifndef PR_SET_IO_FLUSHER
 #define PR_SET_IO_FLUSHER 57
@@ -118,16 +63,6 @@ unsigned mount_minor(const std::string& path) {
   return found;
 }
 
-// A ring entry: the kernel writes a request into hdr and the payload
-// (buf from kDataOffset, so node reads land aligned), we the reply.
-struct RingEnt {
-  UringReqHeader hdr{};
-  AlignedBuffer buf{kBufSize};
-  iovec iov[2]{};
-  uint16_t qid = 0;
-  bool replied = false;
-};
-
 // Whom to answer: the request's id, and its ring entry if it came through
 // io_uring (null: /dev/fuse).
 struct Req {
@@ -144,7 +79,7 @@ class Export final : public FuseExport {
   }
 
   ~Export() override {
-    close_ring();  // first: the unmount may wait for the ring's entries
+    if (ring_) ring_->close();  // first: the unmount may wait for the ring's entries
     if (mounted_) (void)::umount2(opts_.mountpoint.c_str(), MNT_DETACH);
   }
 
@@ -152,7 +87,11 @@ class Export final : public FuseExport {
     const uint32_t perm = kPermConsistentRead | (opts_.writable ? kPermWrite : 0u);
     VBLK_TRY(node_.set_perms(PermPair{perm, kPermAll}));
     VBLK_TRY(node_.set_perms(PermPair{perm, kPermAll & ~kPermResize}));
-    if (const char* e = std::getenv("VBLK_FUSE_URING"); e && std::strcmp(e, "1") == 0) setup_ring();
+    if (opts_.io_uring) {
+      VBLK_TRY(uring_transport_available());
+      ring_ = std::make_unique<UringTransport>(loop_);
+      VBLK_TRY(ring_->setup(kReaders));
+    }
     VBLK_TRY(mount());
     // The loop serves a kernel client now: memory reclaim must not wait
     // on the I/O this thread is about to do (see docs/architecture.md).
@@ -172,7 +111,7 @@ class Export final : public FuseExport {
   bool in_use() const override { return open_files_ > 0; }
 
   Task<void> remove() override {
-    if (ring_ready_) {
+    if (ring_started_) {
       // Off the loop thread: the unmount waits for the ring entries to be
       // torn down, and one the kernel is handing a request to needs this
       // thread's task work to finish.
@@ -190,7 +129,7 @@ class Export final : public FuseExport {
     for (int i = 0; i < 200 && readers_.count(); ++i) co_await loop_.sleep(std::chrono::milliseconds(5));
     if (readers_.count()) abort_connection();
     co_await readers_.wait();
-    close_ring();
+    if (ring_) ring_->close();
     fd_.reset();
     node_.reset();
   }
@@ -247,143 +186,6 @@ class Export final : public FuseExport {
     ::rmdir(dir);
   }
 
-  // ---- FUSE over io_uring
-
-  // A ring of our own (SQE128, for the commands' 80-byte area) whose
-  // completions ring an eventfd the loop reads. Failing here just leaves
-  // the transport off: FUSE_INIT does not offer it then.
-  void setup_ring() {
-    nq_ = possible_cpus();
-    per_queue_ = std::max(1u, kRingEntries / nq_);
-    const unsigned n = nq_ * per_queue_;
-    io_uring_params p{};
-    p.flags = IORING_SETUP_SQE128 | IORING_SETUP_CQSIZE;
-    p.cq_entries = 2 * n;
-    if (io_uring_queue_init_params(n, &ring_, &p) < 0) return;
-    efd_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    if (!efd_.valid() || io_uring_register_eventfd(&ring_, efd_.get()) < 0) {
-      io_uring_queue_exit(&ring_);
-      efd_.reset();
-      return;
-    }
-    for (unsigned q = 0; q < nq_; ++q)
-      for (unsigned i = 0; i < per_queue_; ++i) {
-        auto e = std::make_unique<RingEnt>();
-        e->qid = static_cast<uint16_t>(q);
-        e->iov[0] = {&e->hdr, sizeof e->hdr};
-        e->iov[1] = {e->buf.data() + kDataOffset, kMaxWrite};
-        ents_.push_back(std::move(e));
-      }
-    ring_ready_ = true;
-  }
-
-  void close_ring() {
-    if (!ring_ready_) return;
-    ring_ready_ = false;
-    io_uring_queue_exit(&ring_);  // cancels what is still registered
-    efd_.reset();
-  }
-
-  void register_ring() {
-    batching_ = true;
-    for (auto& e : ents_) queue_cmd(*e, kUringCmdRegister, 0);
-    live_ents_ = ents_.size();
-    batching_ = false;
-    (void)io_uring_submit(&ring_);
-    readers_.add();
-    spawn_detached(ring_reader());
-  }
-
-  // One command per entry is ever outstanding, and the SQ holds them all.
-  void queue_cmd(RingEnt& e, uint32_t op, uint64_t commit_id) {
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-    if (!sqe) {
-      (void)io_uring_submit(&ring_);
-      if (!(sqe = io_uring_get_sqe(&ring_))) return;
-    }
-    std::memset(sqe, 0, 2 * sizeof *sqe);
-    sqe->opcode = IORING_OP_URING_CMD;
-    sqe->fd = fd_.get();
-    sqe->cmd_op = op;
-    sqe->addr = reinterpret_cast<uint64_t>(e.iov);
-    sqe->len = 2;
-    UringCmdReq c{};
-    c.commit_id = commit_id;
-    c.qid = e.qid;
-    std::memcpy(sqe->cmd, &c, sizeof c);
-    io_uring_sqe_set_data(sqe, &e);
-    if (batching_ || flush_pending_) return;
-    // A reply after node I/O: submitted once the loop has run what else
-    // is ready, with the replies those make.
-    flush_pending_ = true;
-    spawn_detached(flush_later());
-  }
-
-  Task<void> flush_later() {
-    co_await loop_.yield();
-    flush_pending_ = false;
-    if (ring_ready_ && io_uring_sq_ready(&ring_)) (void)io_uring_submit(&ring_);
-  }
-
-  // The reply of a request that came through the ring: header and payload
-  // into the entry, committed along with the fetch of the next request.
-  void commit(RingEnt& e, uint64_t unique, int error, const void* p, size_t len, const void* p2, size_t len2) {
-    uint8_t* pay = e.buf.data() + kDataOffset;
-    size_t n = 0;
-    if (!error) {
-      if (len && p != pay) std::memmove(pay, p, len);
-      n = len;
-      if (len2) std::memcpy(pay + n, p2, len2);
-      n += len2;
-    }
-    fuse_out_header h{};
-    h.unique = unique;
-    h.error = error ? -std::abs(error) : 0;
-    h.len = static_cast<uint32_t>(sizeof h + n);
-    std::memcpy(e.hdr.in_out, &h, sizeof h);
-    const uint64_t id = e.hdr.ent.commit_id;
-    e.hdr.ent.payload_sz = static_cast<uint32_t>(n);
-    e.replied = true;
-    queue_cmd(e, kUringCmdCommitAndFetch, id);
-  }
-
-  // Waits on the eventfd, serves what completed; ends when every entry's
-  // command has failed (the connection ended or refused the ring).
-  Task<void> ring_reader() {
-    uint64_t v;
-    std::vector<std::pair<RingEnt*, int>> got;
-    while (live_ents_) {
-      long n = co_await loop_.read_stream(efd_.get(), &v, sizeof v);
-      if (n == -EINTR) continue;
-      if (n < 0 && n != -EAGAIN) break;
-      // A few rounds: the submit's return runs the kernel's task work,
-      // which often has the next requests ready.
-      for (int round = 0; round < 4 && live_ents_; ++round) {
-        got.clear();
-        unsigned head, seen = 0;
-        io_uring_cqe* cqe;
-        io_uring_for_each_cqe(&ring_, head, cqe) {
-          got.emplace_back(static_cast<RingEnt*>(io_uring_cqe_get_data(cqe)), cqe->res);
-          ++seen;
-        }
-        io_uring_cq_advance(&ring_, seen);
-        if (got.empty()) break;
-        // Replies made while serving these go out in one submit.
-        batching_ = true;
-        for (auto [e, res] : got) {
-          if (res < 0) {
-            --live_ents_;
-            continue;
-          }
-          spawn_detached(serve_ent(*e));
-        }
-        batching_ = false;
-        if (io_uring_sq_ready(&ring_)) (void)io_uring_submit(&ring_);
-      }
-    }
-    readers_.done();
-  }
-
   Task<void> serve_ent(RingEnt& e) {
     e.replied = false;
     const auto h = *reinterpret_cast<const fuse_in_header*>(e.hdr.in_out);
@@ -413,7 +215,7 @@ class Export final : public FuseExport {
 
   void reply(Req u, int error, const void* p = nullptr, size_t len = 0, const void* p2 = nullptr, size_t len2 = 0) {
     if (u.ent) {
-      commit(*u.ent, u.unique, error, p, len, p2, len2);
+      ring_->commit(*u.ent, u.unique, error, p, len, p2, len2);
       return;
     }
     fuse_out_header h{};
@@ -551,7 +353,7 @@ class Export final : public FuseExport {
     o.time_gran = 1;
     o.max_pages = kMaxWrite / 4096;
     const bool uring =
-        ring_ready_ && (in->flags & FUSE_INIT_EXT) && ((static_cast<uint64_t>(in->flags2) << 32) & kFuseOverIoUring);
+        ring_ && (in->flags & FUSE_INIT_EXT) && ((static_cast<uint64_t>(in->flags2) << 32) & kFuseOverIoUring);
     if (uring) {
       o.flags |= FUSE_INIT_EXT;
       o.flags2 = static_cast<uint32_t>(kFuseOverIoUring >> 32);
@@ -560,7 +362,11 @@ class Export final : public FuseExport {
     // The kernel takes the ring entries once the connection is
     // initialized, which the reply just did; until every queue has one,
     // new requests wait (a refused registration lets them go to /dev/fuse).
-    if (uring) register_ring();
+    if (uring) {
+      ring_started_ = true;
+      ring_->start(
+          fd_.get(), [this](RingEnt& e) { spawn_detached(serve_ent(e)); }, readers_);
+    }
   }
 
   Task<void> read(Req u, const fuse_read_in* in, AlignedBuffer& buf) {
@@ -755,15 +561,8 @@ class Export final : public FuseExport {
   bool mounted_ = false;
   size_t open_files_ = 0;  // OPENs not yet RELEASEd (a loop device holds one)
   unsigned conn_id_ = 0;
-  // FUSE over io_uring
-  io_uring ring_{};
-  bool ring_ready_ = false;     // ring_ set up (the transport may be offered)
-  bool batching_ = false;       // queue_cmd leaves the submit to the caller
-  bool flush_pending_ = false;  // a flush_later() is on its way
-  Fd efd_;
-  unsigned nq_ = 0, per_queue_ = 0;
-  std::vector<std::unique_ptr<RingEnt>> ents_;
-  size_t live_ents_ = 0;  // entries whose command has not failed
+  std::unique_ptr<UringTransport> ring_;  // io-uring=on
+  bool ring_started_ = false;             // FUSE_INIT accepted it
   std::time_t created_;
   std::time_t mtime_;
   uint32_t mode_;
