@@ -65,10 +65,19 @@ Loop& loop() {
 // ---- the sandbox
 
 const std::set<std::string>& denied_strings() {
-  // Command and transaction-action names, and the throttle driver and
-  // object type, anywhere in a message.
-  static const std::set<std::string> k = {"nbd-server-start", "drive-backup",  "drive-mirror", "blockdev-snapshot-sync",
-                                          "x-vblk-savevm",    "x-vblk-loadvm", "throttle",     "throttle-group"};
+  // Command and transaction-action names, the throttle driver and object
+  // type, and the export types that reach the host's kernel (a FUSE mount
+  // over an existing file, a ublk block device), anywhere in a message.
+  static const std::set<std::string> k = {"nbd-server-start",
+                                          "drive-backup",
+                                          "drive-mirror",
+                                          "blockdev-snapshot-sync",
+                                          "x-vblk-savevm",
+                                          "x-vblk-loadvm",
+                                          "throttle",
+                                          "throttle-group",
+                                          "fuse",
+                                          "ublk"};
   return k;
 }
 

@@ -53,6 +53,10 @@ void serve_help() {
       "  --export [type=]fuse,id=<id>,node-name=<node-name>,mountpoint=<file>\n"
       "           [,growable=on|off][,writable=on|off][,allow-other=on|off|auto][,io-uring=on|off]\n"
       "                         export the specified block node over FUSE\n"
+      "  --export [type=]ublk,id=<id>,node-name=<node-name>[,writable=on|off]\n"
+      "           [,num-queues=<n>][,queue-depth=<n>][,logical-block-size=<n>][,dev-id=<n>]\n"
+      "           [,recovery=on|off]\n"
+      "                         export the specified block node as /dev/ublkbN (ublk_drv)\n"
       "  --export [type=]vhost-user-blk,id=<id>,node-name=<node-name>,\n"
       "           addr.type=unix,addr.path=<socket-path>[,writable=on|off]\n"
       "           [,logical-block-size=<block-size>][,num-queues=<num-queues>]\n"
@@ -197,10 +201,11 @@ void do_nbd_server(qmp::Daemon& d, const std::string& arg) {
 void do_export(qmp::Daemon& d, const std::string& arg) {
   OJson o = keyval("export", arg, "type");
   std::string err;
-  for (const char* k : {"writable", "writethrough", "fixed-iothread", "allocation-depth", "growable", "io-uring"})
+  for (const char* k :
+       {"writable", "writethrough", "fixed-iothread", "allocation-depth", "growable", "io-uring", "recovery"})
     if (!to_bool(o, k, err)) opt_fail("export", arg, err);
   // keyval gives strings; the vhost-user-blk numbers are integers.
-  for (const char* k : {"logical-block-size", "num-queues"}) {
+  for (const char* k : {"logical-block-size", "num-queues", "queue-depth", "dev-id"}) {
     if (!o.contains(k) || !o[k].is_string()) continue;
     auto v = parse_ulong(o[k].get<std::string>(), UINT64_MAX);
     if (!v)
@@ -210,6 +215,9 @@ void do_export(qmp::Daemon& d, const std::string& arg) {
   }
   if (auto e = qmp::check_export_args(o)) opt_fail("export", arg, *e);
   auto st = qmp::add_block_export(d, o);
+  if (!st) opt_fail("export", arg, st.error().what());
+  // A ublk device is up once its disk is added, which the loop serves.
+  st = d.loop.run(qmp::export_ready(d, o.at("id")));
   if (!st) opt_fail("export", arg, st.error().what());
 }
 

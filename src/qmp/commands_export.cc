@@ -5,13 +5,14 @@
 
 #include "vblk/fuse_export.h"
 #include "vblk/qmp_daemon.h"
+#include "vblk/ublk_export.h"
 #include "vblk/vhost_user_blk.h"
 
 namespace vblk::qmp {
 
 namespace {
 
-const std::vector<std::string> kExportTypes = {"nbd", "vhost-user-blk", "fuse"};
+const std::vector<std::string> kExportTypes = {"nbd", "vhost-user-blk", "fuse", "ublk"};
 
 // BlockExportOptions: the common members, then each type's own.
 const std::vector<Arg>& common_members() {
@@ -43,6 +44,12 @@ std::vector<Arg> members_of(const std::string& type) {
                        {"growable", ArgType::Bool},
                        {"allow-other", ArgType::Enum, false, {"off", "on", "auto"}},
                        {"io-uring", ArgType::Bool}});
+  } else if (type == "ublk") {
+    m.insert(m.end(), {{"num-queues", ArgType::UInt32},
+                       {"queue-depth", ArgType::UInt32},
+                       {"logical-block-size", ArgType::UInt64},
+                       {"dev-id", ArgType::Int},
+                       {"recovery", ArgType::Bool}});
   }
   return m;
 }
@@ -132,9 +139,36 @@ Result<std::unique_ptr<BlockExport>> add_fuse(Daemon& d, const OJson& o, const s
   return std::unique_ptr<BlockExport>(std::move(*e));
 }
 
+Result<std::unique_ptr<BlockExport>> add_ublk(Daemon& d, const OJson& o, const std::shared_ptr<Node>& node) {
+  ublk::Options u;
+  u.node = node;
+  u.writable = o.contains("writable") && o.at("writable").get<bool>();
+  auto number = [&o](const char* k, uint64_t max, uint64_t& out) -> Status {
+    if (!o.contains(k)) return {};
+    const uint64_t v = o.at(k).get<uint64_t>();
+    if (v > max) return Error(EINVAL, std::string("Parameter '") + k + "' is out of range");
+    out = v;
+    return {};
+  };
+  uint64_t nq = u.num_queues, depth = u.queue_depth, lbs = u.logical_block_size;
+  VBLK_TRY(number("num-queues", UINT16_MAX, nq));
+  VBLK_TRY(number("queue-depth", UINT16_MAX, depth));
+  VBLK_TRY(number("logical-block-size", UINT32_MAX, lbs));
+  u.num_queues = static_cast<uint16_t>(nq);
+  u.queue_depth = static_cast<uint16_t>(depth);
+  u.logical_block_size = static_cast<uint32_t>(lbs);
+  if (o.contains("dev-id")) u.dev_id = o.at("dev-id").get<int64_t>();
+  u.recovery = o.contains("recovery") && o.at("recovery").get<bool>();
+  auto e = ublk::UblkExport::create(d.loop, std::move(u));
+  VBLK_TRY(e);
+  return std::unique_ptr<BlockExport>(std::move(*e));
+}
+
 Task<Reply> block_export_add(Daemon& d, const OJson& args) {
   if (auto e = check_export_args(args)) co_return Reply::fail(*e);
   auto st = add_block_export(d, args);
+  if (!st) co_return Reply::fail(st.error().what());
+  st = co_await export_ready(d, args.at("id"));
   if (!st) co_return Reply::fail(st.error().what());
   co_return Reply::ok();
 }
@@ -187,6 +221,7 @@ Status add_block_export(Daemon& d, const OJson& o) {
     return Error(ENOENT, "iothread \"" + o.at("iothread").get<std::string>() + "\" not found");
   auto e = type == "nbd"              ? add_nbd_export(d, o, node)
            : type == "vhost-user-blk" ? add_vhost_user_blk(d, o, node)
+           : type == "ublk"           ? add_ublk(d, o, node)
                                       : add_fuse(d, o, node);
   VBLK_TRY(e);
   d.exports[id] = std::move(*e);
@@ -198,6 +233,20 @@ Status add_block_export(Daemon& d, const OJson& o) {
 // so the node is free when the BLOCK_EXPORT_DELETED event and the reply go
 // out. (QEMU sends the event once the clients' coroutines have ended, which
 // can be later than its reply.)
+Task<Status> export_ready(Daemon& d, std::string id) {
+  auto it = d.exports.find(id);
+  if (it == d.exports.end()) co_return Error(ENOENT, "Export '" + id + "' is not found");
+  Status st = co_await it->second->ready();
+  if (st) co_return st;
+  it = d.exports.find(id);
+  if (it == d.exports.end()) co_return st;
+  std::unique_ptr<BlockExport> e = std::move(it->second);
+  d.exports.erase(it);
+  std::erase(d.export_order, id);
+  co_await e->remove();
+  co_return st;
+}
+
 Task<void> Daemon::delete_export(std::string id) {
   auto it = exports.find(id);
   if (it == exports.end()) co_return;

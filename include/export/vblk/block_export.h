@@ -17,13 +17,16 @@ namespace vblk {
 class BlockExport {
  public:
   virtual ~BlockExport() = default;
-  // The QAPI BlockExportType: "nbd", "vhost-user-blk".
+  // The QAPI BlockExportType: "nbd", "vhost-user-blk", "fuse" (and vblk's "ublk").
   virtual const char* type() const = 0;
   // The node the export serves now (a backup's filter or an overlay may
   // have been put above the node it was made for); null once removed.
   virtual const Node* node() const = 0;
   // Clients attached: block-export-del in mode "safe" refuses then.
   virtual bool in_use() const = 0;
+  // Waits until the export serves (a ublk device's disk has been added);
+  // an error means it never will, and the export is to be removed.
+  virtual Task<Status> ready() { co_return Status{}; }
   // Ends the export: no new clients, the attached ones disconnected after
   // their requests in flight, and the node let go, before this returns.
   virtual Task<void> remove() = 0;

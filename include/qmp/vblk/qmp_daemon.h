@@ -152,6 +152,9 @@ Status start_nbd_server(Daemon& d, const OJson& addr, unsigned max_connections);
 // members of its type (check_export_args), then the export made.
 std::optional<std::string> check_export_args(const OJson& opts);
 Status add_block_export(Daemon& d, const OJson& opts);
+// Then waits until the export serves (BlockExport::ready); one that never
+// will is removed again, without an event, and its error returned.
+Task<Status> export_ready(Daemon& d, std::string id);
 // The NBD type's part of it: the export on the running server.
 Result<std::unique_ptr<BlockExport>> add_nbd_export(Daemon& d, const OJson& opts, const std::shared_ptr<Node>& node);
 // QEMU's id_wellformed (export and object ids): a letter, then letters,

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Interop: the ublk export (`vblk serve --export type=ublk`) as the kernel's
+block layer uses it, in the ublk guest (bench/ublk_guest.py: bookworm-
+backports' 6.12 kernel with ublk_drv, vblk inside, under TCG; the host's
+kernel here has no ublk driver).
+
+1. A qcow2 (64 KiB clusters) on /dev/vda served as /dev/ublkb0: a pattern
+   written with O_DIRECT reads back in the guest and, on the host, from the
+   image (qemu-img convert -U); then ext4 made on the device, stressed
+   (stress-ng, verified), a tree copied in and compared after dropping
+   caches, trimmed, unmounted and checked (e2fsck -fn); the daemon stopped
+   with SIGTERM removes the device; qemu-img check of the image is clean.
+2. Two queues over a raw disk: writers pinned to each CPU, so both queues
+   carry requests; the host finds every byte in the file.
+3. kill -9 of the daemon while a writer runs: the writer's I/O fails (no
+   hang), and the same command line started again replaces the dead
+   device and serves it.
+
+Skipped, with the reason, where qemu-system-x86_64, qemu-img or the
+kernel packages are not available.
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import unittest  # noqa: E402
+
+from common import MiB, VBLK, make_tempdir, shm_dir  # noqa: E402
+import guest_vm  # noqa: E402  (bench/, put on the path by common)
+import ublk_guest  # noqa: E402
+
+QEMU_IMG = shutil.which("qemu-img")
+
+
+def run(*argv, timeout=120):
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout)
+
+
+class UblkExportTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        if not QEMU_IMG:
+            raise unittest.SkipTest("qemu-img is needed")
+        try:
+            ublk_guest.build_ublk_guest(VBLK)
+        except guest_vm.GuestUnavailable as e:
+            raise unittest.SkipTest("no ublk guest: %s" % e)
+        cls.dir = make_tempdir(base=shm_dir())
+        cls.guest = None
+        try:
+            cls.img = os.path.join(cls.dir, "img.qcow2")
+            r = run(QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "cluster_size=65536", cls.img, 256 * MiB)
+            assert r.returncode == 0, r.stderr
+            ublk_guest.carrier_disk(cls.img, 320 * MiB)  # room for the clusters vblk allocates on /dev/vda
+            cls.raw = ublk_guest.carrier_disk(os.path.join(cls.dir, "raw.img"), 64 * MiB)
+            cls.guest = ublk_guest.UblkGuest(cls.dir, VBLK, disks=[cls.img, cls.raw], smp=2)
+            if not cls.guest.boot(timeout=300):
+                raise AssertionError("the guest did not boot: %s" % cls.guest.log_tail())
+        except BaseException:
+            cls.cleanup()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cleanup()
+
+    @classmethod
+    def cleanup(cls):
+        if cls.guest is not None:
+            cls.guest.quit()
+            cls.guest = None
+        if os.environ.get("VBLK_UBLK_GUEST_KEEP"):
+            print("\nkept %s" % cls.dir, file=sys.stderr)
+        else:
+            shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def gsh(self, command, timeout=300):
+        rc, out = self.guest.sh(command, timeout=timeout)
+        self.assertEqual(rc, 0, "guest: %s: %s" % (command, out))
+        return out
+
+    def serve(self, blockdevs, export, log):
+        """Starts `vblk serve` in the guest and waits for its device."""
+        argv = "vblk serve %s --export type=ublk,id=u0,%s" % (" ".join("--blockdev " + b for b in blockdevs), export)
+        dev_id = export.split("dev-id=")[1].split(",")[0]
+        self.gsh("(%s > %s 2>&1 & echo $! > %s.pid)" % (argv, log, log))
+        dev = "/dev/ublkb" + dev_id
+        self.gsh("i=0; while [ ! -b %s ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; [ -b %s ] || "
+                 "{ cat %s; exit 1; }" % (dev, dev, log), timeout=120)
+        return dev
+
+    def stop(self, dev, log):
+        self.gsh("p=$(cat %s.pid); kill -TERM $p; i=0; while kill -0 $p 2>/dev/null && [ $i -lt 300 ]; do "
+                 "sleep 0.1; i=$((i+1)); done; ! kill -0 $p 2>/dev/null" % log, timeout=120)
+        self.gsh("[ ! -e %s ] || { cat %s; exit 1; }" % (dev, log))
+
+    def test_1_qcow2_ext4(self):
+        dev = self.serve(["driver=host_device,filename=/dev/vda,node-name=f0", "driver=qcow2,file=f0,node-name=d0"],
+                         "node-name=d0,writable=on,dev-id=0", "/tmp/s1.log")
+        # A pattern at 200 MiB, past what the file system below touches first.
+        want = self.gsh("dd if=/dev/urandom of=/mnt/p bs=1M count=8 2>/dev/null && md5sum < /mnt/p").split()[0]
+        # conv=fsync: the device's flush (sync(1) flushes no block device's
+        # cache), which makes vblk write the qcow2 metadata behind it.
+        self.gsh("dd if=/mnt/p of=%s bs=1M seek=200 oflag=direct conv=fsync 2>/dev/null" % dev)
+        got = self.gsh("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M skip=200 count=8 iflag=direct "
+                       "2>/dev/null | md5sum" % dev).split()[0]
+        self.assertEqual(got, want)
+        conv = os.path.join(self.dir, "conv.raw")
+        r = run(QEMU_IMG, "convert", "-U", "-O", "raw", self.img, conv)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(conv, "rb") as f:
+            f.seek(200 * MiB)
+            self.assertEqual(hashlib.md5(f.read(8 * MiB)).hexdigest(), want, "the image on the host")
+        os.unlink(conv)
+
+        self.gsh("mkfs.ext4 -q -F %s && mkdir -p /mnt/fs && mount -t ext4 %s /mnt/fs" % (dev, dev))
+        try:
+            out = self.gsh("stress-ng --temp-path /mnt/fs --verify --hdd 2 --hdd-ops 400 --hdd-bytes 4M "
+                           "--hdd-write-size 4k --timeout 240 2>&1", timeout=300)
+            self.assertIn("successful run completed", out)
+            self.gsh("mkdir -p /mnt/fs/t && cp -a /bin /lib /mnt/fs/t/ && (cd / && find bin lib -type f | sort | "
+                     "xargs md5sum > /mnt/tree.md5) && sync && echo 3 > /proc/sys/vm/drop_caches && "
+                     "(cd /mnt/fs/t && md5sum -c -s /mnt/tree.md5)", timeout=300)
+            self.gsh("rm -rf /mnt/fs/t && fstrim -v /mnt/fs", timeout=120)
+        finally:
+            self.guest.sh("cd /; umount /mnt/fs", timeout=120)
+        out = self.gsh("e2fsck -fn %s 2>&1" % dev)
+        self.assertIn("Pass 5", out)
+        self.stop(dev, "/tmp/s1.log")
+        r = run(QEMU_IMG, "check", "-U", self.img)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_2_two_queues(self):
+        dev = self.serve(["driver=host_device,filename=/dev/vdb,node-name=r0"],
+                         "node-name=r0,writable=on,num-queues=2,dev-id=1", "/tmp/s2.log")
+        sums = self.gsh("dd if=/dev/urandom of=/mnt/a bs=1M count=8 2>/dev/null && dd if=/dev/urandom of=/mnt/b "
+                        "bs=1M count=8 2>/dev/null && md5sum /mnt/a /mnt/b").split()
+        self.gsh("(taskset 1 dd if=/mnt/a of=%s bs=64k oflag=direct 2>/dev/null &) ; "
+                 "taskset 2 dd if=/mnt/b of=%s bs=64k seek=256 oflag=direct 2>/dev/null; sleep 1" % (dev, dev))
+        got = self.gsh("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M count=8 iflag=direct 2>/dev/null | md5sum; "
+                       "dd if=%s bs=1M skip=16 count=8 iflag=direct 2>/dev/null | md5sum" % (dev, dev)).split()
+        self.assertEqual([got[0], got[2]], [sums[0], sums[2]])
+        self.stop(dev, "/tmp/s2.log")
+        with open(self.raw, "rb") as f:
+            self.assertEqual(hashlib.md5(f.read(8 * MiB)).hexdigest(), sums[0])
+            f.seek(16 * MiB)
+            self.assertEqual(hashlib.md5(f.read(8 * MiB)).hexdigest(), sums[2])
+
+    def test_3_killed_daemon(self):
+        args = (["driver=host_device,filename=/dev/vdb,node-name=r0"], "node-name=r0,writable=on,dev-id=2")
+        dev = self.serve(*args, "/tmp/s3.log")
+        self.gsh("(sh -c 'dd if=/dev/urandom of=%s bs=64k count=100000 oflag=direct; echo DD-END $?' "
+                 "> /tmp/dd.log 2>&1 &)" % dev)
+        self.gsh("sleep 1; kill -9 $(cat /tmp/s3.log.pid)")
+        # The writer's I/O fails once the daemon is gone: it ends, and does
+        # not hang in the kernel.
+        out = self.gsh("i=0; while ! grep -q DD-END /tmp/dd.log && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; "
+                       "cat /tmp/dd.log", timeout=120)
+        self.assertIn("DD-END", out, self.guest.sh("dmesg | tail -40; ls -la /dev/ublk*")[1])
+        self.assertNotIn("DD-END 0", out)
+        # The same command line again: the dead device is replaced.
+        dev = self.serve(*args, "/tmp/s3b.log")
+        want = self.gsh("dd if=/dev/urandom of=/mnt/c bs=1M count=4 2>/dev/null && md5sum < /mnt/c").split()[0]
+        got = self.gsh("dd if=/mnt/c of=%s bs=1M oflag=direct 2>/dev/null && echo 3 > /proc/sys/vm/drop_caches && "
+                       "dd if=%s bs=1M count=4 iflag=direct 2>/dev/null | md5sum" % (dev, dev)).split()[0]
+        self.assertEqual(got, want)
+        self.stop(dev, "/tmp/s3b.log")
+
+    def test_4_recovery(self):
+        """recovery=on: kill -9 under a mounted ext4 being written, the same
+        command line again, and the file system carries on."""
+        args = (["driver=host_device,filename=/dev/vdb,node-name=r0"], "node-name=r0,writable=on,dev-id=3,recovery=on")
+        dev = self.serve(*args, "/tmp/s4.log")
+        self.gsh("mkfs.ext4 -q -F %s && mkdir -p /mnt/r && mount -t ext4 %s /mnt/r" % (dev, dev))
+        try:
+            want = self.gsh("dd if=/dev/urandom of=/mnt/d bs=1M count=8 2>/dev/null && md5sum < /mnt/d").split()[0]
+            # A writer rewriting four 8 MiB files, each fsynced, until told
+            # to stop (and at least once each).
+            self.gsh("rm -f /tmp/stop; (sh -c 'i=0; while [ ! -e /tmp/stop ] || [ $i -lt 4 ]; do "
+                     "dd if=/mnt/d of=/mnt/r/f$((i % 4)) bs=64k conv=fsync 2>/dev/null || exit 1; i=$((i+1)); done; "
+                     "echo W-END $i' > /tmp/w.log 2>&1 &)")
+            self.gsh("sleep 1; kill -9 $(cat /tmp/s4.log.pid)")
+            # The device waits for a daemon; the writer with it.
+            self.gsh("sleep 1; [ -b %s ] && ! grep -q W-END /tmp/w.log" % dev)
+            self.serve(*args, "/tmp/s4b.log")
+            out = self.gsh("sleep 1; touch /tmp/stop; i=0; while ! grep -q W-END /tmp/w.log && [ $i -lt 1200 ]; do "
+                           "sleep 0.1; i=$((i+1)); done; cat /tmp/w.log", timeout=300)
+            self.assertIn("W-END", out, self.guest.sh("dmesg | tail -40; ls -la /dev/ublk*; cat /tmp/s4b.log")[1])
+            sums = self.gsh("sync; echo 3 > /proc/sys/vm/drop_caches; md5sum /mnt/r/f*").split()[0::2]
+            self.assertEqual(sums, [want] * 4)
+        finally:
+            self.guest.sh("cd /; umount /mnt/r", timeout=120)
+        self.assertIn("Pass 5", self.gsh("e2fsck -fn %s 2>&1" % dev))
+        self.stop(dev, "/tmp/s4b.log")
+
+
+if __name__ == "__main__":
+    unittest.main()
