@@ -22,6 +22,7 @@ back bit-exact.
 
 Python 3 standard library only.
 """
+import functools
 import glob
 import hashlib
 import os
@@ -80,7 +81,10 @@ def _run(argv, cwd=None):
     return r.stdout.decode()
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel_package():
+    # Asked once per process: apt-cache takes 0.75 s, and a test asks
+    # build_guest() for its guest two or three times.
     out = _run(["apt-cache", "depends", "linux-image-amd64"])
     m = re.search(r"Depends: (linux-image-\S+-amd64)", out)
     if not m:
