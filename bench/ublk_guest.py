@@ -535,9 +535,9 @@ class UblkGuest(guest_vm.Guest):
         """Waits for GUEST-UP (raises TimeoutError), then quiets the console.
         boot_seconds: from QEMU's start to GUEST-UP; boot_messages: what
         /init printed before it (INSMOD-FAILED <module>, NO-UBLK-CONTROL)."""
-        m = self.expect(rb"((?:.|\n)*?)GUEST-UP", timeout)
+        _, before = self.expect(rb"GUEST-UP", timeout)
         self.boot_seconds = time.monotonic() - self.started
-        self.boot_messages = m.group(1).decode(errors="replace").replace("\r", "")
+        self.boot_messages = before.decode(errors="replace").replace("\r", "")
         # Once sh answers, the console stops echoing (so output is only output).
         rc, _ = self.sh("stty -echo; PS1=", timeout)
         self.out = b""
