@@ -141,9 +141,13 @@ class FuseExportTest(InteropTestCase):
         subprocess.run([QEMU_IMG, "create", "-q", "-f", fmt, img, str(size)], check=True)
         return img
 
-    def qemu_img_check(self, img):
+    def qemu_img_check(self, img, leaks_ok=False):
+        """qemu-img check finds no corruption; after a kill -9, leaked
+        clusters (exit 3: allocated, not yet referenced) are allowed, as in
+        QEMU."""
         r = subprocess.run([QEMU_IMG, "check", img], capture_output=True, text=True)
-        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn(r.returncode, (0, 3) if leaks_ok else (0,), r.stdout + r.stderr)
+        self.assertNotIn("ERROR", r.stdout)
 
     def stress(self, mnt):
         """Runs STRESS_RUNS on the file system at mnt: each must finish all
@@ -373,17 +377,17 @@ class FuseExportTest(InteropTestCase):
         with self.assertRaises(OSError):
             os.stat(self.mp)
         p = self.serve(img, check_mount=False)
-        end = time.time() + 20
+        end = time.time() + 60  # under load, the killed connection's teardown takes a while
         while True:
             try:
                 if os.stat(self.mp).st_size == 64 * MiB:
                     break
             except OSError:
                 pass
-            self.assertLess(time.time(), end, "stale mount not replaced")
+            self.assertLess(time.time(), end, "stale mount not replaced: " + self.log())
             time.sleep(0.05)
         self.stop(p)
-        self.qemu_img_check(img)
+        self.qemu_img_check(img, leaks_ok=True)
 
     def test_delete_while_busy(self):
         """block-export-del with a loop device holding the mounted file: mode

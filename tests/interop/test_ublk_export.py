@@ -15,6 +15,12 @@ kernel here has no ublk driver).
 3. kill -9 of the daemon while a writer runs: the writer's I/O fails (no
    hang), and the same command line started again replaces the dead
    device and serves it.
+4. recovery=on: kill -9 under a mounted ext4 being rewritten with fsync;
+   the same command line again takes the device back, the writer carries
+   on and every file reads back; e2fsck clean.
+5. An overlay with 2 MiB clusters over a compressed base: the base reads
+   through the device, a write lands in the overlay, and on the host the
+   chain checks clean and holds the base with the write.
 
 Skipped, with the reason, where qemu-system-x86_64, qemu-img or the
 kernel packages are not available.
@@ -61,7 +67,22 @@ class UblkExportTest(unittest.TestCase):
             assert r.returncode == 0, r.stderr
             ublk_guest.carrier_disk(cls.img, 320 * MiB)  # room for the clusters vblk allocates on /dev/vda
             cls.raw = ublk_guest.carrier_disk(os.path.join(cls.dir, "raw.img"), 64 * MiB)
-            cls.guest = ublk_guest.UblkGuest(cls.dir, VBLK, disks=[cls.img, cls.raw], smp=2)
+            # A chain for test 5: a compressed base with 2 MiB clusters under
+            # an overlay with 2 MiB clusters.
+            cls.pattern = os.path.join(cls.dir, "pattern.raw")
+            with open(cls.pattern, "wb") as f:
+                for i in range(32):
+                    f.write(os.urandom(MiB // 2) + bytes(MiB // 2))
+            cls.base = os.path.join(cls.dir, "base.qcow2")
+            r = run(QEMU_IMG, "convert", "-c", "-f", "raw", "-O", "qcow2", "-o", "cluster_size=2M", cls.pattern,
+                    cls.base)
+            assert r.returncode == 0, r.stderr
+            cls.overlay = os.path.join(cls.dir, "overlay.qcow2")
+            r = run(QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "cluster_size=2M", "-b", cls.base, "-F", "qcow2",
+                    cls.overlay)
+            assert r.returncode == 0, r.stderr
+            ublk_guest.carrier_disk(cls.overlay, 64 * MiB)
+            cls.guest = ublk_guest.UblkGuest(cls.dir, VBLK, disks=[cls.img, cls.raw, cls.base, cls.overlay], smp=2)
             if not cls.guest.boot(timeout=300):
                 raise AssertionError("the guest did not boot: %s" % cls.guest.log_tail())
         except BaseException:
@@ -200,6 +221,38 @@ class UblkExportTest(unittest.TestCase):
             self.guest.sh("cd /; umount /mnt/r", timeout=120)
         self.assertIn("Pass 5", self.gsh("e2fsck -fn %s 2>&1" % dev))
         self.stop(dev, "/tmp/s4b.log")
+
+    def test_5_backing_chain_compressed(self):
+        """An overlay (2 MiB clusters) over a compressed base: what the base
+        holds reads through the device, a write lands in the overlay, and
+        the chain checks clean and compares on the host."""
+        dev = self.serve(["driver=host_device,filename=/dev/vdc,node-name=bf,read-only=on",
+                          "driver=qcow2,file=bf,node-name=b0,read-only=on",
+                          "driver=host_device,filename=/dev/vdd,node-name=of",
+                          "driver=qcow2,file=of,backing=b0,node-name=o0"],
+                         "node-name=o0,writable=on,dev-id=5", "/tmp/s5.log")
+        with open(self.pattern, "rb") as f:
+            want = hashlib.md5(f.read()).hexdigest()
+        got = self.gsh("dd if=%s bs=1M count=32 iflag=direct 2>/dev/null | md5sum" % dev).split()[0]
+        self.assertEqual(got, want, "the base through the overlay")
+        new = self.gsh("dd if=/dev/urandom of=/mnt/n bs=1M count=3 2>/dev/null && md5sum < /mnt/n").split()[0]
+        self.gsh("dd if=/mnt/n of=%s bs=1M seek=5 oflag=direct conv=fsync 2>/dev/null" % dev)
+        got = self.gsh("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M skip=5 count=3 iflag=direct 2>/dev/null "
+                       "| md5sum" % dev).split()[0]
+        self.assertEqual(got, new)
+        self.stop(dev, "/tmp/s5.log")
+        r = run(QEMU_IMG, "check", "-U", self.overlay)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        # The host's view: the pattern with the 3 MiB written in the guest.
+        conv = os.path.join(self.dir, "chain.raw")
+        r = run(QEMU_IMG, "convert", "-U", "-O", "raw", self.overlay, conv)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(conv, "rb") as f, open(self.pattern, "rb") as p:
+            data, base = f.read(32 * MiB), p.read()
+        self.assertEqual(hashlib.md5(data[5 * MiB:8 * MiB]).hexdigest(), new)
+        self.assertEqual(data[:5 * MiB] + data[8 * MiB:], base[:5 * MiB] + base[8 * MiB:])
+        r = run(QEMU_IMG, "check", "-U", self.base)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
 
 if __name__ == "__main__":
