@@ -211,6 +211,13 @@ class UblkExportTest(unittest.TestCase):
             self.gsh("sleep 1; kill -9 $(cat /tmp/s4.log.pid)")
             # The device waits for a daemon; the writer with it.
             self.gsh("sleep 1; [ -b %s ] && ! grep -q W-END /tmp/w.log" % dev)
+            # Started without recovery=on, a daemon must not replace the
+            # waiting device (its queued writes would be lost).
+            rc, out = self.guest.sh("vblk serve --blockdev driver=host_device,filename=/dev/vdb,node-name=r0 "
+                                    "--export type=ublk,id=u0,node-name=r0,writable=on,dev-id=3 2>&1", timeout=120)
+            self.assertEqual(rc, 1, out)
+            self.assertIn("waits for its daemon to come back", out)
+            self.gsh("[ -b %s ] && ! grep -q W-END /tmp/w.log" % dev)
             self.serve(*args, "/tmp/s4b.log")
             out = self.gsh("sleep 1; touch /tmp/stop; i=0; while ! grep -q W-END /tmp/w.log && [ $i -lt 1200 ]; do "
                            "sleep 0.1; i=$((i+1)); done; cat /tmp/w.log", timeout=300)

@@ -178,6 +178,11 @@ class Export final : public UblkExport {
       recovering_ = true;
       return {};
     }
+    // A device that waits for recovery holds the requests of its users (a
+    // mounted file system's writes): replacing it would drop them.
+    if (old.flags & kFlagUserRecovery)
+      return Error(EBUSY, "ublk device " + std::to_string(id) +
+                              " waits for its daemon to come back; take it back with recovery=on");
     // Stale: its daemon is gone and it will not be recovered.
     (void)ctrl_.stop_dev(id);
     return ctrl_.del_dev(id);
@@ -365,10 +370,11 @@ class Export final : public UblkExport {
     cdev_.reset();
   }
 
-  // A failed create: what setup made is undone (the device deleted).
+  // A failed create: what setup made is undone (the device deleted),
+  // except a device being recovered, left waiting for the next attempt.
   void release() {
     close_queues();
-    if (added_) {
+    if (added_ && !recovering_) {
       (void)ctrl_.stop_dev(dev_id_);
       (void)ctrl_.del_dev(dev_id_);
       added_ = false;
