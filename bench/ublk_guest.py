@@ -1,13 +1,20 @@
 """A TCG guest whose kernel has the ublk driver, with vblk inside it: for
 tests of a ublk export (the host's kernel may have no ublk_drv).
 
-Debian 12's own kernel (6.1) builds no ublk; the 6.12 kernel of
-bookworm-backports has CONFIG_BLK_DEV_UBLK=m. `build_ublk_guest(vblk)`
-fetches that kernel package with `apt-get download` from a private apt
-configuration (its own sources list, lists and cache under
-$VBLK_GUEST_DIR/ublk/apt: the system's apt configuration is left as it is;
-the archive's address is the one the system's sources use), takes vmlinuz
-and the modules this guest loads (MODULES and what their `depends=` name,
+Debian 12's own kernel (6.1) builds no ublk. bookworm-backports' 6.12
+has CONFIG_BLK_DEV_UBLK=m but oopses when a ublk daemon is killed with
+requests being queued (io_fallback_tw: a NULL dereference in the dying
+daemon's io_uring task work, 1 kill in 5 with a writer running, with and
+without IORING_SETUP_DEFER_TASKRUN on the daemon's ring); so the guest runs
+the newest kernel of KERNEL_SUITE (trixie-backports: 7.3 in December 2026,
+signed with a key bookworm's debian-archive-keyring holds), or
+$VBLK_UBLK_SUITE's. `build_ublk_guest(vblk)` fetches that kernel's packages
+(linux-image-*, and the linux-binary-* and linux-modules-* it is split into
+since 6.16) with `apt-get download` from a private apt configuration (its
+own sources list, lists and cache under $VBLK_GUEST_DIR/ublk/apt: the
+system's apt configuration is left as it is; the archive's address is the
+one the system's sources use), takes vmlinuz and the modules this guest
+loads (MODULES and what their `depends=` name,
 in dependency order; the package's modules are .ko.xz, decompressed here,
 since busybox insmod takes plain .ko), and writes a cpio "newc" initramfs
 with busybox (busybox-static), mke2fs / e2fsck (e2fsprogs) and stress-ng
@@ -68,6 +75,12 @@ UBLK_CACHE = os.path.join(guest_vm.CACHE, "ublk")
 # in the guest to follow a softdep. virtio, virtio_ring and virtio_pci are
 # built in (=y) in this kernel.
 MODULES = ("loop", "virtio_blk", "ublk_drv", "crc32c_generic", "ext4")
+# Loaded where the kernel has them: 6.15 and later compute ext4's crc32c
+# with the library, and name no crc32c_generic.
+OPTIONAL_MODULES = ("crc32c_generic",)
+
+# The archive suite whose kernel the guest boots.
+KERNEL_SUITE = os.environ.get("VBLK_UBLK_SUITE", "trixie-backports")
 
 # Host tools in the base archive, with their ldd closures: (path on the host,
 # path in the guest). mkfs.ext4 is a link to mke2fs there and here.
@@ -148,18 +161,16 @@ def _apt_argv(tool):
 
 
 def _backports_lists(max_age=86400.0):
-    """Fresh package lists of <codename>-backports in the private apt
-    directory: updated when older than max_age seconds; when the update
-    fails, older lists still serve (the kernel they name may be cached)."""
-    codename = _os_release().get("VERSION_CODENAME")
-    if not codename:
-        raise GuestUnavailable("/etc/os-release names no VERSION_CODENAME")
+    """Fresh package lists of KERNEL_SUITE in the private apt directory:
+    updated when older than max_age seconds; when the update fails, older
+    lists still serve (the kernel they name may be cached)."""
+    codename = _os_release().get("VERSION_CODENAME") or "bookworm"
     d = _apt_dir()
     lists = os.path.join(d, "lists")
     for sub in ("lists/partial", "cache/archives/partial"):
         os.makedirs(os.path.join(d, sub), exist_ok=True)
     keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
-    line = "deb [signed-by=%s] %s %s-backports main\n" % (keyring, _debian_mirror(codename), codename)
+    line = "deb [signed-by=%s] %s %s main\n" % (keyring, _debian_mirror(codename), KERNEL_SUITE)
     src = os.path.join(d, "sources.list")
     old = None
     if os.path.exists(src):
@@ -177,8 +188,8 @@ def _backports_lists(max_age=86400.0):
         with open(stamp, "w"):
             pass
     elif not have:
-        raise GuestUnavailable("apt-get update of %s-backports: %s" % (
-            codename, r.stdout.decode(errors="replace").strip()[-400:]))
+        raise GuestUnavailable("apt-get update of %s: %s" % (
+            KERNEL_SUITE, r.stdout.decode(errors="replace").strip()[-400:]))
 
 
 def _pkg_version(argv_prefix, pkg):
@@ -190,9 +201,9 @@ def _pkg_version(argv_prefix, pkg):
 
 
 def kernel_package():
-    """(package, version) of the backports kernel: $VBLK_UBLK_KERNEL_PKG, or
-    what backports' linux-image-amd64 depends on (linux-image-6.12.*-amd64
-    in bookworm-backports)."""
+    """(package, version) of the guest's kernel: $VBLK_UBLK_KERNEL_PKG, or
+    what KERNEL_SUITE's linux-image-amd64 depends on (linux-image-7.3.*-amd64
+    in trixie-backports)."""
     _backports_lists()
     cache = _apt_argv("apt-cache")
     pkg = os.environ.get("VBLK_UBLK_KERNEL_PKG")
@@ -200,7 +211,7 @@ def kernel_package():
         out = guest_vm._run(cache + ["depends", "linux-image-amd64"])
         m = re.search(r"Depends: (linux-image-\S+-amd64)", out)
         if not m:
-            raise GuestUnavailable("backports has no linux-image-amd64")
+            raise GuestUnavailable("%s has no linux-image-amd64" % KERNEL_SUITE)
         pkg = m.group(1)
     return pkg, _pkg_version(cache, pkg)
 
@@ -308,8 +319,17 @@ def _modules_in_order(kernel_dir, wanted):
     return order
 
 
+def _kernel_parts(kpkg, kver):
+    """The packages a kernel is split into: linux-image-X itself and, since
+    Debian's 6.16, the linux-binary-X (vmlinuz) and linux-modules-X it
+    depends on, at the same version."""
+    out = guest_vm._run(_apt_argv("apt-cache") + ["depends", "%s=%s" % (kpkg, kver)])
+    parts = sorted(set(re.findall(r"Depends: (linux-(?:binary|modules)-\S+)", out)))
+    return [kpkg] + parts
+
+
 def _kernel_config(root):
-    cfg = glob.glob(os.path.join(root, "boot", "config-*"))
+    cfg = glob.glob(os.path.join(root, "boot", "config-*")) + glob.glob(os.path.join(root, "usr/lib/modules/*/config"))
     if not cfg:
         return {}
     with open(cfg[0]) as f:
@@ -356,25 +376,32 @@ def _build_base(stress_ng):
         return base_dir, kernel, base
     os.makedirs(UBLK_CACHE, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=UBLK_CACHE) as work:
-        guest_vm._run(_apt_argv("apt-get") + ["-q", "download", "%s=%s" % (kpkg, kver)], cwd=work)
+        guest_vm._run(_apt_argv("apt-get") + ["-q", "download"] + ["%s=%s" % (p, kver) for p in _kernel_parts(kpkg, kver)],
+                      cwd=work)
         guest_vm._run(["apt-get", "download", "-o", "APT::Sandbox::User=root", "busybox-static"], cwd=work)
         debs = [os.path.join(work, d) for d in os.listdir(work) if d.endswith(".deb")]
-        kdeb = [d for d in debs if os.path.basename(d).startswith(kpkg + "_")]
+        kdebs = [d for d in debs if re.match(r"linux-(image|binary|modules)-", os.path.basename(d))]
+        kdeb = [d for d in kdebs if os.path.basename(d).startswith(kpkg + "_")]
         bdeb = [d for d in debs if os.path.basename(d).startswith("busybox-static_")]
         if not kdeb or not bdeb:
             raise GuestUnavailable("apt-get download gave %s" % sorted(map(os.path.basename, debs)))
         root = os.path.join(work, "root")
-        for deb in (kdeb[0], bdeb[0]):
+        for deb in kdebs + [bdeb[0]]:
             guest_vm._run(["dpkg-deb", "-x", deb, root])
-        vmlinuz = glob.glob(os.path.join(root, "boot", "vmlinuz-*"))
-        kdirs = glob.glob(os.path.join(root, "lib", "modules", "*", "kernel"))
+        vmlinuz = glob.glob(os.path.join(root, "boot", "vmlinuz-*")) + glob.glob(
+            os.path.join(root, "usr", "lib", "modules", "*", "vmlinuz"))
+        kdirs = glob.glob(os.path.join(root, "lib", "modules", "*", "kernel")) + glob.glob(
+            os.path.join(root, "usr", "lib", "modules", "*", "kernel"))
         busybox = os.path.join(root, "bin", "busybox")
         if not vmlinuz or not kdirs or not os.path.exists(busybox):
             raise GuestUnavailable("no vmlinuz, modules or busybox in the packages")
+        # Packages without a config file: the modules they carry say it.
         config = _kernel_config(root)
-        if config.get("CONFIG_BLK_DEV_UBLK") not in ("m", "y"):
+        have = _module_index(kdirs[0])
+        ublk = config.get("CONFIG_BLK_DEV_UBLK", "m" if "ublk_drv" in have else None)
+        if ublk not in ("m", "y"):
             raise GuestUnavailable("%s has no CONFIG_BLK_DEV_UBLK" % kpkg)
-        wanted = [m for m in MODULES if m != "ublk_drv" or config.get("CONFIG_BLK_DEV_UBLK") == "m"]
+        wanted = [m for m in MODULES if (m != "ublk_drv" or ublk == "m") and (m not in OPTIONAL_MODULES or m in have)]
         mods = _modules_in_order(kdirs[0], wanted)
 
         tree = _Tree(["dev", "proc", "sys", "mnt", "tmp", "run", "var/tmp", "root"])
