@@ -74,10 +74,13 @@ UBLK_CACHE = os.path.join(guest_vm.CACHE, "ublk")
 # the crc32c hash when the file system is mounted); there is no modprobe
 # in the guest to follow a softdep. virtio, virtio_ring and virtio_pci are
 # built in (=y) in this kernel.
-MODULES = ("loop", "virtio_blk", "ublk_drv", "crc32c_generic", "ext4")
+# vduse and virtio_vdpa (with vdpa under them) serve the VDUSE export: a
+# device vblk creates, `vdpa dev add` attaches, and virtio_vdpa binds as
+# /dev/vdX.
+MODULES = ("loop", "virtio_blk", "ublk_drv", "crc32c_generic", "ext4", "vduse", "virtio_vdpa")
 # Loaded where the kernel has them: 6.15 and later compute ext4's crc32c
 # with the library, and name no crc32c_generic.
-OPTIONAL_MODULES = ("crc32c_generic",)
+OPTIONAL_MODULES = ("crc32c_generic", "vduse", "virtio_vdpa")
 
 # The archive suite whose kernel the guest boots.
 KERNEL_SUITE = os.environ.get("VBLK_UBLK_SUITE", "trixie-backports")
@@ -86,6 +89,8 @@ KERNEL_SUITE = os.environ.get("VBLK_UBLK_SUITE", "trixie-backports")
 # path in the guest). mkfs.ext4 is a link to mke2fs there and here.
 E2FS_TOOLS = (("/sbin/mke2fs", "sbin/mke2fs"), ("/sbin/e2fsck", "sbin/e2fsck"))
 STRESS_NG = ("/usr/bin/stress-ng", "bin/stress-ng")
+# iproute2's vdpa, which attaches a VDUSE device to the vDPA bus.
+VDPA = ("/sbin/vdpa", "sbin/vdpa")
 
 INIT = """#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -364,9 +369,9 @@ def _build_base(stress_ng):
         if not os.path.exists(host):
             raise GuestUnavailable("%s is not installed (scripts/deps.sh)" % host)
     stress_ng = stress_ng and os.path.exists(STRESS_NG[0])
-    tools = list(E2FS_TOOLS) + ([STRESS_NG] if stress_ng else [])
+    tools = list(E2FS_TOOLS) + ([STRESS_NG] if stress_ng else []) + ([VDPA] if os.path.exists(VDPA[0]) else [])
     key = "|".join([LAYOUT, kpkg, kver, bb_ver, INIT, ",".join(MODULES)] + [
-        "%s=%s" % (p, _host_version(p)) for p in ("libc6", "e2fsprogs", "stress-ng" if stress_ng else "")])
+        "%s=%s" % (p, _host_version(p)) for p in ("libc6", "e2fsprogs", "iproute2", "stress-ng" if stress_ng else "")])
     name = "%s_%s-%s" % (kpkg, kver, hashlib.sha1(key.encode()).hexdigest()[:12])
     base_dir = os.path.join(UBLK_CACHE, name)
     kernel = os.path.join(base_dir, "vmlinuz")

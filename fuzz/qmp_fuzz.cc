@@ -67,7 +67,8 @@ Loop& loop() {
 const std::set<std::string>& denied_strings() {
   // Command and transaction-action names, the throttle driver and object
   // type, and the export types that reach the host's kernel (a FUSE mount
-  // over an existing file, a ublk block device), anywhere in a message.
+  // over an existing file, a ublk or VDUSE block device), anywhere in a
+  // message.
   static const std::set<std::string> k = {"nbd-server-start",
                                           "drive-backup",
                                           "drive-mirror",
@@ -77,7 +78,8 @@ const std::set<std::string>& denied_strings() {
                                           "throttle",
                                           "throttle-group",
                                           "fuse",
-                                          "ublk"};
+                                          "ublk",
+                                          "vduse-blk"};
   return k;
 }
 

@@ -57,6 +57,11 @@ void serve_help() {
       "           [,num-queues=<n>][,queue-depth=<n>][,logical-block-size=<n>][,dev-id=<n>]\n"
       "           [,recovery=on|off]\n"
       "                         export the specified block node as /dev/ublkbN (ublk_drv)\n"
+      "  --export [type=]vduse-blk,id=<id>,node-name=<node-name>[,name=<vduse-name>]\n"
+      "           [,writable=on|off][,num-queues=<num-queues>][,queue-size=<queue-size>]\n"
+      "           [,logical-block-size=<logical-block-size>][,serial=<serial-number>]\n"
+      "                         export the specified block node as a\n"
+      "                         vduse-blk device\n"
       "  --export [type=]vhost-user-blk,id=<id>,node-name=<node-name>,\n"
       "           addr.type=unix,addr.path=<socket-path>[,writable=on|off]\n"
       "           [,logical-block-size=<block-size>][,num-queues=<num-queues>]\n"
@@ -205,7 +210,7 @@ void do_export(qmp::Daemon& d, const std::string& arg) {
        {"writable", "writethrough", "fixed-iothread", "allocation-depth", "growable", "io-uring", "recovery"})
     if (!to_bool(o, k, err)) opt_fail("export", arg, err);
   // keyval gives strings; the vhost-user-blk numbers are integers.
-  for (const char* k : {"logical-block-size", "num-queues", "queue-depth", "dev-id"}) {
+  for (const char* k : {"logical-block-size", "num-queues", "queue-depth", "queue-size", "dev-id"}) {
     if (!o.contains(k) || !o[k].is_string()) continue;
     auto v = parse_ulong(o[k].get<std::string>(), UINT64_MAX);
     if (!v)

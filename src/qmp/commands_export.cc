@@ -6,13 +6,14 @@
 #include "vblk/fuse_export.h"
 #include "vblk/qmp_daemon.h"
 #include "vblk/ublk_export.h"
+#include "vblk/vduse_blk.h"
 #include "vblk/vhost_user_blk.h"
 
 namespace vblk::qmp {
 
 namespace {
 
-const std::vector<std::string> kExportTypes = {"nbd", "vhost-user-blk", "fuse", "ublk"};
+const std::vector<std::string> kExportTypes = {"nbd", "vhost-user-blk", "fuse", "vduse-blk", "ublk"};
 
 // BlockExportOptions: the common members, then each type's own.
 const std::vector<Arg>& common_members() {
@@ -44,6 +45,12 @@ std::vector<Arg> members_of(const std::string& type) {
                        {"growable", ArgType::Bool},
                        {"allow-other", ArgType::Enum, false, {"off", "on", "auto"}},
                        {"io-uring", ArgType::Bool}});
+  } else if (type == "vduse-blk") {
+    m.insert(m.end(), {{"name", ArgType::Str},
+                       {"num-queues", ArgType::UInt32},
+                       {"queue-size", ArgType::UInt32},
+                       {"logical-block-size", ArgType::UInt64},
+                       {"serial", ArgType::Str}});
   } else if (type == "ublk") {
     m.insert(m.end(), {{"num-queues", ArgType::UInt32},
                        {"queue-depth", ArgType::UInt32},
@@ -164,6 +171,37 @@ Result<std::unique_ptr<BlockExport>> add_ublk(Daemon& d, const OJson& o, const s
   return std::unique_ptr<BlockExport>(std::move(*e));
 }
 
+// qemu-storage-daemon's vduse-blk: the device is named `name`, else the
+// export's id; the operator attaches it with `vdpa dev add`.
+Result<std::unique_ptr<BlockExport>> add_vduse_blk(Daemon& d, const OJson& o, const std::shared_ptr<Node>& node) {
+  const std::string id = o.at("id");
+  vduse::Options v;
+  v.node = node;
+  v.name = o.contains("name") ? o.at("name").get<std::string>() : id;
+  v.writable = o.contains("writable") && o.at("writable").get<bool>();
+  v.writethrough = o.contains("writethrough") && o.at("writethrough").get<bool>();
+  if (o.contains("serial")) v.serial = o.at("serial").get<std::string>();
+  if (o.contains("num-queues")) {
+    const uint64_t n = o.at("num-queues").get<uint64_t>();
+    if (n == 0) return Error(EINVAL, "num-queues must be greater than 0");
+    if (n > UINT16_MAX) return Error(EINVAL, "Parameter 'num-queues' expects uint16_t");
+    v.num_queues = static_cast<uint16_t>(n);
+  }
+  if (o.contains("queue-size")) {
+    const uint64_t n = o.at("queue-size").get<uint64_t>();
+    if (n > UINT16_MAX) return Error(EINVAL, "Parameter 'queue-size' expects uint16_t");
+    v.queue_size = static_cast<uint16_t>(n);
+  }
+  if (o.contains("logical-block-size")) {
+    const uint64_t lbs = o.at("logical-block-size").get<uint64_t>();
+    VBLK_TRY(check_block_size(id, "logical-block-size", lbs));
+    if (lbs) v.logical_block_size = static_cast<uint32_t>(lbs);
+  }
+  auto e = vduse::VduseBlkExport::create(d.loop, std::move(v));
+  VBLK_TRY(e);
+  return std::unique_ptr<BlockExport>(std::move(*e));
+}
+
 Task<Reply> block_export_add(Daemon& d, const OJson& args) {
   if (auto e = check_export_args(args)) co_return Reply::fail(*e);
   auto st = add_block_export(d, args);
@@ -222,6 +260,7 @@ Status add_block_export(Daemon& d, const OJson& o) {
   auto e = type == "nbd"              ? add_nbd_export(d, o, node)
            : type == "vhost-user-blk" ? add_vhost_user_blk(d, o, node)
            : type == "ublk"           ? add_ublk(d, o, node)
+           : type == "vduse-blk"      ? add_vduse_blk(d, o, node)
                                       : add_fuse(d, o, node);
   VBLK_TRY(e);
   d.exports[id] = std::move(*e);

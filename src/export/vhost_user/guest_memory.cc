@@ -14,7 +14,7 @@ bool overlaps(uint64_t a, uint64_t alen, uint64_t b, uint64_t blen) { return a <
 }  // namespace
 
 Status GuestMemory::add(const MemRegion& r, int fd) {
-  if (regions_.size() >= kMaxMemRegions) return Error(ENOSPC, "too many memory regions");
+  if (regions_.size() >= max_regions_) return Error(ENOSPC, "too many memory regions");
   uint64_t end;
   if (r.memory_size == 0 || __builtin_add_overflow(r.guest_phys_addr, r.memory_size, &end) ||
       __builtin_add_overflow(r.userspace_addr, r.memory_size, &end) ||
@@ -56,6 +56,20 @@ void GuestMemory::clear() {
 }
 
 std::span<uint8_t> GuestMemory::find(uint64_t addr, uint64_t len, bool user) const {
+  auto got = find_mapped(addr, len, user);
+  if (got.empty() && on_miss && !holds(addr, user) && on_miss(addr)) got = find_mapped(addr, len, user);
+  return got;
+}
+
+bool GuestMemory::holds(uint64_t addr, bool user) const {
+  for (const auto& x : regions_) {
+    uint64_t base = user ? x.r.userspace_addr : x.r.guest_phys_addr;
+    if (addr >= base && addr - base < x.r.memory_size) return true;
+  }
+  return false;
+}
+
+std::span<uint8_t> GuestMemory::find_mapped(uint64_t addr, uint64_t len, bool user) const {
   for (const auto& x : regions_) {
     uint64_t base = user ? x.r.userspace_addr : x.r.guest_phys_addr;
     if (addr < base) continue;
@@ -68,6 +82,7 @@ std::span<uint8_t> GuestMemory::find(uint64_t addr, uint64_t len, bool user) con
 
 bool GuestMemory::gpa_pieces(uint64_t addr, uint64_t len, std::vector<std::span<uint8_t>>& out) const {
   while (len > 0) {
+    if (on_miss && !holds(addr, false) && !on_miss(addr)) return false;
     bool found = false;
     for (const auto& x : regions_) {
       uint64_t base = x.r.guest_phys_addr;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -17,13 +18,15 @@ namespace vblk::vhost {
 
 class GuestMemory {
  public:
-  GuestMemory() = default;
+  // At most `max_regions` regions (vhost-user's limit by default; a VDUSE
+  // device's IOVA space has one per coherent allocation of its driver).
+  explicit GuestMemory(size_t max_regions = kMaxMemRegions) : max_regions_(max_regions) {}
   ~GuestMemory() { clear(); }
   GuestMemory(const GuestMemory&) = delete;
   GuestMemory& operator=(const GuestMemory&) = delete;
 
   // Maps one region from fd (checked: non-empty, no overflow, no overlap
-  // with a region already mapped, at most kMaxMemRegions).
+  // with a region already mapped, at most max_regions).
   Status add(const MemRegion& r, int fd);
   // Unmaps the region starting at guest address r.guest_phys_addr with the
   // same size; ENOENT if there is none.
@@ -39,6 +42,11 @@ class GuestMemory {
   // one region into the next adjacent one; false if any byte is unmapped.
   bool gpa_pieces(uint64_t addr, uint64_t len, std::vector<std::span<uint8_t>>& out) const;
 
+  // Called with an address no region holds, before a lookup fails: true
+  // if it added a region that holds it (a VDUSE device's IOVA space is
+  // mapped as its driver first uses each part). Unset: lookups just fail.
+  std::function<bool(uint64_t addr)> on_miss;
+
  private:
   struct Region {
     MemRegion r;
@@ -46,7 +54,10 @@ class GuestMemory {
     size_t map_len = 0;
   };
   std::span<uint8_t> find(uint64_t addr, uint64_t len, bool user) const;
+  std::span<uint8_t> find_mapped(uint64_t addr, uint64_t len, bool user) const;
+  bool holds(uint64_t addr, bool user) const;
 
+  size_t max_regions_;
   std::vector<Region> regions_;
 };
 

@@ -166,9 +166,7 @@ class VirtioBlkDevice final : public VirtioBlk {
     co_return written;
   }
 
- BlkConfig config() const override {
-    return make_config();
-  }
+  BlkConfig config() const override { return make_config(); }
 
  private:
   BlkConfig make_config() const {

@@ -1,0 +1,484 @@
+// The VDUSE export: the virtio-blk device (vhost_user/virtio_blk.h) served
+// to the kernel's own virtio driver through /dev/vduse (Linux 5.15+,
+// module vduse). What VduseBlkExport is.
+//
+// The device's life, as the kernel drives it:
+//   create     CREATE_DEV on /dev/vduse/control (features, configuration
+//              space, queue count), open /dev/vduse/NAME, VQ_SETUP for
+//              each queue's maximum size.
+//   attach     the operator's `vdpa dev add`; the driver negotiates and
+//              sets the queues up inside the kernel.
+//   DRIVER_OK  a SET_STATUS message: the daemon maps the IOVA space
+//              (IOTLB_GET_FD per region), reads each queue's rings and
+//              starting index (VQ_GET_INFO), gives it a kick eventfd
+//              (VQ_SETUP_KICKFD) and serves it; completions interrupt the
+//              driver with VQ_INJECT_IRQ.
+//   reset      SET_STATUS 0: the queues stop after their requests in
+//              flight, and the mappings go.
+//   UPDATE_IOTLB  the IOVA mappings changed: the queues pause, the space
+//              is mapped again, and they go on where they were.
+// Every message is answered; a message the daemon does not know gets
+// VDUSE_REQ_RESULT_FAILED.
+#include "vblk/vduse_blk.h"
+
+#include <fcntl.h>
+#include <linux/vduse.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "vblk/net.h"
+#include "vblk/node_ref.h"
+#include "vblk/sync.h"
+#include "vhost_user/guest_memory.h"
+#include "vhost_user/virtio_blk.h"
+#include "vhost_user/virtqueue.h"
+
+namespace vblk::vduse {
+
+namespace {
+
+using vhost::bit;
+
+constexpr uint32_t kVirtioIdBlock = 2;
+constexpr unsigned kFAccessPlatform = 33;  // VIRTIO_F_ACCESS_PLATFORM: VDUSE requires it
+constexpr uint8_t kStatusDriverOk = 4;
+// The driver's coherent allocations (one per ring) and the bounce map.
+constexpr size_t kMaxIovaRegions = 256;
+constexpr uint32_t kQueueAlign = 4096;
+
+Error sys_error(const std::string& what) {
+  const int e = errno;
+  return Error(e, what + ": " + std::strerror(e));
+}
+
+struct Queue {
+  explicit Queue(Loop& l) : inflight(l), exited(l) {}
+  vhost::SplitQueue ring;
+  Fd kick;
+  bool running = false;   // a run_queue task serves the ring
+  bool stopping = false;  // ... and has been asked to end
+  WaitGroup inflight;     // requests being served
+  CoEvent exited;         // the run_queue task has ended
+};
+
+class Export final : public VduseBlkExport {
+ public:
+  Export(Loop& loop, Options o)
+      : loop_(loop), opts_(std::move(o)), node_(opts_.node), mem_(kMaxIovaRegions), msgs_done_(loop) {
+    vhost::VirtioBlkOptions v;
+    v.writable = opts_.writable;
+    v.writethrough = opts_.writethrough;
+    v.logical_block_size = opts_.logical_block_size;
+    v.num_queues = opts_.num_queues;
+    v.seg_max = opts_.queue_size - 2u;
+    v.config_wce = false;
+    v.mq_always = false;
+    v.serial = opts_.serial;
+    dev_ = vhost::VirtioBlk::create(loop, node_, std::move(v));
+    mem_.on_miss = [this](uint64_t addr) { return map_region(addr); };
+    for (uint16_t i = 0; i < opts_.num_queues; ++i) queues_.push_back(std::make_unique<Queue>(loop));
+  }
+
+  ~Export() override { release(); }
+
+  Status setup() {
+    const uint32_t perm = kPermConsistentRead | (opts_.writable ? kPermWrite : 0u);
+    VBLK_TRY(node_.set_perms(PermPair{perm, kPermAll & ~kPermResize}));
+
+    ctrl_ = Fd(::open("/dev/vduse/control", O_RDWR | O_CLOEXEC));
+    if (!ctrl_.valid()) return sys_error("Failed to open /dev/vduse/control (module vduse)");
+    uint64_t version = 0;
+    if (::ioctl(ctrl_.get(), VDUSE_SET_API_VERSION, &version) < 0)
+      return sys_error("Failed to set the VDUSE API version");
+    VBLK_TRY(create_device());
+    VBLK_TRY(open_device());
+    for (uint16_t i = 0; i < opts_.num_queues; ++i) {
+      vduse_vq_config c{};
+      c.index = i;
+      c.max_size = opts_.queue_size;
+      if (::ioctl(dev_fd_.get(), VDUSE_VQ_SETUP, &c) < 0) return sys_error("VDUSE_VQ_SETUP");
+    }
+    stop_efd_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!stop_efd_.valid()) return sys_error("eventfd");
+    spawn_detached(messages());
+    return {};
+  }
+
+  const char* type() const override { return "vduse-blk"; }
+  const Node* node() const override { return node_.get(); }
+  // The kernel's driver is the client, bound or not: mode safe deletes,
+  // as for a ublk export.
+  bool in_use() const override { return false; }
+
+  Task<void> remove() override {
+    stopping_ = true;
+    uint64_t one = 1;
+    (void)!::write(stop_efd_.get(), &one, sizeof one);
+    co_await msgs_done_.wait();
+    co_await stop_queues();
+    mem_.clear();
+    release();
+    node_.reset();
+  }
+
+ private:
+  Status create_device() {
+    const vhost::BlkConfig cfg = dev_->config();
+    std::vector<uint8_t> buf(sizeof(vduse_dev_config) + sizeof cfg);
+    auto* c = reinterpret_cast<vduse_dev_config*>(buf.data());
+    std::memcpy(c->name, opts_.name.data(), opts_.name.size());
+    c->vendor_id = 0;
+    c->device_id = kVirtioIdBlock;
+    c->features = dev_->features() | bit(vhost::kFVersion1) | bit(kFAccessPlatform) | bit(vhost::kFRingEventIdx) |
+                  bit(vhost::kFRingIndirectDesc);
+    c->vq_num = opts_.num_queues;
+    c->vq_align = kQueueAlign;
+    c->config_size = sizeof cfg;
+    std::memcpy(c->config, &cfg, sizeof cfg);
+    if (::ioctl(ctrl_.get(), VDUSE_CREATE_DEV, c) == 0) {
+      created_ = true;
+      return {};
+    }
+    if (errno != EEXIST) return sys_error("Failed to create VDUSE device '" + opts_.name + "'");
+    // Left by a daemon that is gone: destroyed if nothing holds it (no
+    // driver attached, no process serving it), then made anew.
+    char name[VDUSE_NAME_MAX] = {};
+    std::memcpy(name, opts_.name.data(), opts_.name.size());
+    if (::ioctl(ctrl_.get(), VDUSE_DESTROY_DEV, name) < 0) {
+      if (errno == EBUSY)
+        return Error(EBUSY, "VDUSE device '" + opts_.name +
+                                "' exists and is attached or served (detach it with: vdpa dev del " + opts_.name + ")");
+      return sys_error("Failed to replace VDUSE device '" + opts_.name + "'");
+    }
+    if (::ioctl(ctrl_.get(), VDUSE_CREATE_DEV, c) < 0)
+      return sys_error("Failed to create VDUSE device '" + opts_.name + "'");
+    created_ = true;
+    return {};
+  }
+
+  Status open_device() {
+    const std::string path = "/dev/vduse/" + opts_.name;
+    // devtmpfs makes the node right after CREATE_DEV; give it a moment.
+    for (int i = 0; i < 200; ++i) {
+      dev_fd_ = Fd(::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK));
+      if (dev_fd_.valid() || errno != ENOENT) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (!dev_fd_.valid()) return sys_error("Failed to open " + path);
+    return {};
+  }
+
+  // The control messages, one at a time, each answered before the next.
+  // The wait for one runs on the thread pool, where remove() ends it
+  // through the stop eventfd.
+  Task<void> messages() {
+    std::function<long()> wait = [this] {
+      pollfd p[2] = {{dev_fd_.get(), POLLIN, 0}, {stop_efd_.get(), POLLIN, 0}};
+      int r = ::poll(p, 2, -1);
+      if (r < 0) return -static_cast<long>(errno);
+      return (p[1].revents & POLLIN) ? 1L : 0L;
+    };
+    while (!stopping_) {
+      long r = co_await loop_.run_blocking(wait);
+      if (stopping_ || r == 1) break;
+      if (r < 0 && r != -EINTR) {
+        report("poll: " + std::string(std::strerror(static_cast<int>(-r))));
+        break;
+      }
+      vduse_dev_request req{};
+      ssize_t n = ::read(dev_fd_.get(), &req, sizeof req);
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      if (n != static_cast<ssize_t>(sizeof req)) {
+        report(n < 0 ? std::string("read: ") + std::strerror(errno) : "short message");
+        break;
+      }
+      vduse_dev_response resp{};
+      resp.request_id = req.request_id;
+      resp.result = VDUSE_REQ_RESULT_OK;
+      switch (req.type) {
+        case VDUSE_GET_VQ_STATE:
+          if (req.vq_state.index >= queues_.size()) {
+            resp.result = VDUSE_REQ_RESULT_FAILED;
+            break;
+          }
+          resp.vq_state.index = req.vq_state.index;
+          resp.vq_state.split.avail_index = queues_[req.vq_state.index]->ring.last_avail;
+          break;
+        case VDUSE_SET_STATUS:
+          if (req.s.status & kStatusDriverOk) {
+            const bool started = co_await start_queues();
+            if (!started) resp.result = VDUSE_REQ_RESULT_FAILED;
+          } else if (req.s.status == 0) {
+            co_await stop_queues();
+            mem_.clear();
+            for (auto& q : queues_) q->ring = vhost::SplitQueue{};
+          }
+          break;
+        case VDUSE_UPDATE_IOTLB: {
+          // The rings may lie in what changed: pause, map again, go on.
+          bool were_running = false;
+          for (auto& q : queues_) were_running |= q->running;
+          co_await stop_queues();
+          mem_.clear();
+          if (were_running) {
+            const bool resumed = co_await resume_queues();
+            if (!resumed) resp.result = VDUSE_REQ_RESULT_FAILED;
+          }
+          break;
+        }
+        default: resp.result = VDUSE_REQ_RESULT_FAILED; break;
+      }
+      if (::write(dev_fd_.get(), &resp, sizeof resp) != static_cast<ssize_t>(sizeof resp))
+        report(std::string("reply: ") + std::strerror(errno));
+    }
+    msgs_done_.set();
+  }
+
+  void report(const std::string& why) {
+    std::fprintf(stderr, "vblk: vduse-blk %s: %s\n", opts_.name.c_str(), why.c_str());
+  }
+
+  // The region holding `addr`, mapped as its driver starts to use it (the
+  // bounce area appears with the first request after DRIVER_OK, and no
+  // message says so).
+  bool map_region(uint64_t addr) {
+    vduse_iotlb_entry e{};
+    e.start = addr;
+    e.last = addr;
+    int fd = ::ioctl(dev_fd_.get(), VDUSE_IOTLB_GET_FD, &e);
+    if (fd < 0) return false;
+    Fd f(fd);
+    if (e.last < e.start || addr < e.start || addr > e.last) return false;
+    auto st = mem_.add(vhost::MemRegion{e.start, e.last - e.start + 1, e.start, e.offset}, f.get());
+    if (!st) report("IOVA region at " + std::to_string(e.start) + ": " + st.error().what());
+    return st.ok();
+  }
+
+  // Every region of the device's IOVA space, in address order.
+  Status map_iova() {
+    mem_.clear();
+    uint64_t cursor = 0;
+    for (size_t i = 0; i < kMaxIovaRegions; ++i) {
+      vduse_iotlb_entry e{};
+      e.start = cursor;
+      e.last = UINT64_MAX;
+      int fd = ::ioctl(dev_fd_.get(), VDUSE_IOTLB_GET_FD, &e);
+      if (fd < 0) {
+        if (errno == EINVAL) return {};  // no region from cursor on
+        return sys_error("VDUSE_IOTLB_GET_FD");
+      }
+      Fd f(fd);
+      if (e.last < e.start || e.start < cursor) return Error(EPROTO, "VDUSE gave an IOVA region out of order");
+      vhost::MemRegion r{e.start, e.last - e.start + 1, e.start, e.offset};
+      VBLK_TRY(mem_.add(r, f.get()));
+      if (e.last == UINT64_MAX) return {};
+      cursor = e.last + 1;
+    }
+    return Error(ENOSPC, "more than " + std::to_string(kMaxIovaRegions) + " IOVA regions");
+  }
+
+  // DRIVER_OK: the negotiated features, the mappings, and each queue the
+  // driver made ready.
+  Task<bool> start_queues() {
+    if (::ioctl(dev_fd_.get(), VDUSE_DEV_GET_FEATURES, &features_) < 0) {
+      report(sys_error("VDUSE_DEV_GET_FEATURES").what());
+      co_return false;
+    }
+    if (auto st = map_iova(); !st) {
+      report(st.error().what());
+      co_return false;
+    }
+    for (uint16_t i = 0; i < queues_.size(); ++i) {
+      Queue& q = *queues_[i];
+      if (q.running) continue;
+      vduse_vq_info info{};
+      info.index = i;
+      if (::ioctl(dev_fd_.get(), VDUSE_VQ_GET_INFO, &info) < 0) {
+        report(sys_error("VDUSE_VQ_GET_INFO").what());
+        co_return false;
+      }
+      if (!info.ready) continue;
+      q.ring = vhost::SplitQueue{};
+      q.ring.num = info.num;
+      q.ring.addr.desc_user_addr = info.desc_addr;
+      q.ring.addr.avail_user_addr = info.driver_addr;
+      q.ring.addr.used_user_addr = info.device_addr;
+      q.ring.addr_set = true;
+      q.ring.last_avail = info.split.avail_index;
+      if (!q.kick.valid()) {
+        q.kick = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+        vduse_vq_eventfd k{};
+        k.index = i;
+        k.fd = q.kick.get();
+        if (!q.kick.valid() || ::ioctl(dev_fd_.get(), VDUSE_VQ_SETUP_KICKFD, &k) < 0) {
+          report(sys_error("VDUSE_VQ_SETUP_KICKFD").what());
+          q.kick.reset();
+          co_return false;
+        }
+      }
+      if (!start(q, i)) co_return false;
+    }
+    co_return true;
+  }
+
+  // After an IOTLB update: the same rings, mapped again, from where they
+  // stopped.
+  Task<bool> resume_queues() {
+    if (auto st = map_iova(); !st) {
+      report(st.error().what());
+      co_return false;
+    }
+    bool ok = true;
+    for (uint16_t i = 0; i < queues_.size(); ++i)
+      if (queues_[i]->ring.addr_set && queues_[i]->kick.valid()) ok &= start(*queues_[i], i);
+    co_return ok;
+  }
+
+  bool start(Queue& q, uint16_t index) {
+    if (auto st = q.ring.start(mem_, features_ & bit(vhost::kFRingEventIdx), features_ & bit(vhost::kFRingIndirectDesc));
+        !st) {
+      report("queue " + std::to_string(index) + ": " + st.error().what());
+      return false;
+    }
+    q.running = true;
+    q.stopping = false;
+    q.exited.reset();
+    spawn_detached(run_queue(q, index));
+    return true;
+  }
+
+  // Ends every queue's task and waits for its requests; the kick
+  // eventfds stay registered for the next start.
+  Task<void> stop_queues() {
+    for (auto& qp : queues_) {
+      Queue& q = *qp;
+      if (q.running) {
+        q.stopping = true;
+        uint64_t one = 1;
+        (void)!::write(q.kick.get(), &one, sizeof one);
+        co_await q.exited.wait();
+        q.running = false;
+        q.stopping = false;
+      }
+      co_await q.inflight.wait();
+      q.ring.stop();
+    }
+  }
+
+  void interrupt(uint32_t index) {
+    if (::ioctl(dev_fd_.get(), VDUSE_VQ_INJECT_IRQ, &index) < 0 && !irq_error_reported_) {
+      irq_error_reported_ = true;
+      report(sys_error("VDUSE_VQ_INJECT_IRQ").what());
+    }
+  }
+
+  Task<void> serve_request(Queue& q, uint32_t index, std::unique_ptr<vhost::Chain> c) {
+    auto r = co_await dev_->handle(*c);
+    if (!r) {
+      report("queue " + std::to_string(index) + ": " + r.error().what());
+    } else {
+      q.ring.push(c->head, *r);
+      if (q.ring.need_notify()) interrupt(index);
+    }
+    q.inflight.done();
+  }
+
+  // As the vhost-user back end's: everything available with kicks off,
+  // then kicks on and one more look, then wait for a kick.
+  Task<void> run_queue(Queue& q, uint32_t index) {
+    while (!q.stopping) {
+      bool broken = false;
+      for (;;) {
+        q.ring.set_notify(false);
+        std::unique_ptr<vhost::Chain> c;
+        for (;;) {
+          if (!c) c = std::make_unique<vhost::Chain>();
+          auto got = q.ring.pop(mem_, *c);
+          if (!got) {
+            // A driver in the kernel that breaks the ring rules: the
+            // queue stops rather than touch memory it was not given.
+            report("queue " + std::to_string(index) + ": " + got.error().what());
+            broken = true;
+            break;
+          }
+          if (!*got) break;
+          q.inflight.add();
+          spawn_detached(serve_request(q, index, std::move(c)));
+          if (q.stopping) break;
+        }
+        if (broken || q.stopping) break;
+        q.ring.set_notify(true);
+        if (q.ring.empty()) break;
+      }
+      if (broken || q.stopping) break;
+      uint64_t v;
+      long n = co_await loop_.read_stream(q.kick.get(), &v, sizeof v);
+      if (n < 0 && n != -EAGAIN && n != -EINTR) {
+        report("queue " + std::to_string(index) + ": kick: " + std::strerror(static_cast<int>(-n)));
+        break;
+      }
+    }
+    q.exited.set();
+  }
+
+  // What setup made is undone: the kick descriptors, the device's file,
+  // and the device itself (refused, and left, while a driver holds it:
+  // `vdpa dev del NAME` first, as with qemu-storage-daemon).
+  void release() {
+    for (auto& q : queues_) q->kick.reset();
+    dev_fd_.reset();
+    if (created_ && ctrl_.valid()) {
+      char name[VDUSE_NAME_MAX] = {};
+      std::memcpy(name, opts_.name.data(), opts_.name.size());
+      if (::ioctl(ctrl_.get(), VDUSE_DESTROY_DEV, name) < 0 && errno == EBUSY)
+        report("the device stays: it is still attached (vdpa dev del " + opts_.name + ")");
+      created_ = false;
+    }
+    ctrl_.reset();
+  }
+
+  Loop& loop_;
+  Options opts_;
+  NodeRef node_;
+  std::unique_ptr<vhost::VirtioBlk> dev_;
+  vhost::GuestMemory mem_;
+  std::vector<std::unique_ptr<Queue>> queues_;
+  Fd ctrl_;
+  Fd dev_fd_;
+  Fd stop_efd_;
+  bool created_ = false;
+  bool stopping_ = false;
+  bool irq_error_reported_ = false;
+  uint64_t features_ = 0;
+  CoEvent msgs_done_;  // the message task has ended
+};
+
+}  // namespace
+
+Result<std::unique_ptr<VduseBlkExport>> VduseBlkExport::create(Loop& loop, Options o) {
+  if (!o.node) return Error(EINVAL, "no node to export");
+  if (o.writable && o.node->read_only()) return Error(EACCES, "Cannot export read-only node as writable");
+  if (o.name.empty() || o.name.size() >= VDUSE_NAME_MAX || o.name.find('/') != std::string::npos ||
+      o.name.find("..") != std::string::npos)
+    return Error(EINVAL, "Invalid VDUSE device name '" + o.name + "'");
+  if (o.num_queues < 1 || o.num_queues > 64) return Error(EINVAL, "num-queues must be between 1 and 64");
+  if (o.queue_size <= 2 || o.queue_size > 1024 || (o.queue_size & (o.queue_size - 1)))
+    return Error(EINVAL, "queue-size is invalid");
+  if (o.logical_block_size < 512 || o.logical_block_size > 4096 || (o.logical_block_size & (o.logical_block_size - 1)))
+    return Error(EINVAL, "logical-block-size must be 512, 1024, 2048 or 4096");
+  auto e = std::make_unique<Export>(loop, std::move(o));
+  VBLK_TRY(e->setup());
+  return std::unique_ptr<VduseBlkExport>(std::move(e));
+}
+
+}  // namespace vblk::vduse

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Interop: the VDUSE export (`vblk serve --export type=vduse-blk`) as the
+kernel's own virtio-blk driver uses it, in the ublk guest
+(bench/ublk_guest.py: trixie-backports' kernel with vduse, vdpa and
+virtio_vdpa, iproute2's vdpa tool and vblk inside, under TCG; the host's
+kernel here has neither).
+
+1. A qcow2 (64 KiB clusters) on /dev/vda served with two queues, attached
+   with `vdpa dev add` as the next /dev/vdX: a pattern written with O_DIRECT and
+   fsync reads back in the guest and, on the host, from the image; ext4
+   made on the device, stress-ng (verified), a tree copied in and
+   compared after dropping caches, trimmed, unmounted and checked
+   (e2fsck -fn); `vdpa dev del`, then SIGTERM: the daemon destroys the
+   device; qemu-img check of the image is clean.
+2. Careless operators: a name with a slash, a queue size that is not a
+   power of two, a second daemon for a device that is attached — each
+   refused with the reason, exit 1, and the attached device still serves.
+
+Skipped, with the reason, where qemu-system-x86_64, qemu-img or the
+kernel packages are not available.
+"""
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import unittest  # noqa: E402
+
+from common import MiB, VBLK, make_tempdir, shm_dir  # noqa: E402
+import guest_vm  # noqa: E402  (bench/, put on the path by common)
+import ublk_guest  # noqa: E402
+
+QEMU_IMG = shutil.which("qemu-img")
+
+
+def run(*argv, timeout=120):
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout)
+
+
+class VduseExportTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        if not QEMU_IMG:
+            raise unittest.SkipTest("qemu-img is needed")
+        try:
+            ublk_guest.build_ublk_guest(VBLK)
+        except guest_vm.GuestUnavailable as e:
+            raise unittest.SkipTest("no guest: %s" % e)
+        cls.dir = make_tempdir(base=shm_dir())
+        cls.guest = None
+        try:
+            cls.img = os.path.join(cls.dir, "img.qcow2")
+            r = run(QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "cluster_size=65536", cls.img, 256 * MiB)
+            assert r.returncode == 0, r.stderr
+            ublk_guest.carrier_disk(cls.img, 320 * MiB)  # room for the clusters vblk allocates on /dev/vda
+            cls.raw = ublk_guest.carrier_disk(os.path.join(cls.dir, "raw.img"), 64 * MiB)
+            cls.guest = ublk_guest.UblkGuest(cls.dir, VBLK, disks=[cls.img, cls.raw], smp=2)
+            if not cls.guest.boot(timeout=300):
+                raise AssertionError("the guest did not boot: %s" % cls.guest.log_tail())
+            rc, out = cls.guest.sh("[ -c /dev/vduse/control ] && [ -x /sbin/vdpa ]")
+            if rc != 0:
+                raise unittest.SkipTest("the guest's kernel has no vduse, or there is no vdpa tool (iproute2)")
+        except BaseException:
+            cls.cleanup()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cleanup()
+
+    @classmethod
+    def cleanup(cls):
+        if cls.guest is not None:
+            cls.guest.quit()
+            cls.guest = None
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def gsh(self, command, timeout=300):
+        rc, out = self.guest.sh(command, timeout=timeout)
+        self.assertEqual(rc, 0, "guest: %s: %s" % (command, out))
+        return out
+
+    def serve(self, blockdevs, export, log):
+        """Starts `vblk serve` in the guest, waits for /dev/vduse/NAME,
+        attaches it and returns the disk virtio_vdpa made of it."""
+        name = re.search(r"(?:^|,)name=([^,]+)", export).group(1)
+        before = set(self.gsh("ls /sys/block").split())
+        argv = "vblk serve %s --export type=vduse-blk,id=v0,%s" % (
+            " ".join("--blockdev " + b for b in blockdevs), export)
+        self.gsh("(%s > %s 2>&1 & echo $! > %s.pid)" % (argv, log, log))
+        self.gsh("i=0; while [ ! -c /dev/vduse/%s ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; "
+                 "[ -c /dev/vduse/%s ] || { cat %s; false; }" % (name, name, log), timeout=120)
+        self.gsh("vdpa dev add name %s mgmtdev vduse" % name, timeout=120)
+        # virtio_vdpa binds it, and its probe reads the partition table
+        # through the daemon before the disk shows.
+        out = self.gsh("i=0; while [ $(ls /sys/block | grep -c vd) -le %d ] && [ $i -lt 300 ]; do sleep 0.1; "
+                       "i=$((i+1)); done; ls /sys/block" % len([b for b in before if b.startswith("vd")]),
+                       timeout=120)
+        new = sorted(set(out.split()) - before)
+        self.assertEqual(len(new), 1, "disks before %s, after %s: %s" % (sorted(before), out.split(),
+                                                                          self.guest.sh("cat " + log)[1]))
+        return "/dev/" + new[0]
+
+    def stop(self, name, log):
+        self.gsh("vdpa dev del %s" % name, timeout=120)
+        self.gsh("p=$(cat %s.pid); kill -TERM $p; i=0; while kill -0 $p 2>/dev/null && [ $i -lt 300 ]; do "
+                 "sleep 0.1; i=$((i+1)); done; ! kill -0 $p 2>/dev/null" % log, timeout=120)
+        self.gsh("[ ! -e /dev/vduse/%s ] || { cat %s; false; }" % (name, log))
+
+    def test_1_qcow2_ext4_two_queues(self):
+        dev = self.serve(["driver=host_device,filename=/dev/vda,node-name=f0", "driver=qcow2,file=f0,node-name=d0"],
+                         "node-name=d0,writable=on,name=vduse0,num-queues=2", "/tmp/v1.log")
+        self.assertEqual(self.gsh("ls /sys/block/%s/mq | wc -l" % os.path.basename(dev)).strip(), "2")
+        want = self.gsh("dd if=/dev/urandom of=/mnt/p bs=1M count=8 2>/dev/null && md5sum < /mnt/p").split()[0]
+        self.gsh("dd if=/mnt/p of=%s bs=1M seek=200 oflag=direct conv=fsync 2>/dev/null" % dev)
+        got = self.gsh("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M skip=200 count=8 iflag=direct "
+                       "2>/dev/null | md5sum" % dev).split()[0]
+        self.assertEqual(got, want)
+        conv = os.path.join(self.dir, "conv.raw")
+        r = run(QEMU_IMG, "convert", "-U", "-O", "raw", self.img, conv)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(conv, "rb") as f:
+            f.seek(200 * MiB)
+            self.assertEqual(hashlib.md5(f.read(8 * MiB)).hexdigest(), want, "the image on the host")
+        os.unlink(conv)
+
+        self.gsh("mkfs.ext4 -q -F %s && mkdir -p /mnt/fs && mount -t ext4 %s /mnt/fs" % (dev, dev))
+        try:
+            out = self.gsh("stress-ng --temp-path /mnt/fs --verify --hdd 2 --hdd-ops 400 --hdd-bytes 4M "
+                           "--hdd-write-size 4k --timeout 240 2>&1", timeout=300)
+            self.assertIn("successful run completed", out)
+            self.gsh("mkdir -p /mnt/fs/t && cp -a /bin /lib /mnt/fs/t/ && (cd / && find bin lib -type f | sort | "
+                     "xargs md5sum > /mnt/tree.md5) && sync && echo 3 > /proc/sys/vm/drop_caches && "
+                     "(cd /mnt/fs/t && md5sum -c -s /mnt/tree.md5)", timeout=300)
+            self.gsh("rm -rf /mnt/fs/t && fstrim -v /mnt/fs", timeout=120)
+        finally:
+            self.guest.sh("cd /; umount /mnt/fs", timeout=120)
+        out = self.gsh("e2fsck -fn %s 2>&1" % dev)
+        self.assertIn("Pass 5", out)
+        self.stop("vduse0", "/tmp/v1.log")
+        self.assertEqual(self.gsh("cat /tmp/v1.log"), "")
+        r = run(QEMU_IMG, "check", "-U", self.img)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_2_careless_operator(self):
+        base = "vblk serve --blockdev driver=host_device,filename=/dev/vdb,node-name=r0 --export type=vduse-blk,id=v0,"
+        for export, why in (("node-name=r0,name=a/b", "Invalid VDUSE device name"),
+                            ("node-name=r0,name=q3,queue-size=100", "queue-size is invalid"),
+                            ("node-name=r0,name=q4,num-queues=0", "num-queues must be greater than 0")):
+            rc, out = self.guest.sh(base + export + " 2>&1", timeout=120)
+            self.assertEqual(rc, 1, out)
+            self.assertIn(why, out)
+        self.gsh("[ -z \"$(ls /dev/vduse | grep -v control)\" ]")
+        # A second daemon for a device that is attached and served.
+        dev = self.serve(["driver=host_device,filename=/dev/vdb,node-name=r0"], "node-name=r0,writable=on,name=vduse1",
+                         "/tmp/v2.log")
+        rc, out = self.guest.sh(base + "node-name=r0,writable=on,name=vduse1 2>&1", timeout=120)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("exists and is attached or served", out)
+        want = self.gsh("dd if=/dev/urandom of=/mnt/c bs=1M count=4 2>/dev/null && md5sum < /mnt/c").split()[0]
+        got = self.gsh("dd if=/mnt/c of=%s bs=1M oflag=direct conv=fsync 2>/dev/null && "
+                       "echo 3 > /proc/sys/vm/drop_caches && dd if=%s bs=1M count=4 iflag=direct 2>/dev/null | "
+                       "md5sum" % (dev, dev)).split()[0]
+        self.assertEqual(got, want)
+        self.stop("vduse1", "/tmp/v2.log")
+        with open(self.raw, "rb") as f:
+            self.assertEqual(hashlib.md5(f.read(4 * MiB)).hexdigest(), want, "the raw disk on the host")
+
+
+if __name__ == "__main__":
+    unittest.main()
