@@ -189,8 +189,42 @@ class KillSoak:
         return out
 
     def diag(self):
-        rc, out = self.g.sh("echo '--- dmesg'; dmesg | tail -30; echo '--- daemon log'; tail -20 %s; "
-                            "echo '--- writers'; cat /mnt/wout*; ls -la /dev/ublk* 2>&1" % self.log, timeout=60)
+        rc, out = self.g.sh("echo '--- writers'; cat /mnt/wout?; ls -la /dev/ublk* 2>&1", timeout=60)
+        return out + self.hang_diag()
+
+    def bg(self, cmd, timeout, what):
+        """Runs `cmd` in the guest in the background and polls for its end:
+        a command stuck in the kernel (I/O that never completes) leaves the
+        console free to say where (hang_diag()). Returns its output; raises
+        unless it exits 0."""
+        script = base64.b64encode(cmd.encode()).decode()
+        self.check("rm -f /mnt/bg.rc; echo %s | base64 -d > /mnt/bg.sh; ((sh /mnt/bg.sh > /mnt/bg.out 2>&1; "
+                   "echo $? > /mnt/bg.rc) &)" % script)
+        end = time.monotonic() + timeout
+        while True:
+            rc, out = self.sh("cat /mnt/bg.rc 2>/dev/null")
+            if out.strip():
+                break
+            if time.monotonic() > end:
+                raise SoakFailure("%s: no end in %d s (a hang?): %r\n%s" % (what, timeout, cmd, self.hang_diag()))
+            time.sleep(0.5)
+        rc = int(out.split()[0])
+        out = self.check("cat /mnt/bg.out")
+        if rc != 0:
+            raise SoakFailure("%s: %r exited %d: %s\n%s" % (what, cmd, rc, out[-3000:], self.diag()))
+        return out
+
+    def hang_diag(self):
+        """Who waits on what: D-state tasks and their kernel stacks, the
+        daemon's threads, the device's in-flight counts, sysrq-w."""
+        rc, out = self.g.sh(
+            "echo '--- daemon'; p=$(cat /tmp/ublk_serve.pid); kill -0 $p && echo alive $p; "
+            "for t in /proc/$p/task/*; do echo \"$t $(cat $t/comm) $(cat $t/wchan)\"; cat $t/stack; done; "
+            "echo '--- D tasks'; for d in /proc/[0-9]*; do st=$(awk '{print $3}' $d/stat 2>/dev/null); "
+            "[ \"$st\" = D ] || continue; echo \"$d $(cat $d/comm) $(cat $d/wchan)\"; cat $d/stack; done; "
+            "echo '--- inflight'; cat /sys/block/ublkb*/inflight; ls /sys/block/ublkb*/mq/; "
+            "echo '--- daemon log'; cat %s; echo w > /proc/sysrq-trigger; echo '--- dmesg'; dmesg | tail -120"
+            % self.log, timeout=120)
         return out
 
     @property
@@ -260,11 +294,11 @@ class KillSoak:
         """md5sum -c of the logs of rounds k-1 and k after dropping caches;
         returns the number of files checked."""
         t = time.monotonic()
-        out = self.check("echo 3 > /proc/sys/vm/drop_caches; for w in %s; do for r in %d %d; do "
-                         "l=/mnt/ublk_log.w$w.r$r; [ -s $l ] || continue; (cd /mnt/fs/w$w && md5sum -c $l 2>&1) "
-                         "| grep -v ': OK$'; cat $l | wc -l | sed \"s/^/COUNT /\"; "
-                         "cut -c35- $l | sed \"s/^/NAME w$w\\//\"; done; done" % (
-                             " ".join(map(str, range(WRITERS))), k - 1, k), 300, "verify")
+        out = self.bg("echo 3 > /proc/sys/vm/drop_caches; for w in %s; do for r in %d %d; do "
+                      "l=/mnt/ublk_log.w$w.r$r; [ -s $l ] || continue; (cd /mnt/fs/w$w && md5sum -c $l 2>&1) "
+                      "| grep -v ': OK$'; cat $l | wc -l | sed \"s/^/COUNT /\"; "
+                      "cut -c35- $l | sed \"s/^/NAME w$w\\//\"; done; done; true" % (
+                          " ".join(map(str, range(WRITERS))), k - 1, k), 120, "round %d: verify" % k)
         bad = [x for x in out.splitlines() if x.strip() and not x.startswith(("COUNT ", "NAME "))]
         lost = [x.split(":")[0].strip() for x in bad if re.match(r"r\d+-\d+-\d+: FAILED", x.strip())]
         if bad:
