@@ -39,6 +39,10 @@ what was missing (the console's view and the daemon's log).
 Usage (the release binary; a guest of 2 vCPUs, TCG):
   VBLK=build/vblk bench/ublk_kill_soak.py [--rounds 20] [--num-queues 1|2]
       [--cluster-size 64K|2M] [--backing] [--no-recovery] [--seed N]
+      [--probe] [--keep-going]
+--probe (recovery) first checks that a completed, unflushed 1 MiB O_DIRECT
+write to the empty image survives one kill and recovery; --keep-going
+counts lost files (reported with how they differ) and carries on.
 Prints one line per round (the kill moment, how many files were flushed
 by then, restart and resume times, files verified, seconds) and a summary:
 `ublk kill soak: 20/20 rounds, N flushed files verified, qemu-img check:
