@@ -282,11 +282,6 @@ class UblkExportTest(unittest.TestCase):
         r = run(QEMU_IMG, "check", "-U", self.base)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
-    # vblk loses a write it completed when killed before the flush that
-    # would have written the write's qcow2 metadata; the kernel does not
-    # send it again and the file system's next flush succeeds on the new
-    # daemon (bench/results/ublk_kills_s23.txt). Drop this once fixed.
-    @unittest.expectedFailure
     def test_6_recovery_kills(self):
         """Three kill -9 under ext4 with recovery=on, two queues, 2 MiB
         clusters: every file the writers flushed reads back; the file

@@ -19,8 +19,6 @@
 //              is mapped again, and they go on where they were.
 // Every message is answered; a message the daemon does not know gets
 // VDUSE_REQ_RESULT_FAILED.
-#include "vblk/vduse_blk.h"
-
 #include <fcntl.h>
 #include <linux/vduse.h>
 #include <poll.h>
@@ -39,6 +37,7 @@
 #include "vblk/net.h"
 #include "vblk/node_ref.h"
 #include "vblk/sync.h"
+#include "vblk/vduse_blk.h"
 #include "vhost_user/guest_memory.h"
 #include "vhost_user/virtio_blk.h"
 #include "vhost_user/virtqueue.h"
@@ -345,7 +344,8 @@ class Export final : public VduseBlkExport {
   }
 
   bool start(Queue& q, uint16_t index) {
-    if (auto st = q.ring.start(mem_, features_ & bit(vhost::kFRingEventIdx), features_ & bit(vhost::kFRingIndirectDesc));
+    if (auto st =
+            q.ring.start(mem_, features_ & bit(vhost::kFRingEventIdx), features_ & bit(vhost::kFRingIndirectDesc));
         !st) {
       report("queue " + std::to_string(index) + ": " + st.error().what());
       return false;
