@@ -13,8 +13,15 @@ kernel here has neither).
    (e2fsck -fn); `vdpa dev del`, then SIGTERM: the daemon destroys the
    device; qemu-img check of the image is clean.
 2. Careless operators: a name with a slash, a queue size that is not a
-   power of two, a second daemon for a device that is attached — each
-   refused with the reason, exit 1, and the attached device still serves.
+   power of two, a second daemon for a device that is attached and
+   served — each refused with the reason, exit 1, and the attached device
+   still serves.
+3. kill -9 of the daemon under a writer: the writer waits (no error),
+   the same command line takes the device over from the log the killed
+   daemon left ($TMPDIR/vduse-blk-NAME) and the writer carries on; the
+   first flush after the takeover fails (writes the killed daemon
+   answered were never flushed: it cannot vouch for them), the next one
+   succeeds, and a pattern written then reads back here and on the host.
 
 Skipped, with the reason, where qemu-system-x86_64, qemu-img or the
 kernel packages are not available.
@@ -163,13 +170,42 @@ class VduseExportTest(unittest.TestCase):
                          "/tmp/v2.log")
         rc, out = self.guest.sh(base + "node-name=r0,writable=on,name=vduse1 2>&1", timeout=120)
         self.assertEqual(rc, 1, out)
-        self.assertIn("exists and is attached or served", out)
+        self.assertIn("is served by another process", out)
         want = self.gsh("dd if=/dev/urandom of=/mnt/c bs=1M count=4 2>/dev/null && md5sum < /mnt/c").split()[0]
         got = self.gsh("dd if=/mnt/c of=%s bs=1M oflag=direct conv=fsync 2>/dev/null && "
                        "echo 3 > /proc/sys/vm/drop_caches && dd if=%s bs=1M count=4 iflag=direct 2>/dev/null | "
                        "md5sum" % (dev, dev)).split()[0]
         self.assertEqual(got, want)
         self.stop("vduse1", "/tmp/v2.log")
+        with open(self.raw, "rb") as f:
+            self.assertEqual(hashlib.md5(f.read(4 * MiB)).hexdigest(), want, "the raw disk on the host")
+
+    def test_3_killed_daemon_taken_over(self):
+        blockdevs = ["driver=host_device,filename=/dev/vdb,node-name=r0"]
+        export = "node-name=r0,writable=on,name=vduse2,num-queues=2"
+        dev = self.serve(blockdevs, export, "/tmp/v3.log")
+        self.gsh("[ -s /tmp/vduse-blk-vduse2 ]")
+        # Passes over the device with no flush, until told to stop.
+        self.gsh("rm -f /tmp/stop3; (sh -c 'i=0; while [ ! -e /tmp/stop3 ]; do dd if=/dev/zero of=%s bs=64k "
+                 "count=256 oflag=direct 2>/dev/null || exit 1; i=$((i+1)); done; echo W-END $i' > /tmp/w3.log "
+                 "2>&1 &)" % dev)
+        self.gsh("sleep 1; kill -9 $(cat /tmp/v3.log.pid); sleep 1; [ ! -s /tmp/w3.log ]")
+        argv = "vblk serve --blockdev %s --export type=vduse-blk,id=v0,%s" % (blockdevs[0], export)
+        self.gsh("(%s > /tmp/v3b.log 2>&1 & echo $! > /tmp/v3b.log.pid); sleep 2; cat /tmp/v3b.log" % argv)
+        out = self.gsh("touch /tmp/stop3; i=0; while ! grep -q W-END /tmp/w3.log && [ $i -lt 600 ]; do sleep 0.1; "
+                       "i=$((i+1)); done; cat /tmp/w3.log; cat /tmp/v3b.log", timeout=120)
+        self.assertIn("W-END", out)
+        self.assertIn("taking over the device", out)
+        self.assertIn("were never flushed; the next flush fails", out)
+        want = self.gsh("dd if=/dev/urandom of=/mnt/e bs=1M count=4 2>/dev/null && md5sum < /mnt/e").split()[0]
+        rc, _ = self.guest.sh("dd if=/mnt/e of=%s bs=1M oflag=direct conv=fsync 2>/dev/null" % dev)
+        self.assertNotEqual(rc, 0, "the first flush after the takeover vouched for writes it never saw")
+        self.gsh("dd if=/mnt/e of=%s bs=1M oflag=direct conv=fsync 2>/dev/null" % dev)
+        got = self.gsh("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M count=4 iflag=direct 2>/dev/null | "
+                       "md5sum" % dev).split()[0]
+        self.assertEqual(got, want)
+        self.stop("vduse2", "/tmp/v3b.log")
+        self.gsh("[ ! -e /tmp/vduse-blk-vduse2 ]")
         with open(self.raw, "rb") as f:
             self.assertEqual(hashlib.md5(f.read(4 * MiB)).hexdigest(), want, "the raw disk on the host")
 

@@ -40,8 +40,10 @@ struct Options {
 class VduseBlkExport : public BlockExport {
  public:
   // Creates the VDUSE device and its queues. A device of the same name
-  // that no process serves and no driver holds is replaced; one that is
-  // still attached to the vDPA bus is refused (EBUSY).
+  // that no process serves and no driver holds is replaced; one still
+  // attached whose daemon is gone is taken over (its requests in flight
+  // from the log the daemon kept); one another process serves is refused
+  // (EBUSY).
   static Result<std::unique_ptr<VduseBlkExport>> create(Loop& loop, Options o);
 };
 

@@ -24,11 +24,14 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -60,6 +63,16 @@ Error sys_error(const std::string& what) {
   return Error(e, what + ": " + std::strerror(e));
 }
 
+// After the queues' inflight areas in the log file: the writes answered
+// and the flushes that covered them (virtio_blk.h's WriteLedger).
+struct LedgerWords {
+  uint64_t magic;
+  uint64_t answered;  // writes answered, ever
+  uint64_t flushed;   // of those, covered by a flush that succeeded
+  uint64_t pad[5];
+};
+constexpr uint64_t kLedgerMagic = 0x766475736530312aull;
+
 struct Queue {
   explicit Queue(Loop& l) : inflight(l), exited(l) {}
   vhost::SplitQueue ring;
@@ -70,7 +83,7 @@ struct Queue {
   CoEvent exited;         // the run_queue task has ended
 };
 
-class Export final : public VduseBlkExport {
+class Export final : public VduseBlkExport, public vhost::WriteLedger {
  public:
   Export(Loop& loop, Options o)
       : loop_(loop), opts_(std::move(o)), node_(opts_.node), mem_(kMaxIovaRegions), msgs_done_(loop) {
@@ -83,6 +96,7 @@ class Export final : public VduseBlkExport {
     v.config_wce = false;
     v.mq_always = false;
     v.serial = opts_.serial;
+    v.ledger = this;
     dev_ = vhost::VirtioBlk::create(loop, node_, std::move(v));
     mem_.on_miss = [this](uint64_t addr) { return map_region(addr); };
     for (uint16_t i = 0; i < opts_.num_queues; ++i) queues_.push_back(std::make_unique<Queue>(loop));
@@ -100,12 +114,15 @@ class Export final : public VduseBlkExport {
     if (::ioctl(ctrl_.get(), VDUSE_SET_API_VERSION, &version) < 0)
       return sys_error("Failed to set the VDUSE API version");
     VBLK_TRY(create_device());
-    VBLK_TRY(open_device());
-    for (uint16_t i = 0; i < opts_.num_queues; ++i) {
-      vduse_vq_config c{};
-      c.index = i;
-      c.max_size = opts_.queue_size;
-      if (::ioctl(dev_fd_.get(), VDUSE_VQ_SETUP, &c) < 0) return sys_error("VDUSE_VQ_SETUP");
+    if (!dev_fd_.valid()) VBLK_TRY(open_device());
+    VBLK_TRY(open_log());
+    if (!takeover_) {
+      for (uint16_t i = 0; i < opts_.num_queues; ++i) {
+        vduse_vq_config c{};
+        c.index = i;
+        c.max_size = opts_.queue_size;
+        if (::ioctl(dev_fd_.get(), VDUSE_VQ_SETUP, &c) < 0) return sys_error("VDUSE_VQ_SETUP");
+      }
     }
     stop_efd_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!stop_efd_.valid()) return sys_error("eventfd");
@@ -154,10 +171,17 @@ class Export final : public VduseBlkExport {
     char name[VDUSE_NAME_MAX] = {};
     std::memcpy(name, opts_.name.data(), opts_.name.size());
     if (::ioctl(ctrl_.get(), VDUSE_DESTROY_DEV, name) < 0) {
-      if (errno == EBUSY)
-        return Error(EBUSY, "VDUSE device '" + opts_.name +
-                                "' exists and is attached or served (detach it with: vdpa dev del " + opts_.name + ")");
-      return sys_error("Failed to replace VDUSE device '" + opts_.name + "'");
+      if (errno != EBUSY) return sys_error("Failed to replace VDUSE device '" + opts_.name + "'");
+      // Attached to the vDPA bus: a driver holds it. If no process serves
+      // it (its daemon was killed), this one takes it over.
+      const std::string path = "/dev/vduse/" + opts_.name;
+      dev_fd_ = Fd(::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK));
+      if (!dev_fd_.valid() && errno == EBUSY)
+        return Error(EBUSY, "VDUSE device '" + opts_.name + "' is served by another process");
+      if (!dev_fd_.valid()) return sys_error("Failed to open " + path);
+      takeover_ = true;
+      created_ = true;  // ours now: destroyed at removal once detached
+      return {};
     }
     if (::ioctl(ctrl_.get(), VDUSE_CREATE_DEV, c) < 0)
       return sys_error("Failed to create VDUSE device '" + opts_.name + "'");
@@ -177,6 +201,73 @@ class Export final : public VduseBlkExport {
     return {};
   }
 
+  // The log a daemon that takes the device over reads: each queue's
+  // requests popped and not completed (vhost-user's inflight format), and
+  // the write ledger. $TMPDIR/vduse-blk-NAME (as QEMU's vduse-blk), made
+  // anew for a new device, kept by a killed daemon for the next one.
+  Status open_log() {
+    const char* dir = std::getenv("TMPDIR");
+    log_path_ = std::string(dir && *dir ? dir : "/tmp") + "/vduse-blk-" + opts_.name;
+    queue_bytes_ = vhost::inflight_queue_bytes(opts_.queue_size);
+    log_bytes_ = queue_bytes_ * opts_.num_queues + sizeof(LedgerWords);
+    Fd fd;
+    bool fresh = !takeover_;
+    if (takeover_) {
+      fd = Fd(::open(log_path_.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW));
+      struct stat st {};
+      if (!fd.valid() && errno != ENOENT) return sys_error("Failed to open " + log_path_);
+      if (!fd.valid()) {
+        report("no log at " + log_path_ + ": requests the previous daemon took are not answered");
+        fresh = true;
+      } else if (::fstat(fd.get(), &st) < 0 || static_cast<uint64_t>(st.st_size) != log_bytes_) {
+        return Error(EINVAL, "VDUSE device '" + opts_.name + "': " + log_path_ +
+                                 " does not fit these queues (num-queues and queue-size must be the previous ones)");
+      }
+    }
+    if (fresh) {
+      fd = Fd(::open(log_path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+      if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(log_bytes_)) < 0)
+        return sys_error("Failed to make " + log_path_);
+    }
+    void* m = ::mmap(nullptr, log_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    if (m == MAP_FAILED) return sys_error("Failed to map " + log_path_);
+    log_ = static_cast<uint8_t*>(m);
+    LedgerWords& w = ledger();
+    if (fresh || w.magic != kLedgerMagic) {
+      w = LedgerWords{};
+      w.magic = kLedgerMagic;
+    }
+    // Writes the killed daemon answered and no flush covered may be lost
+    // with its memory: the next flush says so instead of vouching.
+    unvouched_ = takeover_ && w.answered != w.flushed;
+    if (takeover_)
+      report("taking over the device of a daemon that is gone (" + std::to_string(w.answered) + " writes answered, " +
+             std::to_string(w.flushed) + " flushed)");
+    if (unvouched_)
+      report(std::to_string(w.answered - w.flushed) +
+             " writes of the previous daemon were never flushed; the next flush fails");
+    return {};
+  }
+
+  LedgerWords& ledger() { return *reinterpret_cast<LedgerWords*>(log_ + queue_bytes_ * opts_.num_queues); }
+  vhost::InflightQueue* log_queue(uint32_t i) {
+    return reinterpret_cast<vhost::InflightQueue*>(log_ + queue_bytes_ * i);
+  }
+
+  // ---- WriteLedger
+  void answered() override { ++ledger().answered; }
+  uint64_t flush_begins() override { return ledger().answered; }
+  void flushed(uint64_t covered) override {
+    if (covered > ledger().flushed) ledger().flushed = covered;
+  }
+  bool flush_can_vouch() override {
+    if (!unvouched_) return true;
+    // Once: the driver has been told; what it writes from now on is ours.
+    unvouched_ = false;
+    ledger().flushed = ledger().answered;
+    return false;
+  }
+
   // The control messages, one at a time, each answered before the next.
   // The wait for one runs on the thread pool, where remove() ends it
   // through the stop eventfd.
@@ -187,6 +278,15 @@ class Export final : public VduseBlkExport {
       if (r < 0) return -static_cast<long>(errno);
       return (p[1].revents & POLLIN) ? 1L : 0L;
     };
+    if (takeover_) {
+      // The driver set the device up with the previous daemon: serve the
+      // queues it made ready, requests in flight first, and interrupt
+      // once in case completions were published but never signalled.
+      const bool started = co_await start_queues();
+      if (!started) report("taking over the queues failed");
+      for (uint32_t i = 0; i < queues_.size(); ++i)
+        if (queues_[i]->running) interrupt(i);
+    }
     while (!stopping_) {
       long r = co_await loop_.run_blocking(wait);
       if (stopping_ || r == 1) break;
@@ -221,6 +321,8 @@ class Export final : public VduseBlkExport {
             co_await stop_queues();
             mem_.clear();
             for (auto& q : queues_) q->ring = vhost::SplitQueue{};
+            // A reset device starts over: no request in flight to replay.
+            for (uint16_t i = 0; i < queues_.size(); ++i) std::memset(log_queue(i), 0, queue_bytes_);
           }
           break;
         case VDUSE_UPDATE_IOTLB: {
@@ -344,8 +446,8 @@ class Export final : public VduseBlkExport {
   }
 
   bool start(Queue& q, uint16_t index) {
-    if (auto st =
-            q.ring.start(mem_, features_ & bit(vhost::kFRingEventIdx), features_ & bit(vhost::kFRingIndirectDesc));
+    if (auto st = q.ring.start(mem_, features_ & bit(vhost::kFRingEventIdx), features_ & bit(vhost::kFRingIndirectDesc),
+                               log_queue(index));
         !st) {
       report("queue " + std::to_string(index) + ": " + st.error().what());
       return false;
@@ -440,11 +542,17 @@ class Export final : public VduseBlkExport {
     if (created_ && ctrl_.valid()) {
       char name[VDUSE_NAME_MAX] = {};
       std::memcpy(name, opts_.name.data(), opts_.name.size());
-      if (::ioctl(ctrl_.get(), VDUSE_DESTROY_DEV, name) < 0 && errno == EBUSY)
+      if (::ioctl(ctrl_.get(), VDUSE_DESTROY_DEV, name) == 0) {
+        if (!log_path_.empty()) ::unlink(log_path_.c_str());
+      } else if (errno == EBUSY) {
+        // Its log stays too: the next daemon for the name takes it over.
         report("the device stays: it is still attached (vdpa dev del " + opts_.name + ")");
+      }
       created_ = false;
     }
     ctrl_.reset();
+    if (log_) ::munmap(log_, log_bytes_);
+    log_ = nullptr;
   }
 
   Loop& loop_;
@@ -457,6 +565,12 @@ class Export final : public VduseBlkExport {
   Fd dev_fd_;
   Fd stop_efd_;
   bool created_ = false;
+  bool takeover_ = false;   // a device a killed daemon served
+  bool unvouched_ = false;  // its unflushed writes: the next flush fails
+  std::string log_path_;
+  uint8_t* log_ = nullptr;
+  size_t log_bytes_ = 0;
+  size_t queue_bytes_ = 0;
   bool stopping_ = false;
   bool irq_error_reported_ = false;
   uint64_t features_ = 0;

@@ -147,9 +147,18 @@ class VirtioBlkDevice final : public VirtioBlk {
         if (!co_await write(h.sector << kSectorShift, segs, len)) st = kBlkSIoErr;
         break;
       }
-      case kBlkTFlush:
-        if (!co_await node_->flush()) st = kBlkSIoErr;
+      case kBlkTFlush: {
+        if (opts_.ledger && !opts_.ledger->flush_can_vouch()) {
+          st = kBlkSIoErr;
+          break;
+        }
+        const uint64_t covered = opts_.ledger ? opts_.ledger->flush_begins() : 0;
+        if (!co_await node_->flush())
+          st = kBlkSIoErr;
+        else if (opts_.ledger)
+          opts_.ledger->flushed(covered);
         break;
+      }
       case kBlkTGetId: {
         char id[kBlkIdBytes] = {};
         std::memcpy(id, opts_.serial.data(), std::min(sizeof id, opts_.serial.size()));
@@ -162,6 +171,9 @@ class VirtioBlkDevice final : public VirtioBlk {
       case kBlkTWriteZeroes: st = co_await discard_or_zero(c, h.type == kBlkTWriteZeroes); break;
       default: st = kBlkSUnsupp; break;
     }
+    const uint32_t kind = h.type & ~0x80000000u;
+    if (opts_.ledger && st == kBlkSOk && (kind == kBlkTOut || kind == kBlkTDiscard || kind == kBlkTWriteZeroes))
+      opts_.ledger->answered();
     *status = st;
     co_return written;
   }

@@ -22,6 +22,24 @@
 
 namespace vblk::vhost {
 
+// Where a transport that outlives its daemon (VDUSE) keeps count of the
+// writes answered and the flushes that covered them, so the daemon that
+// takes a device over knows whether writes it never saw may have been
+// lost with their predecessor's memory (a qcow2's new clusters' metadata).
+class WriteLedger {
+ public:
+  virtual ~WriteLedger() = default;
+  // A write, write-zeroes or discard was answered successfully.
+  virtual void answered() = 0;
+  // A flush starts: what it will cover.
+  virtual uint64_t flush_begins() = 0;
+  // That flush succeeded.
+  virtual void flushed(uint64_t covered) = 0;
+  // False while writes answered by a daemon that is gone were never
+  // flushed: the next flush must fail, or it would vouch for them.
+  virtual bool flush_can_vouch() = 0;
+};
+
 struct VirtioBlkOptions {
   bool writable = false;
   bool writethrough = false;
@@ -36,6 +54,7 @@ struct VirtioBlkOptions {
   // does; its vduse-blk offers it only with more than one).
   bool mq_always = true;
   std::string serial = "vhost_user_blk";  // what GET_ID answers
+  WriteLedger* ledger = nullptr;          // the transport's, if any
 };
 
 class VirtioBlk : public Device {
