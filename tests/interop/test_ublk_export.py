@@ -29,10 +29,8 @@ here has no ublk driver).
    every logged file reads back; then e2fsck -fn clean and qemu-img check
    without corruption (leaks allowed). Before the file system, a 1 MiB
    O_DIRECT write that completed (no flush) before a kill -9 must read
-   back after the recovery. An expected failure while vblk loses such writes: the
-   daemon's qcow2 metadata of a completed, unflushed write dies with it,
-   and the next flush, which the new daemon answers, makes the file
-   system believe it stable (bench/results/ublk_kills_s23.txt).
+   back after the recovery (with recovery=on every write is durable
+   before it is answered: bench/results/ublk_kills_s23.txt).
 
 Skipped, with the reason, where qemu-system-x86_64, qemu-img or the
 kernel packages are not available.
@@ -40,93 +38,38 @@ kernel packages are not available.
 
 import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, VBLK, make_tempdir, shm_dir  # noqa: E402
-import guest_vm  # noqa: E402  (bench/, put on the path by common)
+from common import MiB  # noqa: E402
+from guest_case import GuestCase, QEMU_IMG, qcow2, run  # noqa: E402
 import ublk_guest  # noqa: E402
 import ublk_kill_soak  # noqa: E402
 
-QEMU_IMG = shutil.which("qemu-img")
-
-
-def run(*argv, timeout=120):
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout)
-
-
-class UblkExportTest(unittest.TestCase):
+class UblkExportTest(GuestCase):
 
     @classmethod
-    def setUpClass(cls):
-        if not QEMU_IMG:
-            raise unittest.SkipTest("qemu-img is needed")
-        try:
-            ublk_guest.build_ublk_guest(VBLK)
-        except guest_vm.GuestUnavailable as e:
-            raise unittest.SkipTest("no ublk guest: %s" % e)
-        cls.dir = make_tempdir(base=shm_dir())
-        cls.guest = None
-        try:
-            cls.img = os.path.join(cls.dir, "img.qcow2")
-            r = run(QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "cluster_size=65536", cls.img, 256 * MiB)
-            assert r.returncode == 0, r.stderr
-            ublk_guest.carrier_disk(cls.img, 320 * MiB)  # room for the clusters vblk allocates on /dev/vda
-            cls.raw = ublk_guest.carrier_disk(os.path.join(cls.dir, "raw.img"), 64 * MiB)
-            # A chain for test 5: a compressed base with 2 MiB clusters under
-            # an overlay with 2 MiB clusters.
-            cls.pattern = os.path.join(cls.dir, "pattern.raw")
-            with open(cls.pattern, "wb") as f:
-                for i in range(32):
-                    f.write(os.urandom(MiB // 2) + bytes(MiB // 2))
-            cls.base = os.path.join(cls.dir, "base.qcow2")
-            r = run(QEMU_IMG, "convert", "-c", "-f", "raw", "-O", "qcow2", "-o", "cluster_size=2M", cls.pattern,
-                    cls.base)
-            assert r.returncode == 0, r.stderr
-            cls.overlay = os.path.join(cls.dir, "overlay.qcow2")
-            r = run(QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "cluster_size=2M", "-b", cls.base, "-F", "qcow2",
-                    cls.overlay)
-            assert r.returncode == 0, r.stderr
-            ublk_guest.carrier_disk(cls.overlay, 64 * MiB)
-            # Test 6's image: 2 MiB clusters; room for the clusters killed
-            # daemons leak.
-            cls.kimg = os.path.join(cls.dir, "kills.qcow2")
-            r = run(QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "cluster_size=2M", cls.kimg, 128 * MiB)
-            assert r.returncode == 0, r.stderr
-            ublk_guest.carrier_disk(cls.kimg, 384 * MiB)
-            cls.guest = ublk_guest.UblkGuest(cls.dir, VBLK, disks=[cls.img, cls.raw, cls.base, cls.overlay, cls.kimg],
-                                             smp=2)
-            if not cls.guest.boot(timeout=300):
-                raise AssertionError("the guest did not boot: %s" % cls.guest.log_tail())
-        except BaseException:
-            cls.cleanup()
-            raise
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.cleanup()
-
-    @classmethod
-    def cleanup(cls):
-        if cls.guest is not None:
-            cls.guest.quit()
-            cls.guest = None
-        if os.environ.get("VBLK_UBLK_GUEST_KEEP"):
-            print("\nkept %s" % cls.dir, file=sys.stderr)
-        else:
-            shutil.rmtree(cls.dir, ignore_errors=True)
-
-    def gsh(self, command, timeout=300):
-        rc, out = self.guest.sh(command, timeout=timeout)
-        self.assertEqual(rc, 0, "guest: %s: %s" % (command, out))
-        return out
+    def make_disks(cls):
+        cls.img = qcow2(os.path.join(cls.dir, "img.qcow2"), 256 * MiB, 65536, 320 * MiB)
+        cls.raw = ublk_guest.carrier_disk(os.path.join(cls.dir, "raw.img"), 64 * MiB)
+        # A chain for test 5: a compressed base with 2 MiB clusters under
+        # an overlay with 2 MiB clusters.
+        cls.pattern = os.path.join(cls.dir, "pattern.raw")
+        with open(cls.pattern, "wb") as f:
+            for i in range(32):
+                f.write(os.urandom(MiB // 2) + bytes(MiB // 2))
+        cls.base = os.path.join(cls.dir, "base.qcow2")
+        r = run(QEMU_IMG, "convert", "-c", "-f", "raw", "-O", "qcow2", "-o", "cluster_size=2M", cls.pattern, cls.base)
+        assert r.returncode == 0, r.stderr
+        cls.overlay = qcow2(os.path.join(cls.dir, "overlay.qcow2"), None, 2 * MiB, 64 * MiB, backing=cls.base)
+        # Test 6's image: 2 MiB clusters; room for the clusters killed
+        # daemons leak.
+        cls.kimg = qcow2(os.path.join(cls.dir, "kills.qcow2"), 128 * MiB, 2 * MiB, 384 * MiB)
+        return [cls.img, cls.raw, cls.base, cls.overlay, cls.kimg]
 
     def serve(self, blockdevs, export, log):
         """Starts `vblk serve` in the guest and waits for its device."""

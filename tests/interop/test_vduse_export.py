@@ -30,8 +30,6 @@ kernel packages are not available.
 import hashlib
 import os
 import re
-import shutil
-import subprocess
 import sys
 
 sys.dont_write_bytecode = True
@@ -39,60 +37,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import unittest  # noqa: E402
 
-from common import MiB, VBLK, make_tempdir, shm_dir  # noqa: E402
-import guest_vm  # noqa: E402  (bench/, put on the path by common)
+from common import MiB  # noqa: E402
+from guest_case import GuestCase, QEMU_IMG, qcow2, run  # noqa: E402
 import ublk_guest  # noqa: E402
 
-QEMU_IMG = shutil.which("qemu-img")
-
-
-def run(*argv, timeout=120):
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout)
-
-
-class VduseExportTest(unittest.TestCase):
+class VduseExportTest(GuestCase):
 
     @classmethod
-    def setUpClass(cls):
-        if not QEMU_IMG:
-            raise unittest.SkipTest("qemu-img is needed")
-        try:
-            ublk_guest.build_ublk_guest(VBLK)
-        except guest_vm.GuestUnavailable as e:
-            raise unittest.SkipTest("no guest: %s" % e)
-        cls.dir = make_tempdir(base=shm_dir())
-        cls.guest = None
-        try:
-            cls.img = os.path.join(cls.dir, "img.qcow2")
-            r = run(QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "cluster_size=65536", cls.img, 256 * MiB)
-            assert r.returncode == 0, r.stderr
-            ublk_guest.carrier_disk(cls.img, 320 * MiB)  # room for the clusters vblk allocates on /dev/vda
-            cls.raw = ublk_guest.carrier_disk(os.path.join(cls.dir, "raw.img"), 64 * MiB)
-            cls.guest = ublk_guest.UblkGuest(cls.dir, VBLK, disks=[cls.img, cls.raw], smp=2)
-            if not cls.guest.boot(timeout=300):
-                raise AssertionError("the guest did not boot: %s" % cls.guest.log_tail())
-            rc, out = cls.guest.sh("[ -c /dev/vduse/control ] && [ -x /sbin/vdpa ]")
-            if rc != 0:
-                raise unittest.SkipTest("the guest's kernel has no vduse, or there is no vdpa tool (iproute2)")
-        except BaseException:
-            cls.cleanup()
-            raise
+    def make_disks(cls):
+        cls.img = qcow2(os.path.join(cls.dir, "img.qcow2"), 256 * MiB, 65536, 320 * MiB)
+        cls.raw = ublk_guest.carrier_disk(os.path.join(cls.dir, "raw.img"), 64 * MiB)
+        return [cls.img, cls.raw]
 
     @classmethod
-    def tearDownClass(cls):
-        cls.cleanup()
-
-    @classmethod
-    def cleanup(cls):
-        if cls.guest is not None:
-            cls.guest.quit()
-            cls.guest = None
-        shutil.rmtree(cls.dir, ignore_errors=True)
-
-    def gsh(self, command, timeout=300):
-        rc, out = self.guest.sh(command, timeout=timeout)
-        self.assertEqual(rc, 0, "guest: %s: %s" % (command, out))
-        return out
+    def after_boot(cls):
+        rc, out = cls.guest.sh("[ -c /dev/vduse/control ] && [ -x /sbin/vdpa ]")
+        if rc != 0:
+            raise unittest.SkipTest("the guest's kernel has no vduse, or there is no vdpa tool (iproute2)")
 
     def serve(self, blockdevs, export, log):
         """Starts `vblk serve` in the guest, waits for /dev/vduse/NAME,
