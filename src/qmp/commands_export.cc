@@ -46,7 +46,7 @@ std::vector<Arg> members_of(const std::string& type) {
                        {"allow-other", ArgType::Enum, false, {"off", "on", "auto"}},
                        {"io-uring", ArgType::Bool}});
   } else if (type == "vduse-blk") {
-    m.insert(m.end(), {{"name", ArgType::Str},
+    m.insert(m.end(), {{"name", ArgType::Str, true},
                        {"num-queues", ArgType::UInt32},
                        {"queue-size", ArgType::UInt32},
                        {"logical-block-size", ArgType::UInt64},
@@ -171,13 +171,13 @@ Result<std::unique_ptr<BlockExport>> add_ublk(Daemon& d, const OJson& o, const s
   return std::unique_ptr<BlockExport>(std::move(*e));
 }
 
-// qemu-storage-daemon's vduse-blk: the device is named `name`, else the
-// export's id; the operator attaches it with `vdpa dev add`.
+// qemu-storage-daemon's vduse-blk: the device is named `name` (required,
+// as in 7.2); the operator attaches it with `vdpa dev add`.
 Result<std::unique_ptr<BlockExport>> add_vduse_blk(Daemon& d, const OJson& o, const std::shared_ptr<Node>& node) {
   const std::string id = o.at("id");
   vduse::Options v;
   v.node = node;
-  v.name = o.contains("name") ? o.at("name").get<std::string>() : id;
+  v.name = o.at("name").get<std::string>();
   v.writable = o.contains("writable") && o.at("writable").get<bool>();
   v.writethrough = o.contains("writethrough") && o.at("writethrough").get<bool>();
   if (o.contains("serial")) v.serial = o.at("serial").get<std::string>();

@@ -12,7 +12,7 @@ kernel here has neither).
    compared after dropping caches, trimmed, unmounted and checked
    (e2fsck -fn); `vdpa dev del`, then SIGTERM: the daemon destroys the
    device; qemu-img check of the image is clean.
-2. Careless operators: a name with a slash, a queue size that is not a
+2. Careless operators: no name, a name with a slash, a queue size that is not a
    power of two, a second daemon for a device that is attached and
    served — each refused with the reason, exit 1, and the attached device
    still serves.
@@ -95,7 +95,8 @@ class VduseExportTest(GuestCase):
 
     def test_2_careless_operator(self):
         base = "vblk serve --blockdev driver=host_device,filename=/dev/vdb,node-name=r0 --export type=vduse-blk,id=v0,"
-        for export, why in (("node-name=r0,name=a/b", "Invalid VDUSE device name"),
+        for export, why in (("node-name=r0", "Parameter 'name' is missing"),
+                            ("node-name=r0,name=a/b", "Invalid VDUSE device name"),
                             ("node-name=r0,name=q3,queue-size=100", "queue-size is invalid"),
                             ("node-name=r0,name=q4,num-queues=0", "num-queues must be greater than 0")):
             rc, out = self.guest.sh(base + export + " 2>&1", timeout=120)
