@@ -99,14 +99,15 @@ class VduseExportTest(GuestCase):
                             ("node-name=r0,name=a/b", "Invalid VDUSE device name"),
                             ("node-name=r0,name=q3,queue-size=100", "queue-size is invalid"),
                             ("node-name=r0,name=q4,num-queues=0", "num-queues must be greater than 0")):
-            rc, out = self.guest.sh(base + export + " 2>&1", timeout=120)
+            # timeout: a daemon that wrongly starts must not hold the console.
+            rc, out = self.guest.sh("timeout 60 " + base + export + " 2>&1", timeout=120)
             self.assertEqual(rc, 1, out)
             self.assertIn(why, out)
         self.gsh("[ -z \"$(ls /dev/vduse | grep -v control)\" ]")
         # A second daemon for a device that is attached and served.
         dev = self.serve(["driver=host_device,filename=/dev/vdb,node-name=r0"], "node-name=r0,writable=on,name=vduse1",
                          "/tmp/v2.log")
-        rc, out = self.guest.sh(base + "node-name=r0,writable=on,name=vduse1 2>&1", timeout=120)
+        rc, out = self.guest.sh("timeout 60 " + base + "node-name=r0,writable=on,name=vduse1 2>&1", timeout=120)
         self.assertEqual(rc, 1, out)
         self.assertIn("is served by another process", out)
         want = self.gsh("dd if=/dev/urandom of=/mnt/c bs=1M count=4 2>/dev/null && md5sum < /mnt/c").split()[0]
