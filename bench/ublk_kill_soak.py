@@ -244,9 +244,10 @@ class KillSoak:
 
     def wait_readable(self, timeout=60):
         """Until a direct read of the device's first block succeeds."""
-        self.check("i=0; until dd if=%s of=/dev/null bs=4k count=1 iflag=direct 2>/dev/null; do "
+        # In a subshell: its exit ends the loop, not the guest's console.
+        self.check("(i=0; until dd if=%s of=/dev/null bs=4k count=1 iflag=direct 2>/dev/null; do "
                    "[ $i -lt %d ] || exit 1; kill -0 $(cat /tmp/ublk_serve.pid) || exit 2; sleep 0.1; "
-                   "i=$((i+1)); done" % (self.dev, timeout * 10), timeout + 30, "the device is not served")
+                   "i=$((i+1)); done)" % (self.dev, timeout * 10), timeout + 30, "the device is not served")
 
     def counts(self, k):
         out = self.check("for w in %s; do cat /mnt/ublk_log.w$w.r%d 2>/dev/null | wc -l; done" % (
@@ -261,7 +262,7 @@ class KillSoak:
                    "2>/dev/null && echo $RANDOM | grep -q '^[0-9][0-9]*$'" % script, what="setup")
         if not self.serves or not self.alive():
             self.start_daemon()
-        self.check("i=0; until [ -b %s ]; do [ $i -lt 300 ] || exit 1; sleep 0.1; i=$((i+1)); done" % self.dev,
+        self.check("(i=0; until [ -b %s ]; do [ $i -lt 300 ] || exit 1; sleep 0.1; i=$((i+1)); done)" % self.dev,
                    60, "the device did not appear")
         self.wait_readable()
         self.check("mkfs.ext4 -q -F %s %s && mkdir -p /mnt/fs && mount -t ext4 %s /mnt/fs" % (
@@ -360,8 +361,8 @@ class KillSoak:
             self.start_daemon()
             # The writers carry on: two more files each.
             before = self.counts(k)
-            out = self.check("i=0; while :; do ok=1; %s [ $ok = 1 ] && break; [ $i -lt 1200 ] || exit 1; "
-                             "kill -0 $(cat /tmp/ublk_serve.pid) || exit 2; sleep 0.1; i=$((i+1)); done" % "".join(
+            out = self.check("(i=0; while :; do ok=1; %s [ $ok = 1 ] && break; [ $i -lt 1200 ] || exit 1; "
+                             "kill -0 $(cat /tmp/ublk_serve.pid) || exit 2; sleep 0.1; i=$((i+1)); done)" % "".join(
                                  "[ $(cat /mnt/ublk_log.w%d.r%d 2>/dev/null | wc -l) -ge %d ] || ok=0; " % (
                                      w, k, before[w] + 2) for w in range(WRITERS)), 200,
                              "round %d: the writers did not carry on after the restart" % k)

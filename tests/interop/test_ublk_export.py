@@ -78,13 +78,15 @@ class UblkExportTest(GuestCase):
         self.gsh("(%s > %s 2>&1 & echo $! > %s.pid)" % (argv, log, log))
         dev = "/dev/ublkb" + dev_id
         self.gsh("i=0; while [ ! -b %s ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; [ -b %s ] || "
-                 "{ cat %s; exit 1; }" % (dev, dev, log), timeout=120)
+                 "{ cat %s; false; }" % (dev, dev, log), timeout=120)
         return dev
 
     def stop(self, dev, log):
         self.gsh("p=$(cat %s.pid); kill -TERM $p; i=0; while kill -0 $p 2>/dev/null && [ $i -lt 300 ]; do "
                  "sleep 0.1; i=$((i+1)); done; ! kill -0 $p 2>/dev/null" % log, timeout=120)
-        self.gsh("[ ! -e %s ] || { cat %s; exit 1; }" % (dev, log))
+        # devtmpfs drops the node a moment after DEL_DEV returns.
+        self.gsh("i=0; while [ -e %s ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; "
+                 "[ ! -e %s ] || { cat %s; false; }" % (dev, dev, log))
 
     def test_1_qcow2_ext4(self):
         dev = self.serve(["driver=host_device,filename=/dev/vda,node-name=f0", "driver=qcow2,file=f0,node-name=d0"],

@@ -80,7 +80,8 @@ class VduseExportTest(GuestCase):
         self.gsh("vdpa dev del %s" % name, timeout=120)
         self.gsh("p=$(cat %s.pid); kill -TERM $p; i=0; while kill -0 $p 2>/dev/null && [ $i -lt 300 ]; do "
                  "sleep 0.1; i=$((i+1)); done; ! kill -0 $p 2>/dev/null" % log, timeout=120)
-        self.gsh("[ ! -e /dev/vduse/%s ] || { cat %s; false; }" % (name, log))
+        self.gsh("i=0; while [ -e /dev/vduse/%s ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; "
+                 "[ ! -e /dev/vduse/%s ] || { cat %s; false; }" % (name, name, log))
 
     def test_1_qcow2_ext4_two_queues(self):
         dev = self.serve(["driver=host_device,filename=/dev/vda,node-name=f0", "driver=qcow2,file=f0,node-name=d0"],
