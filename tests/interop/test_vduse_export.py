@@ -22,6 +22,8 @@ kernel here has neither).
    first flush after the takeover fails (writes the killed daemon
    answered were never flushed: it cannot vouch for them), the next one
    succeeds, and a pattern written then reads back here and on the host.
+   Then the careless ways: a log another user owns is refused; with the
+   log deleted the takeover still serves, and its first flush fails.
 
 Skipped, with the reason, where qemu-system-x86_64, qemu-img or the
 kernel packages are not available.
@@ -144,7 +146,23 @@ class VduseExportTest(GuestCase):
         got = self.gsh("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M count=4 iflag=direct 2>/dev/null | "
                        "md5sum" % dev).split()[0]
         self.assertEqual(got, want)
-        self.stop("vduse2", "/tmp/v3b.log")
+        # Careless: a log someone else owns is refused (the device and the
+        # log are left as they were); with the log gone, the takeover
+        # starts after what was completed and its first flush fails.
+        self.gsh("kill -9 $(cat /tmp/v3b.log.pid); sleep 1; chown 1000 /tmp/vduse-blk-vduse2")
+        rc, out = self.guest.sh("timeout 60 %s 2>&1" % argv, timeout=120)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("is not a file of this user", out)
+        self.gsh("[ -c /dev/vduse/vduse2 ] && rm /tmp/vduse-blk-vduse2")
+        self.gsh("(%s > /tmp/v3c.log 2>&1 & echo $! > /tmp/v3c.log.pid); sleep 2" % argv)
+        self.assertIn("left unflushed is unknown", self.gsh("cat /tmp/v3c.log"))
+        rc, _ = self.guest.sh("dd if=/mnt/e of=%s bs=1M oflag=direct conv=fsync 2>/dev/null" % dev)
+        self.assertNotEqual(rc, 0, "the first flush after a takeover without a log vouched")
+        self.gsh("dd if=/mnt/e of=%s bs=1M oflag=direct conv=fsync 2>/dev/null" % dev)
+        got = self.gsh("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M count=4 iflag=direct 2>/dev/null | "
+                       "md5sum" % dev).split()[0]
+        self.assertEqual(got, want)
+        self.stop("vduse2", "/tmp/v3c.log")
         self.gsh("[ ! -e /tmp/vduse-blk-vduse2 ]")
         with open(self.raw, "rb") as f:
             self.assertEqual(hashlib.md5(f.read(4 * MiB)).hexdigest(), want, "the raw disk on the host")

@@ -126,6 +126,9 @@ class Export final : public VduseBlkExport, public vhost::WriteLedger {
     }
     stop_efd_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!stop_efd_.valid()) return sys_error("eventfd");
+    // A device taken over is ours from here: destroyed at removal once
+    // detached. A failed takeover leaves it, and its log, as they were.
+    created_ = true;
     spawn_detached(messages());
     return {};
   }
@@ -179,8 +182,7 @@ class Export final : public VduseBlkExport, public vhost::WriteLedger {
       if (!dev_fd_.valid() && errno == EBUSY)
         return Error(EBUSY, "VDUSE device '" + opts_.name + "' is served by another process");
       if (!dev_fd_.valid()) return sys_error("Failed to open " + path);
-      takeover_ = true;
-      created_ = true;  // ours now: destroyed at removal once detached
+      takeover_ = true;  // ours once setup() succeeds (created_ then)
       return {};
     }
     if (::ioctl(ctrl_.get(), VDUSE_CREATE_DEV, c) < 0)
@@ -212,6 +214,7 @@ class Export final : public VduseBlkExport, public vhost::WriteLedger {
     log_bytes_ = queue_bytes_ * opts_.num_queues + sizeof(LedgerWords);
     Fd fd;
     bool fresh = !takeover_;
+    bool known = true;  // the log says what the previous daemon left unflushed
     if (takeover_) {
       fd = Fd(::open(log_path_.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW));
       struct stat st {};
@@ -219,33 +222,48 @@ class Export final : public VduseBlkExport, public vhost::WriteLedger {
       if (!fd.valid()) {
         report("no log at " + log_path_ + ": requests the previous daemon took are not answered");
         fresh = true;
-      } else if (::fstat(fd.get(), &st) < 0 || static_cast<uint64_t>(st.st_size) != log_bytes_) {
+        known = false;
+      } else if (::fstat(fd.get(), &st) < 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+        // Anyone may write a file into /tmp: only our own is trusted.
+        return Error(EPERM, "VDUSE device '" + opts_.name + "': " + log_path_ + " is not a file of this user");
+      } else if (static_cast<uint64_t>(st.st_size) != log_bytes_) {
         return Error(EINVAL, "VDUSE device '" + opts_.name + "': " + log_path_ +
                                  " does not fit these queues (num-queues and queue-size must be the previous ones)");
       }
     }
     if (fresh) {
-      fd = Fd(::open(log_path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
-      if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(log_bytes_)) < 0)
-        return sys_error("Failed to make " + log_path_);
+      // A new file, never one already there (whoever made it); its blocks
+      // reserved now, so a full file system fails here and not as a
+      // SIGBUS on a store into the mapping later.
+      if (::unlink(log_path_.c_str()) < 0 && errno != ENOENT) return sys_error("Failed to replace " + log_path_);
+      fd = Fd(::open(log_path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
+      if (!fd.valid()) return sys_error("Failed to make " + log_path_);
+      if (int e = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(log_bytes_)); e != 0) {
+        ::unlink(log_path_.c_str());
+        return Error(e, "Failed to make " + log_path_ + ": " + std::strerror(e));
+      }
     }
     void* m = ::mmap(nullptr, log_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
     if (m == MAP_FAILED) return sys_error("Failed to map " + log_path_);
     log_ = static_cast<uint8_t*>(m);
     LedgerWords& w = ledger();
+    if (!fresh && w.magic != kLedgerMagic) known = false;
     if (fresh || w.magic != kLedgerMagic) {
       w = LedgerWords{};
       w.magic = kLedgerMagic;
     }
     // Writes the killed daemon answered and no flush covered may be lost
-    // with its memory: the next flush says so instead of vouching.
-    unvouched_ = takeover_ && w.answered != w.flushed;
+    // with its memory (or, with no log, may have been): the next flush
+    // says so instead of vouching.
+    log_known_ = known;
+    unvouched_ = takeover_ && (!known || w.answered != w.flushed);
     if (takeover_)
       report("taking over the device of a daemon that is gone (" + std::to_string(w.answered) + " writes answered, " +
              std::to_string(w.flushed) + " flushed)");
     if (unvouched_)
-      report(std::to_string(w.answered - w.flushed) +
-             " writes of the previous daemon were never flushed; the next flush fails");
+      report(known ? std::to_string(w.answered - w.flushed) +
+                         " writes of the previous daemon were never flushed; the next flush fails"
+                   : "what the previous daemon left unflushed is unknown; the next flush fails");
     return {};
   }
 
@@ -286,6 +304,7 @@ class Export final : public VduseBlkExport, public vhost::WriteLedger {
       if (!started) report("taking over the queues failed");
       for (uint32_t i = 0; i < queues_.size(); ++i)
         if (queues_[i]->running) interrupt(i);
+      log_known_ = true;  // from here on the log is this daemon's
     }
     while (!stopping_) {
       long r = co_await loop_.run_blocking(wait);
@@ -452,6 +471,11 @@ class Export final : public VduseBlkExport, public vhost::WriteLedger {
       report("queue " + std::to_string(index) + ": " + st.error().what());
       return false;
     }
+    // Taken over without a log: what the killed daemon had popped is
+    // unknown, and the kernel's starting index is the device's first one.
+    // Start after what was completed, never replaying old entries of the
+    // available ring (the requests in flight are lost then).
+    if (takeover_ && !log_known_) q.ring.last_avail = q.ring.used_idx();
     q.running = true;
     q.stopping = false;
     q.exited.reset();
@@ -567,6 +591,7 @@ class Export final : public VduseBlkExport, public vhost::WriteLedger {
   bool created_ = false;
   bool takeover_ = false;   // a device a killed daemon served
   bool unvouched_ = false;  // its unflushed writes: the next flush fails
+  bool log_known_ = true;   // a takeover found the killed daemon's log
   std::string log_path_;
   uint8_t* log_ = nullptr;
   size_t log_bytes_ = 0;
