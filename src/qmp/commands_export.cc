@@ -146,21 +146,23 @@ Result<std::unique_ptr<BlockExport>> add_fuse(Daemon& d, const OJson& o, const s
   return std::unique_ptr<BlockExport>(std::move(*e));
 }
 
+// Member `k` of `o`, if present, into `out`; refused above `max`.
+Status number(const OJson& o, const char* k, uint64_t max, uint64_t& out) {
+  if (!o.contains(k)) return {};
+  const uint64_t v = o.at(k).get<uint64_t>();
+  if (v > max) return Error(EINVAL, std::string("Parameter '") + k + "' is out of range");
+  out = v;
+  return {};
+}
+
 Result<std::unique_ptr<BlockExport>> add_ublk(Daemon& d, const OJson& o, const std::shared_ptr<Node>& node) {
   ublk::Options u;
   u.node = node;
   u.writable = o.contains("writable") && o.at("writable").get<bool>();
-  auto number = [&o](const char* k, uint64_t max, uint64_t& out) -> Status {
-    if (!o.contains(k)) return {};
-    const uint64_t v = o.at(k).get<uint64_t>();
-    if (v > max) return Error(EINVAL, std::string("Parameter '") + k + "' is out of range");
-    out = v;
-    return {};
-  };
   uint64_t nq = u.num_queues, depth = u.queue_depth, lbs = u.logical_block_size;
-  VBLK_TRY(number("num-queues", UINT16_MAX, nq));
-  VBLK_TRY(number("queue-depth", UINT16_MAX, depth));
-  VBLK_TRY(number("logical-block-size", UINT32_MAX, lbs));
+  VBLK_TRY(number(o, "num-queues", UINT16_MAX, nq));
+  VBLK_TRY(number(o, "queue-depth", UINT16_MAX, depth));
+  VBLK_TRY(number(o, "logical-block-size", UINT32_MAX, lbs));
   u.num_queues = static_cast<uint16_t>(nq);
   u.queue_depth = static_cast<uint16_t>(depth);
   u.logical_block_size = static_cast<uint32_t>(lbs);
@@ -181,17 +183,12 @@ Result<std::unique_ptr<BlockExport>> add_vduse_blk(Daemon& d, const OJson& o, co
   v.writable = o.contains("writable") && o.at("writable").get<bool>();
   v.writethrough = o.contains("writethrough") && o.at("writethrough").get<bool>();
   if (o.contains("serial")) v.serial = o.at("serial").get<std::string>();
-  if (o.contains("num-queues")) {
-    const uint64_t n = o.at("num-queues").get<uint64_t>();
-    if (n == 0) return Error(EINVAL, "num-queues must be greater than 0");
-    if (n > UINT16_MAX) return Error(EINVAL, "Parameter 'num-queues' expects uint16_t");
-    v.num_queues = static_cast<uint16_t>(n);
-  }
-  if (o.contains("queue-size")) {
-    const uint64_t n = o.at("queue-size").get<uint64_t>();
-    if (n > UINT16_MAX) return Error(EINVAL, "Parameter 'queue-size' expects uint16_t");
-    v.queue_size = static_cast<uint16_t>(n);
-  }
+  uint64_t nq = v.num_queues, qsize = v.queue_size;
+  VBLK_TRY(number(o, "num-queues", UINT16_MAX, nq));
+  VBLK_TRY(number(o, "queue-size", UINT16_MAX, qsize));
+  if (nq == 0) return Error(EINVAL, "num-queues must be greater than 0");
+  v.num_queues = static_cast<uint16_t>(nq);
+  v.queue_size = static_cast<uint16_t>(qsize);
   if (o.contains("logical-block-size")) {
     const uint64_t lbs = o.at("logical-block-size").get<uint64_t>();
     VBLK_TRY(check_block_size(id, "logical-block-size", lbs));

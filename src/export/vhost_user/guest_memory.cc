@@ -81,8 +81,8 @@ std::span<uint8_t> GuestMemory::find_mapped(uint64_t addr, uint64_t len, bool us
 }
 
 bool GuestMemory::gpa_pieces(uint64_t addr, uint64_t len, std::vector<std::span<uint8_t>>& out) const {
+  bool faulted = false;  // on_miss asked once for this address
   while (len > 0) {
-    if (on_miss && !holds(addr, false) && !on_miss(addr)) return false;
     bool found = false;
     for (const auto& x : regions_) {
       uint64_t base = x.r.guest_phys_addr;
@@ -93,9 +93,12 @@ bool GuestMemory::gpa_pieces(uint64_t addr, uint64_t len, std::vector<std::span<
       addr += n;
       len -= n;
       found = true;
+      faulted = false;
       break;
     }
-    if (!found) return false;
+    if (found) continue;
+    if (!on_miss || faulted || !on_miss(addr)) return false;
+    faulted = true;
   }
   return true;
 }
