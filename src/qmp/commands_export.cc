@@ -150,7 +150,10 @@ Result<std::unique_ptr<BlockExport>> add_fuse(Daemon& d, const OJson& o, const s
 Status number(const OJson& o, const char* k, uint64_t max, uint64_t& out) {
   if (!o.contains(k)) return {};
   const uint64_t v = o.at(k).get<uint64_t>();
-  if (v > max) return Error(EINVAL, std::string("Parameter '") + k + "' is out of range");
+  // QEMU's wording where the member is a QAPI uint16.
+  if (v > max)
+    return Error(EINVAL,
+                 std::string("Parameter '") + k + (max == UINT16_MAX ? "' expects uint16_t" : "' is out of range"));
   out = v;
   return {};
 }
