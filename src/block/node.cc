@@ -206,9 +206,9 @@ Task<Status> Node::write(uint64_t offset, std::span<const uint8_t> buf, uint32_t
   if (detect && caps_.zeroes && buffer_is_zero(buf)) {
     // detect-zeroes: the whole request is zeroes (QEMU's bdrv_aligned_pwritev).
     const uint32_t zf = detect_zeroes_ == DetectZeroes::Unmap ? kReqMayUnmap : 0u;
-    co_return co_await write_zeroes(offset, buf.size(), (flags & (kReqFua | kReqSerialising)) | zf);
+    co_return co_await write_zeroes(offset, buf.size(), (flags & (kReqFua | kReqSurviveKill | kReqSerialising)) | zf);
   }
-  if (writethrough_) flags |= kReqFua;
+  flags = effective_write_flags(flags);
   const uint64_t align = limits_.request_alignment;
   const uint64_t begin = align_down(offset, align);
   const uint64_t end = align_up(offset + buf.size(), align);
@@ -291,7 +291,7 @@ Task<Status> Node::write_aligned(uint64_t offset, std::span<const uint8_t> buf, 
 Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) {
   if (bytes == 0) co_return Status{};
   VBLK_CO_TRY(check_range(offset, bytes, true));
-  if (writethrough_) flags |= kReqFua;
+  flags = effective_write_flags(flags);
   const bool serialising = flags & kReqSerialising;
   flags &= ~kReqSerialising;
   const uint64_t align = limits_.request_alignment;
@@ -341,7 +341,7 @@ Task<Status> Node::zeroes_by_writing(uint64_t offset, uint64_t bytes, uint32_t f
   zero.zero();
   for (uint64_t pos = offset; pos < offset + bytes;) {
     uint64_t n = std::min<uint64_t>(zero.size(), offset + bytes - pos);
-    VBLK_CO_TRY(co_await write(pos, zero.span().subspan(0, n), (flags & kReqFua) | kReqNoDetect));
+    VBLK_CO_TRY(co_await write(pos, zero.span().subspan(0, n), (flags & (kReqFua | kReqSurviveKill)) | kReqNoDetect));
     pos += n;
   }
   co_return Status{};

@@ -16,14 +16,18 @@ kernel here has neither).
    power of two, a second daemon for a device that is attached and
    served — each refused with the reason, exit 1, and the attached device
    still serves.
-3. kill -9 of the daemon under a writer: the writer waits (no error),
-   the same command line takes the device over from the log the killed
-   daemon left ($TMPDIR/vduse-blk-NAME) and the writer carries on; the
-   first flush after the takeover fails (writes the killed daemon
-   answered were never flushed: it cannot vouch for them), the next one
-   succeeds, and a pattern written then reads back here and on the host.
+3. kill -9 of the daemon (a qcow2, two queues) right after a completed,
+   unflushed 1 MiB write that allocated clusters: the same command line
+   takes the device over from the log the killed daemon left
+   ($TMPDIR/vduse-blk-NAME) and the write reads back (the daemon answers
+   a write only once its data and qcow2 metadata are in the kernel's
+   hands). Then kill -9 under a writer: the writer waits (no error), the
+   next takeover serves it on, its first flush succeeds (it makes the
+   killed daemon's answered writes durable), and a pattern written then
+   reads back here and, with the probe, on the host; the image checks.
    Then the careless ways: a log another user owns is refused; with the
-   log deleted the takeover still serves, and its first flush fails.
+   log deleted the takeover still serves, and its first flush fails (what
+   the previous daemon did is unknown).
 
 Skipped, with the reason, where qemu-system-x86_64, qemu-img or the
 kernel packages are not available.
@@ -49,7 +53,8 @@ class VduseExportTest(GuestCase):
     def make_disks(cls):
         cls.img = qcow2(os.path.join(cls.dir, "img.qcow2"), 256 * MiB, 65536, 320 * MiB)
         cls.raw = ublk_guest.carrier_disk(os.path.join(cls.dir, "raw.img"), 64 * MiB)
-        return [cls.img, cls.raw]
+        cls.kimg = qcow2(os.path.join(cls.dir, "kill.qcow2"), 64 * MiB, 65536, 96 * MiB)
+        return [cls.img, cls.raw, cls.kimg]
 
     @classmethod
     def after_boot(cls):
@@ -85,11 +90,12 @@ class VduseExportTest(GuestCase):
         self.gsh("i=0; while [ -e /dev/vduse/%s ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; "
                  "[ ! -e /dev/vduse/%s ] || { cat %s; false; }" % (name, name, log))
 
-    def first_flush_fails(self, dev, want, why):
+    def flush_after_takeover(self, dev, want, fails, why):
         """/mnt/e (md5 `want`) written with fsync after a takeover: the
-        first flush fails, the next succeeds, and it reads back."""
+        first flush fails if `fails` (else succeeds), the next succeeds,
+        and it reads back."""
         rc, _ = self.guest.sh("dd if=/mnt/e of=%s bs=1M oflag=direct conv=fsync 2>/dev/null" % dev)
-        self.assertNotEqual(rc, 0, why)
+        self.assertEqual(rc != 0, fails, why)
         self.gsh("dd if=/mnt/e of=%s bs=1M oflag=direct conv=fsync 2>/dev/null" % dev)
         got = self.gsh("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M count=4 iflag=direct 2>/dev/null | "
                        "md5sum" % dev).split()[0]
@@ -133,24 +139,34 @@ class VduseExportTest(GuestCase):
             self.assertEqual(hashlib.md5(f.read(4 * MiB)).hexdigest(), want, "the raw disk on the host")
 
     def test_3_killed_daemon_taken_over(self):
-        blockdevs = ["driver=host_device,filename=/dev/vdb,node-name=r0"]
-        export = "node-name=r0,writable=on,name=vduse2,num-queues=2"
+        blockdevs = ["driver=host_device,filename=/dev/vdc,node-name=f0", "driver=qcow2,file=f0,node-name=d0"]
+        export = "node-name=d0,writable=on,name=vduse2,num-queues=2"
+        argv = "vblk serve %s --export type=vduse-blk,id=v0,%s" % (" ".join("--blockdev " + b for b in blockdevs),
+                                                                   export)
         dev = self.serve(blockdevs, export, "/tmp/v3.log")
         self.gsh("[ -s /tmp/vduse-blk-vduse2 ]")
+        # A completed write, never flushed, that allocated clusters; then
+        # kill -9 and the takeover: it is there.
+        probe = self.gsh("dd if=/dev/urandom of=/mnt/p bs=1M count=1 2>/dev/null && md5sum < /mnt/p && "
+                         "dd if=/mnt/p of=%s bs=1M seek=40 oflag=direct 2>/dev/null && "
+                         "kill -9 $(cat /tmp/v3.log.pid)" % dev).split()[0]
+        self.gsh("sleep 1; (%s > /tmp/v3a.log 2>&1 & echo $! > /tmp/v3a.log.pid); sleep 2; cat /tmp/v3a.log" % argv)
+        got = self.gsh("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M skip=40 count=1 iflag=direct 2>/dev/null"
+                       " | md5sum" % dev).split()[0]
+        self.assertEqual(got, probe, "a completed write was lost with the killed daemon")
         # Passes over the device with no flush, until told to stop.
         self.gsh("rm -f /tmp/stop3; (sh -c 'i=0; while [ ! -e /tmp/stop3 ]; do dd if=/dev/zero of=%s bs=64k "
                  "count=256 oflag=direct 2>/dev/null || exit 1; i=$((i+1)); done; echo W-END $i' > /tmp/w3.log "
                  "2>&1 &)" % dev)
-        self.gsh("sleep 1; kill -9 $(cat /tmp/v3.log.pid); sleep 1; [ ! -s /tmp/w3.log ]")
-        argv = "vblk serve --blockdev %s --export type=vduse-blk,id=v0,%s" % (blockdevs[0], export)
+        self.gsh("sleep 1; kill -9 $(cat /tmp/v3a.log.pid); sleep 1; [ ! -s /tmp/w3.log ]")
         self.gsh("(%s > /tmp/v3b.log 2>&1 & echo $! > /tmp/v3b.log.pid); sleep 2; cat /tmp/v3b.log" % argv)
         out = self.gsh("touch /tmp/stop3; i=0; while ! grep -q W-END /tmp/w3.log && [ $i -lt 600 ]; do sleep 0.1; "
                        "i=$((i+1)); done; cat /tmp/w3.log; cat /tmp/v3b.log", timeout=120)
         self.assertIn("W-END", out)
         self.assertIn("taking over the device", out)
-        self.assertIn("were never flushed; the next flush fails", out)
+        self.assertIn("to be made durable by the next flush", out)
         want = self.gsh("dd if=/dev/urandom of=/mnt/e bs=1M count=4 2>/dev/null && md5sum < /mnt/e").split()[0]
-        self.first_flush_fails(dev, want, "the first flush after the takeover vouched for writes it never saw")
+        self.flush_after_takeover(dev, want, False, "the first flush after a takeover with the log failed")
         # Careless: a log someone else owns is refused (the device and the
         # log are left as they were); with the log gone, the takeover
         # starts after what was completed and its first flush fails.
@@ -161,11 +177,19 @@ class VduseExportTest(GuestCase):
         self.gsh("[ -c /dev/vduse/vduse2 ] && rm /tmp/vduse-blk-vduse2")
         self.gsh("(%s > /tmp/v3c.log 2>&1 & echo $! > /tmp/v3c.log.pid); sleep 2" % argv)
         self.assertIn("left unflushed is unknown", self.gsh("cat /tmp/v3c.log"))
-        self.first_flush_fails(dev, want, "the first flush after a takeover without a log vouched")
+        self.flush_after_takeover(dev, want, True, "the first flush after a takeover without a log vouched")
         self.stop("vduse2", "/tmp/v3c.log")
         self.gsh("[ ! -e /tmp/vduse-blk-vduse2 ]")
-        with open(self.raw, "rb") as f:
-            self.assertEqual(hashlib.md5(f.read(4 * MiB)).hexdigest(), want, "the raw disk on the host")
+        r = run(QEMU_IMG, "check", "-U", self.kimg)
+        self.assertIn(r.returncode, (0, 3), r.stdout + r.stderr)
+        self.assertNotIn("ERROR", r.stdout + r.stderr)
+        out = os.path.join(self.dir, "kill.raw")
+        r = run(QEMU_IMG, "convert", "-U", "-O", "raw", self.kimg, out)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(out, "rb") as f:
+            data = f.read(41 * MiB)
+        self.assertEqual(hashlib.md5(data[:4 * MiB]).hexdigest(), want, "the pattern in the image on the host")
+        self.assertEqual(hashlib.md5(data[40 * MiB:]).hexdigest(), probe, "the probe in the image on the host")
 
 
 if __name__ == "__main__":

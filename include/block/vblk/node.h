@@ -50,6 +50,16 @@ enum ReqFlags : uint32_t {
   // (QEMU's BDRV_REQ_SERIALISING); taken by the request path, never passed
   // to drivers.
   kReqSerialising = 1u << 4,
+  // write, write_zeroes: when it completes, the data and every metadata
+  // change it made are in the kernel's hands (the file's page cache or the
+  // device), so the write outlives this process being killed -- not a power
+  // loss, which is kReqFua's. Set by exports whose requests a next daemon
+  // takes over (ublk recovery, VDUSE, vhost-user inflight), so that daemon's
+  // flush can vouch for what this one answered. Formats that keep metadata in
+  // memory write it to their file before completing (no sync unless their
+  // crash-safety order needs one); a driver that caches writes in this
+  // process (NodeCaps::process_cached_writes) gets kReqFua instead.
+  kReqSurviveKill = 1u << 5,
 };
 
 // Block status flags (the values QEMU uses, so the mapping is obvious).
@@ -107,6 +117,9 @@ struct NodeCaps {
   bool serialise_zeroes = false;   // zeroes/discard change metadata: no overlap allowed
   bool supports_backing = false;   // unallocated ranges fall through to "backing"
   bool compressed_writes = false;  // do_write honours kReqCompressed
+  // An answered write may live in this process only (librbd's cache):
+  // kReqSurviveKill becomes kReqFua here.
+  bool process_cached_writes = false;
   // do_block_status answers whole extents that only this node's requests
   // change, plain (map == offset, file == this): block_status() keeps them
   // in the node's StatusCache (status_cache.h). Protocol drivers set it.
@@ -307,6 +320,14 @@ class Node {
   // Growing with preallocation other than Off. The default refuses as
   // QEMU does ("Unsupported preallocation mode: metadata").
   virtual Task<Status> do_truncate_prealloc(uint64_t length, bool exact, Prealloc prealloc);
+
+  // The flags a write or write_zeroes goes down with: writethrough adds
+  // kReqFua; kReqSurviveKill becomes kReqFua on process_cached_writes.
+  uint32_t effective_write_flags(uint32_t flags) const {
+    if (writethrough_) flags |= kReqFua;
+    if ((flags & kReqSurviveKill) && caps_.process_cached_writes) flags = (flags & ~kReqSurviveKill) | kReqFua;
+    return flags;
+  }
 
   void report_corruption(const CorruptionEvent& ev) const {
     if (corruption_handler_) corruption_handler_(*this, ev);

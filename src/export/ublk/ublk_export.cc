@@ -365,12 +365,16 @@ class Export final : public UblkExport {
     tasks_.done();
   }
 
-  // With recovery, a write is durable before it is answered (FUA): a
-  // daemon killed after answering writes whose qcow2 metadata it still
-  // held in memory would lose them, and the file system's next flush,
-  // answered by the daemon that took over, would wrongly vouch for them
+  // With recovery, a write is in the kernel's hands before it is answered
+  // (kReqSurviveKill: qcow2 writes its metadata to the file): a daemon
+  // killed after answering writes whose qcow2 metadata it still held in
+  // memory would lose them, and the file system's next flush, answered by
+  // the daemon that took over, would wrongly vouch for them
   // (bench/results/ublk_kills_s23.txt: fsynced files read back as zeroes).
-  uint32_t write_flags(uint32_t op_flags) const { return ((op_flags & kIoFlagFua) || opts_.recovery) ? kReqFua : 0u; }
+  // The page cache outlives the daemon; that flush makes it durable.
+  uint32_t write_flags(uint32_t op_flags) const {
+    return ((op_flags & kIoFlagFua) ? uint32_t{kReqFua} : 0u) | (opts_.recovery ? uint32_t{kReqSurviveKill} : 0u);
+  }
 
   static uint32_t zero_flags(uint32_t op_flags) { return (op_flags & kIoFlagNoUnmap) ? 0u : uint32_t{kReqMayUnmap}; }
 

@@ -71,7 +71,9 @@ struct LedgerWords {
   uint64_t flushed;   // of those, covered by a flush that succeeded
   uint64_t pad[5];
 };
-constexpr uint64_t kLedgerMagic = 0x766475736530312aull;
+// "vduse02*": the daemon answered writes only once they outlived it
+// (kReqSurviveKill). A log of another magic is an unknown past.
+constexpr uint64_t kLedgerMagic = 0x766475736530322aull;
 
 struct Queue {
   explicit Queue(Loop& l) : inflight(l), exited(l) {}
@@ -97,6 +99,7 @@ class Export final : public VduseBlkExport, public vhost::WriteLedger {
     v.mq_always = false;
     v.serial = opts_.serial;
     v.ledger = this;
+    v.survive_kill = true;  // a next daemon takes the device over
     dev_ = vhost::VirtioBlk::create(loop, node_, std::move(v));
     mem_.on_miss = [this](uint64_t addr) { return map_region(addr); };
     for (uint16_t i = 0; i < opts_.num_queues; ++i) queues_.push_back(std::make_unique<Queue>(loop));
@@ -252,18 +255,17 @@ class Export final : public VduseBlkExport, public vhost::WriteLedger {
       w = LedgerWords{};
       w.magic = kLedgerMagic;
     }
-    // Writes the killed daemon answered and no flush covered may be lost
-    // with its memory (or, with no log, may have been): the next flush
-    // says so instead of vouching.
+    // The killed daemon answered each write once it was in the kernel's
+    // hands (its data and its qcow2 metadata in the file's page cache), so
+    // our flush makes the unflushed ones durable too. Without a log (or
+    // with one we cannot read) what it did is unknown: the next flush says
+    // so instead of vouching.
     log_known_ = known;
-    unvouched_ = takeover_ && (!known || w.answered != w.flushed);
+    unvouched_ = takeover_ && !known;
     if (takeover_)
       report("taking over the device of a daemon that is gone (" + std::to_string(w.answered) + " writes answered, " +
-             std::to_string(w.flushed) + " flushed)");
-    if (unvouched_)
-      report(known ? std::to_string(w.answered - w.flushed) +
-                         " writes of the previous daemon were never flushed; the next flush fails"
-                   : "what the previous daemon left unflushed is unknown; the next flush fails");
+             std::to_string(w.answered - w.flushed) + " of them to be made durable by the next flush)");
+    if (unvouched_) report("what the previous daemon left unflushed is unknown; the next flush fails");
     return {};
   }
 

@@ -32,6 +32,9 @@ VirtioBlkOptions device_options(const BlkOptions& o) {
   v.writethrough = o.writethrough;
   v.logical_block_size = o.logical_block_size;
   v.num_queues = o.num_queues;
+  // A front end that reconnects (QEMU's chardev reconnect=) replays what
+  // the inflight area holds and flushes through the next daemon.
+  v.survive_kill = true;
   return v;
 }
 

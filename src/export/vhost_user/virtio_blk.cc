@@ -228,8 +228,12 @@ class VirtioBlkDevice final : public VirtioBlk {
     co_return true;
   }
 
+  uint32_t write_flags() const {
+    return (wce_ ? 0u : uint32_t{kReqFua}) | (opts_.survive_kill ? uint32_t{kReqSurviveKill} : 0u);
+  }
+
   Task<bool> write(uint64_t off, Segs& segs, uint64_t len) {
-    const uint32_t flags = wce_ ? kReqNone : kReqFua;
+    const uint32_t flags = write_flags();
     if (len == 0) co_return true;
     if (segs.size() == 1) {
       Status s = co_await node_->write(off, segs[0], flags);
@@ -259,8 +263,7 @@ class VirtioBlkDevice final : public VirtioBlk {
     const uint64_t bytes = uint64_t{d.num_sectors} << kSectorShift;
     if (zero) {
       if (d.num_sectors > kMaxWriteZeroesSectors || !range_ok(d.sector, bytes)) co_return kBlkSIoErr;
-      uint32_t flags = (d.flags & kUnmap) ? kReqMayUnmap : kReqNone;
-      if (!wce_) flags |= kReqFua;
+      const uint32_t flags = write_flags() | ((d.flags & kUnmap) ? uint32_t{kReqMayUnmap} : 0u);
       Status s = co_await node_->write_zeroes(d.sector << kSectorShift, bytes, flags);
       co_return s.ok() ? kBlkSOk : kBlkSIoErr;
     }

@@ -23,9 +23,9 @@
 namespace vblk::vhost {
 
 // Where a transport that outlives its daemon (VDUSE) keeps count of the
-// writes answered and the flushes that covered them, so the daemon that
-// takes a device over knows whether writes it never saw may have been
-// lost with their predecessor's memory (a qcow2's new clusters' metadata).
+// writes answered and the flushes that covered them, for the daemon that
+// takes a device over: it reports them, and where it cannot know what its
+// predecessor did (no log) its first flush fails rather than vouch.
 class WriteLedger {
  public:
   virtual ~WriteLedger() = default;
@@ -54,7 +54,12 @@ struct VirtioBlkOptions {
   // does; its vduse-blk offers it only with more than one).
   bool mq_always = true;
   std::string serial = "vhost_user_blk";  // what GET_ID answers
-  WriteLedger* ledger = nullptr;          // the transport's, if any
+  // Writes are answered only once they outlive this process (kReqSurviveKill):
+  // for transports where a next daemon takes the device over (vhost-user's
+  // reconnect with the inflight area, VDUSE) and vouches for them with its
+  // first flush.
+  bool survive_kill = false;
+  WriteLedger* ledger = nullptr;  // the transport's, if any
 };
 
 class VirtioBlk : public Device {

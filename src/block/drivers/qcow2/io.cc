@@ -317,15 +317,30 @@ Task<Status> Qcow2Node::do_write(uint64_t offset, std::span<const uint8_t> buf, 
     // QEMU would store the cluster in the clear; vblk refuses, in the words
     // qemu-img convert uses for -c with encryption.
     if (encrypted()) co_return Error(ENOTSUP, "Compression and encryption not supported at the same time");
-    co_return co_await write_compressed(offset, buf);
+    VBLK_CO_TRY(co_await write_compressed(offset, buf));
+  } else {
+    uint64_t done = 0;
+    while (done < buf.size()) {
+      uint64_t n = 0;
+      VBLK_CO_TRY(co_await write_cluster_run(offset + done, buf.subspan(done), &n));
+      done += n;
+    }
   }
-  uint64_t done = 0;
-  while (done < buf.size()) {
-    uint64_t n = 0;
-    VBLK_CO_TRY(co_await write_cluster_run(offset + done, buf.subspan(done), &n));
-    done += n;
-  }
+  if (flags & kReqSurviveKill) VBLK_CO_TRY(co_await metadata_to_file());
   co_return Status{};
+}
+
+Task<Status> Qcow2Node::metadata_to_file() {
+  // Checked before taking the lock: a write that changed no metadata (an
+  // allocated cluster overwritten) costs nothing; one whose tables another
+  // request's write-back already carried finds them clean.
+  if (!l2_cache_->has_dirty() && !rb_cache_->has_dirty()) co_return Status{};
+  auto g = co_await lock_.scoped();
+  // The caches' dependencies keep the crash-safety order on the way (a new
+  // cluster's refcount and data are flushed before the L2 entry naming it
+  // is written); the last step is not synced: the page cache outlives us.
+  VBLK_CO_TRY(co_await l2_cache_->write_dirty());
+  co_return co_await rb_cache_->write_dirty();
 }
 
 // Extended L2 (QEMU's calculate_l2_meta with subclusters): a write into a
@@ -424,7 +439,9 @@ Task<Status> Qcow2Node::write_subclusters(uint64_t offset, std::span<const uint8
 
 Task<Status> Qcow2Node::do_write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags) {
   if (corrupt()) co_return Error(ENOMEDIUM);
-  co_return co_await zeroes(offset, bytes, flags);
+  VBLK_CO_TRY(co_await zeroes(offset, bytes, flags));
+  if (flags & kReqSurviveKill) VBLK_CO_TRY(co_await metadata_to_file());
+  co_return Status{};
 }
 
 Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {

@@ -425,6 +425,9 @@ class Qcow2Node final : public Node, public ImageFormat {
   // The whole active L1 table, checked against the metadata but `ign`.
   Task<Status> write_l1_table(uint32_t ign = 0);
   Task<Status> flush_all();
+  // kReqSurviveKill: dirty L2 and refcount tables written to the file (in
+  // dependency order, the last write not synced).
+  Task<Status> metadata_to_file();
   Task<void> wait_allocs();
   // Drops one reference to each cluster of the range; a range with a free
   // cluster is reported and left alone (QEMU's qcow2_free_clusters).

@@ -73,6 +73,7 @@ class RbdNode final : public Node, public ImageFormat {
         obj_size_(obj_size) {
     caps_.zeroes = true;
     caps_.discard = true;
+    caps_.process_cached_writes = true;  // rbd_cache: librbd holds writes in this process
     limits_.request_alignment = 1;
     limits_.opt_transfer = obj_size;
     set_length(align_up(size, 512));
