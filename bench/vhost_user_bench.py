@@ -12,11 +12,15 @@ Back ends (--envs; each started for its measurement and stopped after it):
   vblk          `vblk serve` (--vblk), the same --blockdev/--export command
                 line, file node with vblk's defaults (io_uring, page cache)
   vblk-dio      the same with cache.direct=on
+  vblk-b        `vblk serve` of another build (--vblk-b), vblk's command
+                line: two builds side by side in one run
 Every export has num-queues=--queues; the client uses that many queues.
 
 Cases (--cases REGEX over the names): 4 KiB randread and randwrite at QD1
 and QD32, 1 MiB sequential read and write at QD8 (QD per
-queue). The image (--size, default 1 GiB, filled with random data) lives in
+queue). The image (--size, default 1 GiB, filled with random data; with
+--format qcow2 a new empty qcow2 of 64 KiB clusters for every measurement,
+so writes allocate, as on a thin VM disk) lives in
 --dir (default a temp dir under /var/tmp: a real disk, so cache.direct=on
 means the device; on tmpfs O_DIRECT is refused). Environments run
 interleaved, the order rotating per run, --runs times (>= 3); reported: mean
@@ -70,7 +74,7 @@ def wait_socket(path, proc, timeout=20):
 
 def start_qsd(args, env, image, sock):
     argv = [args.qsd, "--blockdev", "driver=file,filename=%s,node-name=f0,%s" % (image, QSD_ENVS[env]),
-            "--blockdev", "driver=raw,file=f0,node-name=d0",
+            "--blockdev", "driver=%s,file=f0,node-name=d0" % args.format,
             "--export", "type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path=%s,writable=on,"
             "num-queues=%d" % (sock, args.queues)]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -79,14 +83,16 @@ def start_qsd(args, env, image, sock):
 VBLK_ENVS = {
     "vblk": "",
     "vblk-dio": ",cache.direct=on",
+    "vblk-b": "",
 }
 
 
 def start_vblk(args, env, image, sock):
     """`vblk serve` with qemu-storage-daemon's command line: a raw node on a
     file node, one vhost-user-blk export (write-back, as qsd's export)."""
-    argv = [args.vblk, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0%s" % (image, VBLK_ENVS[env]),
-            "--blockdev", "driver=raw,file=f0,node-name=d0",
+    binary = args.vblk_b if env == "vblk-b" else args.vblk
+    argv = [binary, "serve", "--blockdev", "driver=file,filename=%s,node-name=f0%s" % (image, VBLK_ENVS[env]),
+            "--blockdev", "driver=%s,file=f0,node-name=d0" % args.format,
             "--export", "type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path=%s,writable=on,"
             "num-queues=%d" % (sock, args.queues)]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -122,6 +128,11 @@ def run_one(args, env, case, image, workdir):
     sock = os.path.join(workdir, "vhost.sock")
     if os.path.exists(sock):
         os.unlink(sock)
+    if args.format == "qcow2":
+        if os.path.exists(image):
+            os.unlink(image)
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=65536", image,
+                        str(args.size << 20)], check=True)
     proc = BACKENDS[env](args, env, image, sock)
     try:
         wait_socket(sock, proc)
@@ -145,6 +156,8 @@ def main():
     ap.add_argument("--client", default=os.path.join(ROOT, "build", "tests", "vblk-vhost-client"))
     ap.add_argument("--qsd", default=shutil.which("qemu-storage-daemon"))
     ap.add_argument("--vblk", default=os.path.join(ROOT, "build", "vblk"))
+    ap.add_argument("--vblk-b", help="a second vblk build, env vblk-b")
+    ap.add_argument("--format", default="raw", choices=("raw", "qcow2"))
     ap.add_argument("--dir", help="image directory (default: a temp dir under /var/tmp)")
     ap.add_argument("--size", type=int, default=1024, help="image size in MiB (1024)")
     ap.add_argument("--runs", type=int, default=3)
@@ -161,10 +174,13 @@ def main():
     cases = [c for c in CASES if re.search(args.cases, c[0])]
     if not args.qsd and any(e.startswith("qsd") for e in envs):
         ap.error("qemu-storage-daemon not found")
+    if "vblk-b" in envs and not args.vblk_b:
+        ap.error("env vblk-b needs --vblk-b")
     workdir = tempfile.mkdtemp(prefix="vblk-vhost-bench-", dir=args.dir or "/var/tmp")
-    image = os.path.join(workdir, "disk.raw")
+    image = os.path.join(workdir, "disk." + args.format)
     try:
-        make_image(image, args.size << 20)
+        if args.format == "raw":
+            make_image(image, args.size << 20)
         runs = {}
         for r in range(args.runs):
             for case in cases:
@@ -195,7 +211,7 @@ def main():
                 print("%-18s fastest qsd: %s" % (case[0], best[0]))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"queues": args.queues, "seconds": args.seconds, "size_mib": args.size,
+                json.dump({"queues": args.queues, "seconds": args.seconds, "size_mib": args.size, "format": args.format,
                            "results": report}, f, indent=1)
     finally:
         shutil.rmtree(workdir, True)

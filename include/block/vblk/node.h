@@ -54,7 +54,7 @@ enum ReqFlags : uint32_t {
   // change it made are in the kernel's hands (the file's page cache or the
   // device), so the write outlives this process being killed -- not a power
   // loss, which is kReqFua's. Set by exports whose requests a next daemon
-  // takes over (ublk recovery, VDUSE, vhost-user inflight), so that daemon's
+  // takes over (ublk recovery, VDUSE), so that daemon's
   // flush can vouch for what this one answered. Formats that keep metadata in
   // memory write it to their file before completing (no sync unless their
   // crash-safety order needs one); a driver that caches writes in this

@@ -55,9 +55,8 @@ struct VirtioBlkOptions {
   bool mq_always = true;
   std::string serial = "vhost_user_blk";  // what GET_ID answers
   // Writes are answered only once they outlive this process (kReqSurviveKill):
-  // for transports where a next daemon takes the device over (vhost-user's
-  // reconnect with the inflight area, VDUSE) and vouches for them with its
-  // first flush.
+  // for transports where a next daemon takes the device over (VDUSE) and
+  // vouches for them with its first flush.
   bool survive_kill = false;
   WriteLedger* ledger = nullptr;  // the transport's, if any
 };
