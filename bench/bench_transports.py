@@ -421,7 +421,9 @@ def main():
         if w not in WORKLOADS:
             ap.error("unknown workload %s (%s)" % (w, ", ".join(WORKLOADS)))
     args.vblk = os.path.abspath(args.vblk)
-    cmdline = "bench/bench_transports.py " + " ".join(a if not a.startswith(args.vblk) else "..." for a in sys.argv[1:])
+    cmdline = "python3 bench/bench_transports.py " + " ".join(
+        a if not a.startswith(args.vblk) else "..." for a in sys.argv[1:])
+    load0 = os.getloadavg()
     try:
         ublk_guest.build_ublk_guest(args.vblk, fio=True)
     except guest_vm.GuestUnavailable as e:
@@ -441,9 +443,9 @@ def main():
                 for t in order:
                     r = b.measure(t, wl)
                     res.setdefault((t, wl), []).append(r)
-                    say("rep %d %-12s %-10s %9.0f IOPS %8.1f MiB/s  qemu %8.1f us  daemon %7.2f us  busy %3.0f%%  irq/req %.2f" % (
-                        rep, wl, t, r["iops"], r["mibs"], r["qemu_us"], r.get("daemon_us", float("nan")),
-                        r["busy"], r["irq"]))
+                    say("rep %d %-12s %-10s %9.0f IOPS %8.1f MiB/s  qemu %8.1f us  daemon %7.2f us  busy %3.0f%%  "
+                        "irq/req %.2f" % (rep, wl, t, r["iops"], r["mibs"], r["qemu_us"],
+                                          r.get("daemon_us", float("nan")), r["busy"], r["irq"]))
         notes = b.stop()
     except (Exception, KeyboardInterrupt):
         if b.guest is not None:
@@ -454,9 +456,12 @@ def main():
     finally:
         b.cleanup()
     wall = time.monotonic() - started
+    load1 = os.getloadavg()
 
     ts = args.transports
-    print("# %s" % cmdline)
+    print("# %s" % cmdline.strip())
+    print("# load average (1, 5, 15 min) at start %.1f %.1f %.1f, at end %.1f %.1f %.1f; %d host CPUs" % (
+        load0 + load1 + (os.cpu_count(),)))
     print("# One TCG guest (bench/ublk_guest.py's kernel %s, 2 vCPUs, %d MiB), fio %s in the guest, direct=1, "
           "engine %s, %d s + %d s ramp per run, %d rep(s), order reversed on odd reps; images %s qcow2 "
           "(64 KiB clusters, preallocation=%s) on the host's tmpfs, one per transport; %.0f s in all." % (
@@ -495,6 +500,16 @@ def main():
             print("%-11s %16s %14s %16s %20s %9s %13s" % (
                 t, ms([r[key] for r in rs], f), ratio, ms([r["qemu_us"] for r in rs], "%.0f"), d,
                 ms([r["busy"] for r in rs], "%.0f"), ms([r["irq"] for r in rs], "%.2f")))
+    if "ublk" in ts and "ublk-rec" in ts:
+        print()
+        print("## recovery=on against off (ublk-rec / ublk, per repetition)")
+        for wl in args.workloads:
+            key = "iops" if WORKLOADS[wl][1] == "4k" else "mibs"
+            print("%-13s rate %s, daemon CPU %s" % (
+                wl, ms([r[key] / o[key] for r, o in zip(res[("ublk-rec", wl)], res[("ublk", wl)])], "%.2f"),
+                ms([r["daemon_us"] / o["daemon_us"] if o["daemon_us"] else float("nan")
+                    for r, o in zip(res[("ublk-rec", wl)], res[("ublk", wl)])],
+                   "%.2f")))
     print()
     print("# g: guest CPU time of the in-guest daemon (emulated by TCG, so also inside qemu us).")
     return 1 if notes else 0
