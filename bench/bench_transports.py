@@ -13,9 +13,10 @@ and virtio_vdpa; fio in the initramfs) through each way vblk serves it:
   ublk        `vblk serve` in the guest on the image attached raw as a
               virtio-blk disk (host_device, cache.direct=on), ublk export
               (/dev/ublkbN), recovery off
-  ublk-rec    the same with recovery=on, which makes every write durable
-              before it is answered (FUA: the data, the metadata and a
-              flush of /dev/vdX)
+  ublk-rec    the same with recovery=on: each write answered only once
+              it would outlive the daemon (until 83d7f97 a FUA per
+              write, a flush of /dev/vdX each; since, its qcow2 metadata
+              written to the file, no flush)
   vduse       `vblk serve` in the guest as for ublk, vduse-blk export,
               `vdpa dev add` -> the kernel's virtio-blk on virtio_vdpa
   raw-virtio  baseline, no vblk: QEMU's virtio-blk of a raw file (the hop
@@ -78,7 +79,7 @@ TRANSPORTS = {
     "nbd-qemu": ("host", "host vblk NBD (unix) -> QEMU's NBD client -> virtio-blk"),
     "vhost-user": ("host", "host vblk vhost-user-blk -> vhost-user-blk-pci"),
     "ublk": ("guest", "guest vblk on /dev/vdX -> ublk (recovery off)"),
-    "ublk-rec": ("guest", "guest vblk on /dev/vdX -> ublk recovery=on (writes FUA)"),
+    "ublk-rec": ("guest", "guest vblk on /dev/vdX -> ublk recovery=on"),
     "vduse": ("guest", "guest vblk on /dev/vdX -> VDUSE -> virtio_vdpa"),
     "raw-virtio": (None, "QEMU virtio-blk of a raw file, no vblk"),
     "qemu-qcow2": (None, "QEMU's qcow2 under virtio-blk, no vblk"),
