@@ -459,26 +459,51 @@ def _vblk_archive(vblk, strip):
     return guest_vm._cpio_newc(tree.entries)
 
 
-def build_ublk_guest(vblk, strip=True, stress_ng=True, keep=4):
+def _fio_archive():
+    """A third archive, for benches only: the host's fio at /usr/bin/fio
+    with the shared objects it loads (guest_vm._fio_files(): 64 libraries,
+    84 MB with Debian 12's fio), so the tests' initramfs stays as it is."""
+    tree = _Tree()
+    for guest_path, host_path in guest_vm._fio_files():
+        tree.add_file(host_path, guest_path)
+    return guest_vm._cpio_newc(tree.entries)
+
+
+def _fio_key():
+    h = hashlib.sha1()
+    for guest_path, host_path in guest_vm._fio_files():
+        st = os.stat(host_path)
+        h.update(("%s %s %d %d\n" % (guest_path, host_path, st.st_size, st.st_mtime_ns)).encode())
+    return h.hexdigest()
+
+
+def build_ublk_guest(vblk, strip=True, stress_ng=True, keep=4, fio=False):
     """(vmlinuz path, initramfs path) of the ublk guest with `vblk` (a path
     to the binary) in it. The initramfs is the cached base archive followed
     by vblk's archive; one is cached per vblk build (its path, size and
     mtime), the `keep` newest kept. strip: strip vblk's debug information
     (symbolize a guest's backtrace with the binary on the host). stress_ng:
-    put stress-ng in when the host has it."""
+    put stress-ng in when the host has it. fio: a third archive with the
+    host's fio (/usr/bin/fio in the guest; _fio_archive()), cached apart
+    (initramfs-fio-vblk-*, the two newest kept) and off by default: the
+    tests' guests do without its 84 MB."""
     base_dir, kernel, base = build_base(stress_ng=stress_ng)
     vblk = os.path.realpath(vblk)
     st = os.stat(vblk)
     key = "%s|%d|%d|%d|%s" % (vblk, st.st_size, st.st_mtime_ns, st.st_ino, strip)
-    initrd = os.path.join(base_dir, "initramfs-vblk-%s.cpio" % hashlib.sha1(key.encode()).hexdigest()[:16])
+    prefix = "initramfs-vblk-"
+    if fio:
+        key += "|fio " + _fio_key()
+        prefix, keep = "initramfs-fio-vblk-", 2
+    initrd = os.path.join(base_dir, "%s%s.cpio" % (prefix, hashlib.sha1(key.encode()).hexdigest()[:16]))
     if os.path.exists(initrd):
         os.utime(initrd)
         return kernel, initrd
     with _cache_lock():
-        return kernel, _vblk_initrd(base, initrd, vblk, strip, keep)
+        return kernel, _vblk_initrd(base, initrd, vblk, strip, keep, fio, prefix)
 
 
-def _vblk_initrd(base, initrd, vblk, strip, keep):
+def _vblk_initrd(base, initrd, vblk, strip, keep, fio=False, prefix="initramfs-vblk-"):
     if os.path.exists(initrd):
         return initrd
     base_dir = os.path.dirname(base)
@@ -487,12 +512,14 @@ def _vblk_initrd(base, initrd, vblk, strip, keep):
         with os.fdopen(fd, "wb") as out, open(base, "rb") as f:
             shutil.copyfileobj(f, out, 1 << 20)
             out.write(_vblk_archive(vblk, strip))
+            if fio:
+                out.write(_fio_archive())
         os.chmod(tmp, 0o644)
         os.rename(tmp, initrd)
     except BaseException:
         os.unlink(tmp)
         raise
-    olds = sorted(glob.glob(os.path.join(base_dir, "initramfs-vblk-*.cpio")), key=os.path.getmtime, reverse=True)
+    olds = sorted(glob.glob(os.path.join(base_dir, prefix + "*.cpio")), key=os.path.getmtime, reverse=True)
     for old in olds[keep:]:
         try:
             os.unlink(old)
@@ -516,14 +543,14 @@ class UblkGuest(guest_vm.Guest):
     (path, format) pairs; format "raw" (the default: the guest sees the
     file's bytes, a qcow2 file included) or "qcow2" (the guest sees the
     image's contents). mem_mib: default_mem_mib() when None. smp: vCPUs.
-    extra: more QEMU arguments. strip, stress_ng: as build_ublk_guest().
+    extra: more QEMU arguments. strip, stress_ng, fio: as build_ublk_guest().
     Console and QMP as guest_vm.Guest: boot() first, then sh(command) ->
     (exit code, output with stderr) or check(command) -> output; quit().
     Each disk's serial is vblk<i> (/sys/block/vdX/serial)."""
 
     def __init__(self, workdir, vblk, disks=(), mem_mib=None, smp=2, extra=(), name="u", strip=True,
-                 stress_ng=True, cache="writeback"):
-        self.kernel, self.initrd = build_ublk_guest(vblk, strip=strip, stress_ng=stress_ng)
+                 stress_ng=True, cache="writeback", fio=False):
+        self.kernel, self.initrd = build_ublk_guest(vblk, strip=strip, stress_ng=stress_ng, fio=fio)
         self.mem_mib = mem_mib or default_mem_mib(self.initrd)
         self.workdir = workdir
         self.serial_path = os.path.join(workdir, name + ".serial")
