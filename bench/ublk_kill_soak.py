@@ -32,10 +32,13 @@ mkfs.ext4 on the device, mounted. Then each round:
     dd, its fsync included, returned success;
   * the daemon is killed with kill -9 at a random moment --min-kill to
     --max-kill seconds (0.5-3) after the writers started;
-  * recovery (ublk) or takeover (vduse): the same command line again takes
-    the device back; the round waits until each writer logged two more
-    files (it carried on), stops the writers (a stop file) and checks they
-    ended without an error;
+  * recovery (ublk) or takeover (vduse): once the killed daemon is gone
+    (as a supervisor waits for it), the same command line again takes the
+    device back; the round waits until each writer logged two more files
+    (it carried on), stops the writers (a stop file) and checks they ended
+    without an error. A start refused because the image was still locked
+    (the killed daemon's open file outliving its process) is reported,
+    counted and retried a second later;
     without recovery (ublk): each writer must fail (dd's write or fsync
     errors; no hang), the file system is unmounted, the same command line
     again replaces the dead device, and e2fsck -fy replays the journal and
@@ -217,6 +220,7 @@ class KillSoak:
         self.mounted = False
         self.keep_going = keep_going  # a lost file is counted, not the end of the soak
         self.lost = []  # [(round, [file names])]
+        self.lock_retries = []  # [round] of each restart refused for the image's lock (restart())
 
     # --- guest helpers --------------------------------------------------
     def sh(self, cmd, timeout=120):
@@ -321,6 +325,35 @@ class KillSoak:
             self.check("[ ! -e /dev/vduse/%s ] && [ ! -e /tmp/vduse-blk-%s ] && ! grep -v 'taking over the device' %s"
                        % (self.name, self.name, self.log), 60, "the device, its log or errors left after the stop")
             self.dev = None
+
+    def restart(self, k):
+        """After a kill -9: waits until the killed daemon is gone (as a
+        supervisor does before it restarts a service), then starts the same
+        command line and waits until the device reads. A start refused
+        because the image's lock is still held (the killed daemon's open
+        file outlived its process: `Failed to get "write" lock`) is
+        counted in lock_retries, reported, and started again a second
+        later, up to three times; any other failed start fails the round.
+        Returns the seconds the killed daemon took to go."""
+        t = time.monotonic()
+        self.check("(p=$(cat /tmp/ublk_serve.pid); i=0; while kill -0 $p 2>/dev/null; do [ $i -lt 600 ] || exit 1; "
+                   "sleep 0.05; i=$((i+1)); done)", 90, "round %d: the killed daemon did not go" % k)
+        gone = time.monotonic() - t
+        for attempt in range(4):
+            self.start_daemon()
+            rc, out = self.sh("(i=0; until dd if=%s of=/dev/null bs=4k count=1 iflag=direct 2>/dev/null; do "
+                              "[ $i -lt 600 ] || exit 1; kill -0 $(cat /tmp/ublk_serve.pid) || exit 2; sleep 0.1; "
+                              "i=$((i+1)); done)" % self.dev, 90)
+            if rc == 0:
+                return gone
+            log = self.sh("cat %s" % self.log)[1]
+            if rc != 2 or 'Failed to get "write" lock' not in log or attempt == 3:
+                raise SoakFailure("round %d: the restart %d exited (%d): %s\n%s" % (k, attempt + 1, rc, log,
+                                                                                  self.diag()))
+            self.lock_retries.append(k)
+            self.say("round %d: restart refused %.2f s after the killed daemon went, the image still locked: %s" % (
+                k, time.monotonic() - t - gone, log.strip().replace("\n", " ")))
+            time.sleep(1)
 
     def alive(self):
         return self.sh("kill -0 $(cat /tmp/ublk_serve.pid) 2>/dev/null")[0] == 0
@@ -441,7 +474,7 @@ class KillSoak:
                 raise SoakFailure("round %d: a writer ended while the device waited for its daemon: %s\n%s" % (
                     k, st, self.diag()))
             t = time.monotonic()
-            self.start_daemon()
+            gone = self.restart(k)
             # The writers carry on: two more files each.
             before = self.counts(k)
             out = self.check("(i=0; while :; do ok=1; %s [ $ok = 1 ] && break; [ $i -lt 1200 ] || exit 1; "
@@ -455,7 +488,7 @@ class KillSoak:
             st = self.wait_writers(120)
             if not all(s and s.startswith("W-END") for s in st):
                 raise SoakFailure("round %d: writers after the stop: %s\n%s" % (k, st, self.diag()))
-            info += ", %s, writers resumed in %.2f s" % (took, resumed)
+            info += ", %.2f s more until it was gone, %s, writers resumed in %.2f s" % (gone, took, resumed)
         else:
             t = time.monotonic()
             st = self.wait_writers(120)
@@ -516,8 +549,7 @@ class KillSoak:
         want = self.check("dd if=/dev/urandom of=/mnt/probe bs=1M count=1 2>/dev/null && md5sum < /mnt/probe && "
                           "dd if=/mnt/probe of=%s bs=1M seek=%d oflag=direct 2>/dev/null && "
                           "kill -9 $(cat /tmp/ublk_serve.pid)" % (self.dev, off)).split()[0]
-        self.start_daemon()
-        self.wait_readable()
+        self.restart(0)
         got = self.check("echo 3 > /proc/sys/vm/drop_caches; dd if=%s bs=1M skip=%d count=1 iflag=direct "
                          "2>/dev/null | md5sum" % (self.dev, off)).split()[0]
         return want, got
@@ -614,6 +646,9 @@ def main(argv=None):
             a.transport, soak.rounds_done - len(soak.lost), a.rounds, len(soak.verified), soak.checks,
             ", %d LOST in %d rounds (%s)" % (lost, len(soak.lost), ", ".join(str(k) for k, _ in soak.lost))
             if lost else "", check_line(rc, leaks), time.monotonic() - t0))
+        if soak.lock_retries:
+            say("  %d restarts refused for the image's lock (the killed daemon's file still open), rounds %s" % (
+                len(soak.lock_retries), ", ".join(map(str, soak.lock_retries))))
         if soak.takeovers:
             say("  %d takeovers found the killed daemon's log; %d of them with answered, unflushed writes (%d in "
                 "all), which the next daemon's first flush made durable" % (
