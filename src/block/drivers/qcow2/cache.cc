@@ -5,12 +5,6 @@ namespace vblk::qcow2 {
 MetaCache::MetaCache(Node& file, uint64_t table_size, size_t capacity)
     : file_(file), table_size_(table_size), capacity_(capacity ? capacity : 1) {}
 
-bool MetaCache::has_dirty() const {
-  for (const auto& e : entries_)
-    if (e.dirty) return true;
-  return false;
-}
-
 Task<Status> MetaCache::flush_dependency() {
   MetaCache* dep = depends_;
   depends_ = nullptr;
@@ -38,7 +32,7 @@ Task<Status> MetaCache::write_entry(Entry& e) {
   }
   if (write_check_) VBLK_CO_TRY(co_await write_check_(e.offset, table_size_));
   VBLK_CO_TRY(co_await file_.write(e.offset, e.data.span()));
-  e.dirty = false;
+  set_dirty(e, false);
   co_return Status{};
 }
 
@@ -82,6 +76,7 @@ Task<Result<MetaCache::Entry*>> MetaCache::slot_for(uint64_t offset) {
   Entry* e = &entries_.back();
   e->data = AlignedBuffer(table_size_);
   e->offset = offset;
+  e->owner = this;
   index_[offset] = e;
   co_return e;
 }
@@ -99,10 +94,10 @@ Task<Result<MetaCache::Ref>> MetaCache::get(uint64_t offset) {
   if (!st) {
     index_.erase(offset);
     e->offset = UINT64_MAX;  // unusable until reused
-    e->dirty = false;
+    set_dirty(*e, false);
     co_return st.take_error();
   }
-  e->dirty = false;
+  set_dirty(*e, false);
   e->last_use = ++clock_;
   co_return ref;
 }
@@ -117,7 +112,7 @@ Task<Result<MetaCache::Ref>> MetaCache::get_empty(uint64_t offset) {
     e = *slot;
   }
   e->data.zero();
-  e->dirty = true;
+  set_dirty(*e, true);
   e->last_use = ++clock_;
   co_return Ref(e);
 }
@@ -125,13 +120,13 @@ Task<Result<MetaCache::Ref>> MetaCache::get_empty(uint64_t offset) {
 void MetaCache::discard(uint64_t offset) {
   auto it = index_.find(offset);
   if (it == index_.end()) return;
-  it->second->dirty = false;
+  set_dirty(*it->second, false);
   it->second->offset = UINT64_MAX;
   index_.erase(it);
 }
 
 void MetaCache::clear() {
-  for (auto& e : entries_) e.dirty = false;
+  for (auto& e : entries_) set_dirty(e, false);
   index_.clear();
   entries_.remove_if([](const Entry& e) { return e.pins == 0; });
   for (auto& e : entries_) e.offset = UINT64_MAX;

@@ -33,8 +33,9 @@ class MetaCache {
   struct Entry {
     uint64_t offset = 0;
     AlignedBuffer data;
-    bool dirty = false;
+    bool dirty = false;  // changed through set_dirty, which counts
     int pins = 0;
+    MetaCache* owner = nullptr;
     uint64_t last_use = 0;
   };
 
@@ -55,7 +56,7 @@ class MetaCache {
     uint8_t* data() { return e_->data.data(); }
     uint64_t offset() const { return e_->offset; }
     explicit operator bool() const { return e_ != nullptr; }
-    void mark_dirty() { e_->dirty = true; }
+    void mark_dirty() { e_->owner->set_dirty(*e_, true); }
 
    private:
     void release() {
@@ -93,11 +94,16 @@ class MetaCache {
   void discard(uint64_t offset);
   // Drops everything (after an error, or on close without writing).
   void clear();
-  bool has_dirty() const;
+  bool has_dirty() const { return dirty_ > 0; }
 
  private:
   Task<Result<Entry*>> slot_for(uint64_t offset);
   Task<Status> write_entry(Entry& e);
+  void set_dirty(Entry& e, bool d) {
+    if (e.dirty == d) return;
+    e.dirty = d;
+    d ? ++dirty_ : --dirty_;
+  }
 
   Node& file_;
   uint64_t table_size_;
@@ -107,6 +113,7 @@ class MetaCache {
   WriteCheck write_check_;
   bool depends_on_flush_ = false;
   uint64_t clock_ = 0;
+  size_t dirty_ = 0;          // entries with dirty set: has_dirty() without a scan
   std::list<Entry> entries_;  // stable addresses for Ref
   std::unordered_map<uint64_t, Entry*> index_;
 };
