@@ -36,6 +36,8 @@ void nbd_help() {
       "\n"
       "  -h, --help                display this help and exit\n"
       "  -V, --version             output version information and exit\n"
+      "  -v, --verbose             accepted for qemu-nbd scripts (vblk nbd serves no\n"
+      "                            kernel device, the only thing -v changes there)\n"
       "  -T, --trace [[enable=]<pattern>]\n"
       "                            switch on the trace categories matching pattern\n"
       "\n"
@@ -80,6 +82,7 @@ struct NbdArgs {
 NbdArgs parse(int argc, char** argv) {
   static const option longopts[] = {{"help", no_argument, nullptr, 'h'},
                                     {"version", no_argument, nullptr, 'V'},
+                                    {"verbose", no_argument, nullptr, 'v'},
                                     {"trace", required_argument, nullptr, 'T'},
                                     {"port", required_argument, nullptr, 'p'},
                                     {"bind", required_argument, nullptr, 'b'},
@@ -105,10 +108,13 @@ NbdArgs parse(int argc, char** argv) {
   opterr = 0;
   optind = 1;
   int c;
-  while ((c = getopt_long(argc, argv, ":hVp:b:k:e:tx:D:f:rnB:T:", longopts, nullptr)) != -1) {
+  while ((c = getopt_long(argc, argv, ":hVvp:b:k:e:tx:D:f:rnB:T:", longopts, nullptr)) != -1) {
     switch (c) {
       case 'h': nbd_help(); std::exit(0);
       case 'V': std::printf("vblk nbd version " VBLK_VERSION "\n"); std::exit(0);
+      // qemu-nbd's -v keeps a kernel device's client in the foreground and
+      // its stderr open; vblk nbd has no device mode and never closes stderr.
+      case 'v': break;
       case 'T': enable_trace(optarg); break;
       case 'p': {
         auto v = parse_ulong(optarg, 65535);

@@ -407,6 +407,19 @@ class NbdServerTest(InteropTestCase):
         self.assertFalse(os.path.exists(pidf))
         self.assertFalse(os.path.exists(sock))
 
+    def test_iotests_invocation_verbose(self):
+        # qemu-iotests' common.rc starts every NBD server this way; -v is a
+        # no-op without a kernel device, for qemu-nbd and vblk alike.
+        img = self.make_qcow2()
+        for tool in ("vblk", QEMU_NBD):
+            with self.subTest(tool=tool):
+                sock = os.path.join(self.tmp, "v-%s.sock" % os.path.basename(tool))
+                s = Server(tool, sock, img, "-v", "-f", "qcow2", "-e", "42", "-x", "")
+                self.servers.append(s)
+                r = run([NBDINFO, "--size", s.uri()])
+                self.assertEqual((r.rc, r.stdout), (0, "%d\n" % (64 * MiB)), r)
+                self.assertEqual(s.stop(), 0)
+
     def test_tcp_binds_loopback_by_default(self):
         img = self.make_qcow2()
         probe = socket.socket()
