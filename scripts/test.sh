@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds (optimised and sanitized), and runs the
-# whole test suite in both builds. Exit status is the tests'.
+# suite: each interop test in one of the two builds (tests/CMakeLists.txt),
+# the unit tests in both. Exit status is the tests'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
