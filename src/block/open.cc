@@ -201,8 +201,12 @@ Result<std::shared_ptr<Node>> open_image(OpenContext& ctx, const std::string& fi
   bool is_dev = ::stat(filename.c_str(), &st) == 0 && (S_ISBLK(st.st_mode) || S_ISCHR(st.st_mode));
   file["driver"] = is_dev ? "host_device" : "file";
   // NBD URIs and rbd: names say their protocol (qemu-img's protocol prefixes).
-  if (const DriverInfo& p = protocol_for_filename(filename); p.name != std::string("file")) file["driver"] = p.name;
-  file["filename"] = filename;
+  const DriverInfo& proto = protocol_for_filename(filename);
+  if (proto.name != std::string("file")) file["driver"] = proto.name;
+  if (proto.parse_filename)
+    VBLK_TRY(proto.parse_filename(filename, file));
+  else
+    file["filename"] = filename;
   if (o.direct) file["cache"]["direct"] = true;
   if (o.no_flush) file["cache"]["no-flush"] = true;
   if (!o.aio.empty() && file["driver"] != "nbd" && file["driver"] != "rbd") file["aio"] = o.aio;

@@ -29,6 +29,10 @@ class JsonFilenameTest(InteropTestCase):
             'json:{"driver": "qcow2", "file": {"driver": "file", "filename": "%s"}}' % raw,
             'json:{"driver": "file", "filename": "/nonexistent/x"}',
             'json:{"driver": "null-co", "size": 1048576, "read-zeroes": true}',
+            'json:{"driver": "null-co", "filename": "null-co://x"}',
+            # Protocol prefixes: the name alone picks the driver.
+            'null-co://',
+            'null-co://x',
         ]
         for name in names:
             for cmd in (["info"], ["info", "--output=json"], ["map", "--output=json"], ["check"]):

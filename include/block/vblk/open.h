@@ -78,6 +78,8 @@ enum class DriverKind { Protocol, Format, Filter };
 // one line registers it (src/block/drivers/list.h for the block layer's own,
 // register_driver() for a higher layer's). Everything the CLI and QMP know
 // about a driver comes from here.
+using DriverParseFilenameFn = Status (*)(const std::string& filename, Json& opts);
+
 struct DriverInfo {
   const char* name;
   DriverKind kind;
@@ -88,6 +90,10 @@ struct DriverInfo {
   DriverBlockdevCreateFn blockdev_create = nullptr;
   // Protocols whose file names say so ("rbd:", "nbd://"): the prefixes.
   std::span<const char* const> prefixes = {};
+  // Turns a plain file name into options (QEMU's bdrv_parse_filename); nullptr:
+  // the name is the "filename" option. Only a name given alone is parsed: an
+  // explicit "filename" option is the driver's to take or refuse.
+  DriverParseFilenameFn parse_filename = nullptr;
   DriverDeleteFn remove = nullptr;  // protocols that can remove what they created
   bool is_protocol() const { return kind == DriverKind::Protocol; }
 };

@@ -93,7 +93,6 @@ Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts) {
   VBLK_TRY(lat);
   auto ro = take_bool(opts, "read-only");
   VBLK_TRY(ro);
-  (void)take_string(opts, "filename");
   auto node = std::make_shared<NullNode>(ctx.loop, size->value_or(1ull << 30), rz->value_or(false), lat->value_or(0));
   node->set_read_only(ro->value_or(ctx.read_only));
   node->given_read_zeroes_ = rz->has_value();
@@ -101,7 +100,22 @@ Result<std::shared_ptr<Node>> open_null(OpenContext& ctx, Json& opts) {
   return std::shared_ptr<Node>(node);
 }
 
-extern const DriverInfo null_co_driver = {.name = "null-co", .kind = DriverKind::Protocol, .open = open_null};
+namespace {
+const char* const kNullCoPrefixes[] = {"null-co://"};
+
+// "null-co://" alone names the driver (qemu-img info null-co://), as QEMU's
+// null_co_parse_filename allows; it sets no option.
+Status parse_null_co_filename(const std::string& filename, Json&) {
+  if (filename != "null-co://") return Error(EINVAL, "The only allowed filename for this driver is 'null-co://'");
+  return {};
+}
+}  // namespace
+
+extern const DriverInfo null_co_driver = {.name = "null-co",
+                                          .kind = DriverKind::Protocol,
+                                          .open = open_null,
+                                          .prefixes = kNullCoPrefixes,
+                                          .parse_filename = parse_null_co_filename};
 
 }  // namespace drivers
 }  // namespace vblk
