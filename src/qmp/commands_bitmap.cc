@@ -14,8 +14,6 @@ namespace vblk::qmp {
 
 namespace {
 
-Reply fail(const Error& e) { return Reply::fail(e.what()); }
-
 // QEMU's block_dirty_bitmap_lookup.
 Result<NamedBitmap*> lookup(Daemon& d, const std::string& node, const std::string& name,
                             std::shared_ptr<Node>* out = nullptr) {
@@ -46,9 +44,9 @@ Task<Reply> bitmap_add(Daemon& d, const OJson& a) {
   bool persistent = a.contains("persistent") && a["persistent"].get<bool>();
   bool disabled = a.contains("disabled") && a["disabled"].get<bool>();
   if (persistent)
-    if (auto st = image::can_store_new_bitmap(*n, name, gran); !st) co_return fail(st.error());
+    if (auto st = image::can_store_new_bitmap(*n, name, gran); !st) co_return Reply::fail(st.error());
   auto b = n->bitmaps().create(name, n->length(), gran);
-  if (!b) co_return fail(b.error());
+  if (!b) co_return Reply::fail(b.error());
   (*b)->enabled = !disabled;
   (*b)->persistent = persistent;
   co_return Reply::ok();
@@ -57,12 +55,12 @@ Task<Reply> bitmap_add(Daemon& d, const OJson& a) {
 Task<Reply> bitmap_remove(Daemon& d, const OJson& a) {
   std::shared_ptr<Node> n;
   auto b = lookup(d, a["node"].get<std::string>(), a["name"].get<std::string>(), &n);
-  if (!b) co_return fail(b.error());
-  if (auto st = check_bitmap(**b, kBitmapBusy | kBitmapRo); !st) co_return fail(st.error());
+  if (!b) co_return Reply::fail(b.error());
+  if (auto st = check_bitmap(**b, kBitmapBusy | kBitmapRo); !st) co_return Reply::fail(st.error());
   std::string name = (*b)->name;
   if ((*b)->persistent) {
     auto st = co_await image::remove_persistent_bitmap(*n, name);
-    if (!st) co_return fail(st.error());
+    if (!st) co_return Reply::fail(st.error());
   }
   n->bitmaps().remove(name);
   co_return Reply::ok();
@@ -71,9 +69,10 @@ Task<Reply> bitmap_remove(Daemon& d, const OJson& a) {
 // clear, enable, disable.
 Task<Reply> bitmap_verb(Daemon& d, const OJson& a, std::string verb) {
   auto b = lookup(d, a["node"].get<std::string>(), a["name"].get<std::string>());
-  if (!b) co_return fail(b.error());
+  if (!b) co_return Reply::fail(b.error());
   NamedBitmap& bm = **b;
-  if (auto st = check_bitmap(bm, verb == "clear" ? kBitmapDefault : kBitmapAllowRo); !st) co_return fail(st.error());
+  if (auto st = check_bitmap(bm, verb == "clear" ? kBitmapDefault : kBitmapAllowRo); !st)
+    co_return Reply::fail(st.error());
   if (verb == "clear")
     bm.bits.reset_all();
   else
@@ -97,8 +96,8 @@ Task<Reply> bitmap_merge(Daemon& d, const OJson& a) {
   }
   std::shared_ptr<Node> n;
   auto dst = lookup(d, a["node"].get<std::string>(), a["target"].get<std::string>(), &n);
-  if (!dst) co_return fail(dst.error());
-  if (auto st = check_bitmap(**dst, kBitmapDefault); !st) co_return fail(st.error());
+  if (!dst) co_return Reply::fail(dst.error());
+  if (auto st = check_bitmap(**dst, kBitmapDefault); !st) co_return Reply::fail(st.error());
   // Sources are merged into an anonymous bitmap first, so a failure leaves
   // the target unchanged.
   DirtyBitmap anon(n->length(), (*dst)->bits.granularity());
@@ -110,11 +109,11 @@ Task<Reply> bitmap_merge(Daemon& d, const OJson& a) {
       if (!src) co_return Reply::fail("Dirty bitmap '" + name + "' not found");
     } else {
       auto s = lookup(d, e["node"].get<std::string>(), e["name"].get<std::string>());
-      if (!s) co_return fail(s.error());
+      if (!s) co_return Reply::fail(s.error());
       src = *s;
     }
-    if (auto st = check_bitmap(*src, kBitmapAllowRo); !st) co_return fail(st.error());
-    if (auto st = merge_bitmap(anon, src->bits); !st) co_return fail(st.error());
+    if (auto st = check_bitmap(*src, kBitmapAllowRo); !st) co_return Reply::fail(st.error());
+    if (auto st = merge_bitmap(anon, src->bits); !st) co_return Reply::fail(st.error());
   }
   (*dst)->bits.merge_from(anon);
   co_return Reply::ok();
@@ -122,7 +121,7 @@ Task<Reply> bitmap_merge(Daemon& d, const OJson& a) {
 
 Task<Reply> bitmap_sha256(Daemon& d, const OJson& a) {
   auto b = lookup(d, a["node"].get<std::string>(), a["name"].get<std::string>());
-  if (!b) co_return fail(b.error());
+  if (!b) co_return Reply::fail(b.error());
   OJson r = OJson::object();
   r["sha256"] = bitmap_sha256((*b)->bits);
   co_return Reply::ok(std::move(r));

@@ -11,11 +11,7 @@
 
 namespace vblk::qmp {
 
-namespace {
-
-Reply fail(const Error& e) { return Reply::fail(e.what()); }
-
-}  // namespace
+namespace {}  // namespace
 
 Task<Reply> drive_mirror(Daemon& d, const OJson& a) {
   const std::string device = a["device"].get<std::string>();
@@ -23,7 +19,7 @@ Task<Reply> drive_mirror(Daemon& d, const OJson& a) {
   auto src = d.graph.find(device);
   if (!src) co_return Reply::fail("Cannot find device='" + device + "' nor node-name='" + device + "'");
   if (d.graph.parent_of(*src)) co_return Reply::fail("Need a root block node");
-  if (auto st = d.jobs.check_not_busy(src.get(), src->node_name()); !st) co_return fail(st.error());
+  if (auto st = d.jobs.check_not_busy(src.get(), src->node_name()); !st) co_return Reply::fail(st.error());
 
   const std::string mode = a.contains("mode") ? a["mode"].get<std::string>() : "absolute-paths";
   std::string format = a.contains("format") ? a["format"].get<std::string>() : "";
@@ -43,11 +39,12 @@ Task<Reply> drive_mirror(Daemon& d, const OJson& a) {
     }
   }
   if ((sync == "full" || !target_backing) && mode != "existing") {
-    if (Status st = co_await create_image(d, target, format, src->length(), "", ""); !st) co_return fail(st.error());
+    if (Status st = co_await create_image(d, target, format, src->length(), "", ""); !st)
+      co_return Reply::fail(st.error());
   } else if (mode == "absolute-paths") {
     Status st =
         co_await create_image(d, target, format, src->length(), target_backing->filename(), target_backing->driver());
-    if (!st) co_return fail(st.error());
+    if (!st) co_return Reply::fail(st.error());
   }
 
   // Open the target: without its backing chain (the mirror's source has
@@ -55,7 +52,7 @@ Task<Reply> drive_mirror(Daemon& d, const OJson& a) {
   if (format.empty()) {
     OpenContext pctx{d.loop};
     auto file = open_node(pctx, Json{{"driver", "file"}, {"filename", target}});
-    if (!file) co_return fail(file.error());
+    if (!file) co_return Reply::fail(file.error());
     auto probed = co_await probe_format(**file);
     (void)co_await (*file)->close();
     format = probed ? *probed : "raw";
@@ -103,7 +100,7 @@ Task<Reply> drive_mirror(Daemon& d, const OJson& a) {
     // The target goes again (nothing else holds it).
     tgt = Error(ENOENT);
     co_await drop_orphans(d);
-    co_return fail(job.error());
+    co_return Reply::fail(job.error());
   }
   d.note_new_nodes((*job)->filter_node());
   co_return Reply::ok();

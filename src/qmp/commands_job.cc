@@ -19,10 +19,8 @@ const std::vector<std::string> kSyncModes = {"top", "full", "none", "incremental
 const std::vector<std::string> kOnError = {"report", "ignore", "enospc", "stop", "auto"};
 const std::vector<std::string> kCopyModes = {"background", "write-blocking"};
 
-Reply fail(const Error& e, const char* cls = "GenericError") { return Reply::fail(e.what(), cls); }
-
 Reply status_reply(const Status& st) {
-  if (!st.ok()) return fail(st.error());
+  if (!st.ok()) return Reply::fail(st.error());
   return Reply::ok();
 }
 
@@ -188,7 +186,7 @@ Task<Reply> blockdev_mirror(Daemon& d, const OJson& a) {
   if (a.contains("auto-finalize")) m.auto_finalize = a["auto-finalize"].get<bool>();
   if (a.contains("auto-dismiss")) m.auto_dismiss = a["auto-dismiss"].get<bool>();
   auto job = start_mirror(d.jobs, d.graph, m);
-  if (!job.ok()) co_return fail(job.error());
+  if (!job.ok()) co_return Reply::fail(job.error());
   d.note_new_nodes((*job)->filter_node());
   co_return Reply::ok();
 }
@@ -210,7 +208,7 @@ Task<Reply> block_commit(Daemon& d, const OJson& a) {
   if (a.contains("auto-dismiss")) c.auto_dismiss = a["auto-dismiss"].get<bool>();
   auto job = start_commit(d.jobs, d.graph, c);
   // libvirt probes for live commit by this class (QEMU's comment).
-  if (!job.ok()) co_return fail(job.error(), job.error().code == ENODEV ? "DeviceNotFound" : "GenericError");
+  if (!job.ok()) co_return Reply::fail(job.error(), job.error().code == ENODEV ? "DeviceNotFound" : "GenericError");
   d.note_new_nodes((*job)->filter_node());
   co_return Reply::ok();
 }
@@ -230,7 +228,7 @@ Task<Reply> block_stream(Daemon& d, const OJson& a) {
   if (a.contains("auto-finalize")) c.auto_finalize = a["auto-finalize"].get<bool>();
   if (a.contains("auto-dismiss")) c.auto_dismiss = a["auto-dismiss"].get<bool>();
   auto job = start_stream(d.jobs, d.graph, c);
-  if (!job.ok()) co_return fail(job.error());
+  if (!job.ok()) co_return Reply::fail(job.error());
   d.note_new_nodes((*job)->filter_node());
   co_return Reply::ok();
 }
@@ -243,7 +241,7 @@ Result<std::shared_ptr<BlockJob>> block_job(Daemon& d, const OJson& a, const cha
 Task<Reply> block_job_verb(Daemon& d, const OJson& a, std::string verb) {
   const char* key = (verb == "finalize" || verb == "dismiss") ? "id" : "device";
   auto j = block_job(d, a, key);
-  if (!j.ok()) co_return fail(j.error(), "DeviceNotActive");
+  if (!j.ok()) co_return Reply::fail(j.error(), "DeviceNotActive");
   BlockJob& job = **j;
   if (verb == "pause") co_return status_reply(job.user_pause());
   if (verb == "resume") co_return status_reply(job.user_resume());
@@ -260,7 +258,7 @@ Task<Reply> block_job_verb(Daemon& d, const OJson& a, std::string verb) {
 
 Task<Reply> job_verb(Daemon& d, const OJson& a, std::string verb) {
   auto j = d.jobs.find_job(a["id"].get<std::string>());
-  if (!j.ok()) co_return fail(j.error());
+  if (!j.ok()) co_return Reply::fail(j.error());
   Job& job = **j;
   if (verb == "pause") co_return status_reply(job.user_pause());
   if (verb == "resume") co_return status_reply(job.user_resume());

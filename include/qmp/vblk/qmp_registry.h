@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "vblk/qmp_json.h"
+#include "vblk/result.h"
 #include "vblk/task.h"
 
 namespace vblk::qmp {
@@ -51,6 +52,7 @@ struct Reply {
   static Reply fail(std::string desc, std::string cls = "GenericError") {
     return Reply{nullptr, QmpError{std::move(cls), std::move(desc)}};
   }
+  static Reply fail(const Error& e, std::string cls = "GenericError") { return fail(e.what(), std::move(cls)); }
 };
 
 // UInt64: QAPI's uint64 and size (a negative number is taken as its uint64

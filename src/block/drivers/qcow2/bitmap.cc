@@ -21,6 +21,7 @@
 #include <bit>
 #include <cstdio>
 
+#include "drivers/qcow2/bitmap_format.h"
 #include "drivers/qcow2/qcow2.h"
 #include "vblk/buffer.h"
 
@@ -28,22 +29,9 @@ namespace vblk::qcow2 {
 
 namespace {
 
-constexpr uint32_t kBmeInUse = 1u << 0;
-constexpr uint32_t kBmeAuto = 1u << 1;
-constexpr uint32_t kBmeReservedFlags = ~(kBmeInUse | kBmeAuto);  // QEMU's BME_RESERVED_FLAGS
-constexpr uint64_t kBmeMaxTableSize = 0x8000000;
-constexpr uint64_t kBmeMaxPhysSize = 0x20000000;
-constexpr unsigned kBmeMinGranularityBits = 9;
-constexpr unsigned kBmeMaxGranularityBits = 31;
-constexpr uint64_t kBmeMaxNameSize = 1023;
-constexpr uint64_t kBmeOffsetMask = 0x00fffffffffffe00ull;
-constexpr uint64_t kBmeReservedMask = 0xff000000000001feull;
-constexpr uint64_t kBmeAllOnes = 1;
-constexpr uint32_t kMaxBitmaps = 65535;
-constexpr uint64_t kMaxBitmapDirectorySize = 1024ull * kMaxBitmaps;
-constexpr uint8_t kDirtyTrackingBitmap = 1;
-
-uint64_t entry_size(size_t name_size, size_t extra_size) { return align_up(24 + name_size + extra_size, 8); }
+uint64_t entry_size(size_t name_size, size_t extra_size) {
+  return align_up(kBitmapDirEntrySize + name_size + extra_size, 8);
+}
 uint64_t entry_size(const BitmapDirEntry& e) { return entry_size(e.name.size(), e.extra.size()); }
 
 // Bytes of the disk one bitmap data cluster covers.

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "drivers/qcow2/bitmap_format.h"
 #include "drivers/qcow2/qcow2.h"
 #include "drivers/qcow2/table_reader.h"
 #include "vblk/buffer.h"
@@ -54,21 +55,6 @@ constexpr uint32_t kSnapshotKnownExtra = 24;  // QCowSnapshotExtraData
 constexpr uint32_t kSnapshotMinExtraV3 = 16;  // vm_state_size_large + disk_size
 
 constexpr uint64_t kMaxSnapshotsSize = 1024ull * kMaxSnapshots;
-
-// Bitmaps extension and directory.
-constexpr uint32_t kMaxBitmaps = 65535;
-constexpr uint64_t kMaxBitmapDirectorySize = 1024ull * kMaxBitmaps;
-constexpr uint64_t kBitmapDirEntrySize = 24;
-constexpr uint32_t kBmeMaxTableSize = 0x8000000;
-constexpr uint64_t kBmeMaxPhysSize = 0x20000000;
-constexpr uint32_t kBmeMaxGranularityBits = 31;
-constexpr uint32_t kBmeMinGranularityBits = 9;
-constexpr uint32_t kBmeMaxNameSize = 1023;
-constexpr uint32_t kBmeReservedFlags = 0xfffffffcu;
-constexpr uint32_t kBmeFlagInUse = 1u << 0;
-constexpr uint64_t kBmeTableEntryReservedMask = 0xff000000000001feull;
-constexpr uint64_t kBmeTableEntryOffsetMask = 0x00fffffffffffe00ull;
-constexpr uint64_t kBmeTableEntryFlagAllOnes = 1ull << 0;
 
 // check_l1/check_l2 flag: update the allocation statistics (active L1 only).
 constexpr int kCheckFragInfo = 0x2;
@@ -528,7 +514,7 @@ struct Qcow2Checker {
         bool bad = table_size == 0 || table_offset == 0 || table_offset % cs || table_size > kBmeMaxTableSize ||
                    gran > kBmeMaxGranularityBits || gran < kBmeMinGranularityBits || (flags & kBmeReservedFlags) ||
                    name_size > kBmeMaxNameSize || type != 1 || phys > kBmeMaxPhysSize;
-        if (!bad && !(flags & kBmeFlagInUse) && q.length() > ((phys * 8) << gran)) bad = true;
+        if (!bad && !(flags & kBmeInUse) && q.length() > ((phys * 8) << gran)) bad = true;
         if (bad) {
           ok = false;
           break;
@@ -544,9 +530,9 @@ struct Qcow2Checker {
     }
 
     auto entry_ok = [&](uint64_t e) {
-      if (e & kBmeTableEntryReservedMask) return false;
-      uint64_t off = e & kBmeTableEntryOffsetMask;
-      if (off && ((e & kBmeTableEntryFlagAllOnes) || off % cs)) return false;
+      if (e & kBmeReservedMask) return false;
+      uint64_t off = e & kBmeOffsetMask;
+      if (off && ((e & kBmeAllOnes) || off % cs)) return false;
       return true;
     };
     for (const Table& tb : tables) {
@@ -560,7 +546,7 @@ struct Qcow2Checker {
         co_return Error(st.ok() ? EINVAL : st.error().code);
       }
       for (uint32_t i = 0; i < tb.size; ++i) {
-        uint64_t off = be64(table.data() + i * 8) & kBmeTableEntryOffsetMask;
+        uint64_t off = be64(table.data() + i * 8) & kBmeOffsetMask;
         if (off) VBLK_CO_TRY(inc(res, t, static_cast<int64_t>(off), static_cast<int64_t>(cs)));
       }
     }

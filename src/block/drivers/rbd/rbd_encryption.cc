@@ -6,14 +6,13 @@
 #include <array>
 #include <cstring>
 
+#include "drivers/rbd/rbd_error.h"
 #include "drivers/rbd/rbd_lib.h"
 #include "vblk/secret_store.h"
 
 namespace vblk::rbd {
 
 namespace {
-
-Error err(int r, const std::string& msg) { return Error(-r, msg + ": " + std::strerror(-r)); }
 
 // The first bytes of LUKS1 / LUKS2 headers (magic and version).
 constexpr char kLuks1Magic[8] = {'L', 'U', 'K', 'S', '\xBA', '\xBE', 0, 1};
@@ -42,21 +41,21 @@ Status load_encryption(rbd_image_t image, const RbdEncryption& enc) {
     o.passphrase_size = pw.bytes.size();
     r = rbd_lib().rbd_encryption_load(image, RBD_ENCRYPTION_FORMAT_LUKS2, &o, sizeof o);
   }
-  if (r < 0) return err(r, "encryption load fail");
+  if (r < 0) return rbd_error(r, "encryption load fail");
   return {};
 }
 
 Status format_encryption(rbd_image_t image, const RbdEncryption& enc) {
   uint64_t raw_size = 0, effective_size = 0;
   int r = rbd_lib().rbd_get_size(image, &raw_size);
-  if (r < 0) return err(r, "cannot get raw image size");
+  if (r < 0) return rbd_error(r, "cannot get raw image size");
   auto secret = SecretStore::process().lookup(enc.key_secret);
   if (!secret) return secret.error();
   Passphrase pw{std::move(*secret)};
   rbd_encryption_algorithm_t alg = RBD_ENCRYPTION_ALGORITHM_AES256;
   if (enc.cipher_alg && *enc.cipher_alg != "aes-256") {
     if (*enc.cipher_alg != "aes-128") {
-      return err(-ENOTSUP, "unknown encryption algorithm: " + std::to_string(cipher_alg_number(*enc.cipher_alg)));
+      return rbd_error(-ENOTSUP, "unknown encryption algorithm: " + std::to_string(cipher_alg_number(*enc.cipher_alg)));
     }
     alg = RBD_ENCRYPTION_ALGORITHM_AES128;
   }
@@ -73,11 +72,11 @@ Status format_encryption(rbd_image_t image, const RbdEncryption& enc) {
     o.passphrase_size = pw.bytes.size();
     r = rbd_lib().rbd_encryption_format(image, RBD_ENCRYPTION_FORMAT_LUKS2, &o, sizeof o);
   }
-  if (r < 0) return err(r, "encryption format fail");
+  if (r < 0) return rbd_error(r, "encryption format fail");
   r = rbd_lib().rbd_get_size(image, &effective_size);
-  if (r < 0) return err(r, "cannot get effective image size");
+  if (r < 0) return rbd_error(r, "cannot get effective image size");
   r = rbd_lib().rbd_resize(image, raw_size + (raw_size - effective_size));
-  if (r < 0) return err(r, "cannot resize image after format");
+  if (r < 0) return rbd_error(r, "cannot resize image after format");
   return {};
 }
 
