@@ -14,7 +14,9 @@
 
 using namespace vblk;
 
-namespace {
+// Named, not anonymous: the unity build puts several test files in one
+// translation unit, and their helpers share names.
+namespace qcow2_survive_kill_test {
 
 constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kCluster = 64 * 1024;
@@ -49,8 +51,6 @@ class Qcow2SurviveKill : public ::testing::Test {
   vblk::testing::Qcow2TempImage image_;
 };
 
-}  // namespace
-
 TEST_F(Qcow2SurviveKill, AllocatingWriteIsInTheFileWhenItCompletes) {
   Loop loop;
   auto n = image_.open(loop);
@@ -82,3 +82,5 @@ TEST_F(Qcow2SurviveKill, ZeroWriteIsInTheFileWhenItCompletes) {
   EXPECT_EQ(read_from_second_open(8 * kMiB, 2 * kCluster), std::vector<uint8_t>(2 * kCluster, 0));
   ASSERT_TRUE(loop.run(n->close()).ok());
 }
+
+}  // namespace qcow2_survive_kill_test

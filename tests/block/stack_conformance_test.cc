@@ -49,7 +49,9 @@
 
 using namespace vblk;
 
-namespace {
+// Named, not anonymous: the unity build puts several test files in one
+// translation unit, and their helpers share names.
+namespace stack_conformance_test {
 
 constexpr uint64_t kSize = 4 << 20;
 
@@ -549,4 +551,4 @@ std::vector<Config> configs() {
 INSTANTIATE_TEST_SUITE_P(Stacks, StackConformance, ::testing::ValuesIn(configs()),
                          [](const auto& info) { return std::string(info.param.name); });
 
-}  // namespace
+}  // namespace stack_conformance_test

@@ -17,7 +17,9 @@ using vblk::MemNode;
 using vblk::testing::fill_pattern;
 using vblk::testing::run_until;
 
-namespace {
+// Named, not anonymous: the unity build puts several test files in one
+// translation unit, and their helpers share names.
+namespace cow_buffer_test {
 
 constexpr uint64_t KiB = 1024, MiB = 1024 * 1024;
 
@@ -328,4 +330,4 @@ TEST(CopyBeforeWriteBufferTest, AFailedSourceReadGivesTheClustersBack) {
   EXPECT_EQ(f.src->data()[0], f.before[0]);
 }
 
-}  // namespace
+}  // namespace cow_buffer_test

@@ -11,9 +11,10 @@
 
 using namespace vblk;
 
-namespace {
+// Named, not anonymous: the unity build puts several test files in one
+// translation unit, and their helpers share names.
+namespace slab_pool_test {
 constexpr size_t kKiB = 1024, kMiB = 1024 * 1024;
-}  // namespace
 
 TEST(SlabPool, SmallRequestsTouchSmallPieces) {
   // 64 workers copying 64 KiB clusters: 4 MiB of slabs, not 64 x 1 MiB.
@@ -67,3 +68,5 @@ TEST(SlabPool, SizeClasses) {
   std::set<uint8_t*> distinct{a.data(), b.data(), c.data(), d.data()};
   EXPECT_EQ(distinct.size(), 4u);
 }
+
+}  // namespace slab_pool_test

@@ -10,7 +10,9 @@
 #include "vblk/copy_before_write.h"
 
 namespace vblk {
-namespace {
+// Named, not anonymous: the unity build puts several test files in one
+// translation unit, and their helpers share names.
+namespace cbw_snapshot_test {
 
 using vblk::MemNode;
 constexpr uint64_t kCluster = 64 << 10;
@@ -146,5 +148,5 @@ TEST(CbwSnapshotTest, BitmapLimitsTheSnapshot) {
   EXPECT_EQ(st.error().code, EACCES);
 }
 
-}  // namespace
+}  // namespace cbw_snapshot_test
 }  // namespace vblk

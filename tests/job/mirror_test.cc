@@ -11,7 +11,9 @@
 #include "wait_for.h"
 
 namespace vblk {
-namespace {
+// Named, not anonymous: the unity build puts several test files in one
+// translation unit, and their helpers share names.
+namespace mirror_test {
 
 using vblk::MemNode;
 constexpr uint64_t kCluster = 64 << 10;
@@ -153,5 +155,5 @@ TEST(MirrorTest, CompleteReportsAFailingTargetFlush) {
   EXPECT_EQ(device.get(), src.get());  // not switched to a target that lost writes
 }
 
-}  // namespace
+}  // namespace mirror_test
 }  // namespace vblk
