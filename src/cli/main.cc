@@ -45,6 +45,9 @@ const Command kCommands[] = {
     {"nbd", vblk::cli::cmd_nbd,
      "nbd [-f fmt] [-r] [-x name] [-D text] [-k path | -p port [-b addr]] [-t] [-e shared] [-n | --cache=mode] "
      "[--aio=mode] [--image-opts] [--fork] [--pid-file=path] filename"},
+    {"rebase", vblk::cli::cmd_rebase,
+     "rebase [--object objectdef] [--image-opts] [-U] [-q] [-f fmt] [-t cache] [-T src_cache] [-p] [-u] [-c] -b "
+     "backing_file [-F backing_fmt] filename"},
     {"resize", vblk::cli::cmd_resize,
      "resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size"},
     {"serve", vblk::cli::cmd_serve,
