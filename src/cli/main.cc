@@ -38,6 +38,9 @@ const Command kCommands[] = {
      "convert [--image-opts] [--target-is-zero] [-U] [-C] [-c] [-p] [-q] [-n] [-f fmt] [-t cache] [-T src_cache] "
      "[-O output_fmt] [-B backing_file [-F backing_fmt]] [-o options] [-S sparse_size] [-r rate_limit] "
      "[-m num_coroutines] [-W] filename output_filename"},
+    {"commit", vblk::cli::cmd_commit,
+     "commit [--object objectdef] [--image-opts] [-q] [-f fmt] [-t cache] [-b base] [-r rate_limit] [-d] [-p] "
+     "filename"},
     {"create", vblk::cli::cmd_create, "create [-q] [-f fmt] [-o options] filename [size]"},
     {"info", vblk::cli::cmd_info, "info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename"},
     {"io", vblk::cli::cmd_io,
