@@ -40,7 +40,7 @@ struct RebaseArgs {
   std::string backing;  // -b ("" with -b "": none)
   bool has_backing = false;
   std::string backing_fmt;  // -F
-  std::string src_cache = "writeback";
+  std::string cache = "writeback", src_cache = "writeback";
   bool unsafe = false, progress = false, quiet = false, force_share = false, compress = false;
 };
 
@@ -210,7 +210,6 @@ Parsed<RebaseArgs> parse_rebase(int argc, char** argv) {
       {nullptr, 0, nullptr, 0},
   };
   RebaseArgs r;
-  std::string cache = "writeback";
   if (int rc = for_each_option(
           argc, argv, ":hf:F:b:upt:T:qUc", longopts,
           [&] {
@@ -230,7 +229,7 @@ Parsed<RebaseArgs> parse_rebase(int argc, char** argv) {
               case 'u': r.unsafe = true; break;
               case 'p': r.progress = true; break;
               case 'c': r.compress = true; break;
-              case 't': cache = optarg; break;
+              case 't': r.cache = optarg; break;
               case 'T': r.src_cache = optarg; break;
               case 'q': r.quiet = true; break;
               case 'U': r.force_share = true; break;
@@ -249,15 +248,6 @@ Parsed<RebaseArgs> parse_rebase(int argc, char** argv) {
   // -u: the old backing file is not opened (it may be gone: rebase -u is
   // how a moved or renamed backing file is named again).
   r.image.no_backing = r.unsafe;
-  if (!parse_cache_mode(cache, r.image.cache)) {
-    error_report("Invalid cache option: " + cache);
-    return 1;
-  }
-  CacheMode src;
-  if (!parse_cache_mode(r.src_cache, src)) {
-    error_report("Invalid source cache option: " + r.src_cache);
-    return 1;
-  }
   return r;
 }
 
@@ -275,8 +265,19 @@ int run_rebase(const RebaseArgs& r) {
     Progress& m;
     ~EndMeter() { m.end(); }
   } end_meter{meter};
+  // (After the meter's first line, as qemu-img checks them.)
+  ImageArgs ia = r.image;
+  if (!parse_cache_mode(r.cache, ia.cache)) {
+    error_report("Invalid cache option: " + r.cache);
+    return 1;
+  }
+  CacheMode src;
+  if (!parse_cache_mode(r.src_cache, src)) {
+    error_report("Invalid source cache option: " + r.src_cache);
+    return 1;
+  }
 
-  auto image = open_cli_image(loop, r.image);
+  auto image = open_cli_image(loop, ia);
   if (!image) return 1;
   Node* top = skip_filters(image.get());
   if (!r.backing_fmt.empty() && !find_driver(r.backing_fmt)) {
@@ -300,7 +301,7 @@ int run_rebase(const RebaseArgs& r) {
       b.format = r.backing_fmt;
       b.read_only = true;
       b.force_share = r.force_share;
-      (void)parse_cache_mode(r.src_cache, b.cache);
+      b.cache = src;
       Error err;
       b.open_error = &err;
       opened_backing = open_cli_image(loop, b);
