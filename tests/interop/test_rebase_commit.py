@@ -181,6 +181,14 @@ class RebaseTest(ChainCase):
         self.assertEqual(v.rc, 0, v)
         self.assertEqual(backing_fields(self.v, "top.qcow2"), (None, None))
 
+    def test_unsafe_with_image_opts_leaves_the_old_chain_closed(self):
+        os.unlink(os.path.join(self.v, "mid.qcow2"))
+        os.unlink(os.path.join(self.q, "mid.qcow2"))
+        v, _ = self.assertSameRun("rebase", "--image-opts", "-u", "-b", "nb.qcow2", "-F", "qcow2",
+                                  "driver=qcow2,file.filename=top.qcow2")
+        self.assertEqual(v.rc, 0, v)
+        self.assertEqual(backing_fields(self.v, "top.qcow2"), ("nb.qcow2", "qcow2"))
+
     def test_progress_and_quiet(self):
         v, _ = self.assertSameRun("rebase", "-p", "-b", "nb.qcow2", "-F", "qcow2", "top.qcow2")
         self.assertIn("(100.00/100%)", v.stdout)
@@ -370,6 +378,21 @@ class CommitTest(ChainCase):
         make_chain(self.v)
         v, _ = self.assertSameRun("commit", "-q", "-r", "64M", "top.qcow2")
         self.assertEqual((v.rc, v.stdout), (0, ""))
+        self.assertSameImages()
+
+    def test_commit_grows_a_shorter_base(self):
+        for d in (self.q, self.v):
+            img(d, "create", "-q", "-f", "qcow2", "-b", "short.qcow2", "-F", "qcow2", "long.qcow2", "3M")
+            qemu_io(d, "long.qcow2", "write -P 7 2M 64k")
+        v, _ = self.assertSameRun("commit", "long.qcow2")
+        self.assertEqual((v.rc, v.stdout), (0, "Image committed.\n"))
+        self.assertSameImages(("long.qcow2", "short.qcow2"))
+        info = json.loads(run([QEMU_IMG, "info", "--output=json", "short.qcow2"], cwd=self.v).stdout)
+        self.assertEqual(info["virtual-size"], 3 * 1024 * 1024)
+
+    def test_image_opts(self):
+        v, _ = self.assertSameRun("commit", "--image-opts", "driver=qcow2,file.filename=top.qcow2")
+        self.assertEqual((v.rc, v.stdout), (0, "Image committed.\n"))
         self.assertSameImages()
 
     def test_errors_leave_the_chain_unchanged(self):
