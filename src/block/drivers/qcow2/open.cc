@@ -55,7 +55,11 @@ Task<Status> Qcow2Node::write_header_as(Header h) {
 Task<Status> Qcow2Node::set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) {
   // The header names the new backing file before reads go there: a crash
   // in between leaves an image that reads as the new chain does.
-  VBLK_CO_TRY(co_await change_backing_file(backing ? file : std::string(), backing ? fmt : std::string()));
+  // (Named first: no temporaries made by ?: inside a co_await, which GCC
+  // 12 miscompiles.)
+  const std::string name = backing ? file : std::string();
+  const std::string format = backing ? fmt : std::string();
+  VBLK_CO_TRY(co_await change_backing_file(name, format));
   backing_ = backing.get();
   replace_child("backing", std::move(backing));
   (void)refresh_perms();
