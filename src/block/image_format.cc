@@ -22,6 +22,10 @@ Task<Status> ImageFormat::set_backing(std::shared_ptr<Node>, const std::string&,
   co_return Error(ENOTSUP);
 }
 
+Task<Status> ImageFormat::change_backing_file(const std::string&, const std::string&) { co_return Error(ENOTSUP); }
+
+Task<Status> ImageFormat::make_empty() { co_return Error(ENOTSUP); }
+
 Task<Result<CheckResult>> ImageFormat::check(uint32_t) { co_return no_checks(); }
 
 Status ImageFormat::can_store_new_bitmap(const std::string&, uint64_t) const { return no_persistent_bitmaps(*node_); }
@@ -48,6 +52,16 @@ std::string backing_file_format(const Node& n) {
 Task<Status> set_backing(Node& n, std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) {
   if (!n.format()) co_return Error(ENOTSUP);
   co_return co_await n.format()->set_backing(std::move(backing), file, fmt);
+}
+
+Task<Status> change_backing_file(Node& n, const std::string& file, const std::string& fmt) {
+  if (!n.format()) co_return Error(ENOTSUP);
+  co_return co_await n.format()->change_backing_file(file, fmt);
+}
+
+Task<Status> make_empty(Node& n) {
+  if (!n.format()) co_return Error(ENOTSUP);
+  co_return co_await n.format()->make_empty();
 }
 
 Task<Result<CheckResult>> check(Node& n, uint32_t fix) {

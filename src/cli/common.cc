@@ -324,6 +324,8 @@ std::shared_ptr<Node> open_cli_image(Loop& loop, const ImageArgs& a) {
       return nullptr;
     }
     if (a.cache.direct) o["cache"]["direct"] = "on";
+    // QEMU's BDRV_O_NO_BACKING reaches --image-opts too (rebase -u).
+    if (a.no_backing && o["driver"] == "qcow2" && !o.contains("backing")) o["backing"] = nullptr;
     node = open_node(ctx, o);
   } else {
     ImageOpenOptions io;

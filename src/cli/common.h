@@ -134,6 +134,8 @@ int cmd_serve(int argc, char** argv);
 int cmd_backup(int argc, char** argv);
 int cmd_bitmap(int argc, char** argv);
 int cmd_resize(int argc, char** argv);
+int cmd_rebase(int argc, char** argv);
+int cmd_commit(int argc, char** argv);
 int cmd_io(int argc, char** argv);
 int cmd_nbd(int argc, char** argv);
 int cmd_snapshot(int argc, char** argv);

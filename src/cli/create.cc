@@ -204,7 +204,19 @@ int cmd_create(int argc, char** argv) {
     ctx.force_share = true;  // QEMU opens it with force-share=on
     ImageOpenOptions io;
     io.format = ba.format;
-    auto b = open_image(ctx, ba.filename, io);
+    Result<std::shared_ptr<Node>> b = Error(EINVAL);
+    if (ba.filename.rfind("json:", 0) == 0) {
+      // QEMU's json: pseudo-protocol (the object names the driver and its
+      // children: iotest 020 makes a blkdebug chain so), opened as the
+      // commands open one.
+      Error err;
+      ba.force_share = true;
+      ba.open_error = &err;
+      std::shared_ptr<Node> n = open_cli_image(probe_loop, ba);
+      b = n ? Result<std::shared_ptr<Node>>(n) : Result<std::shared_ptr<Node>>(err);
+    } else {
+      b = open_image(ctx, ba.filename, io);
+    }
     if (!b) {
       error_report(filename + ": " + b.error().what());
       std::fprintf(stderr, "Could not open backing image.\n");
@@ -232,6 +244,12 @@ int cmd_create(int argc, char** argv) {
         v = sp.def;
       } else {
         continue;
+      }
+      // qemu_opts_print's escaped_print: a string's commas doubled.
+      if (sp.kind == CreateOptKind::String) {
+        std::string esc;
+        for (char ch : v) esc += ch == ',' ? std::string(",,") : std::string(1, ch);
+        v = std::move(esc);
       }
       line += std::string(" ") + sp.name + "=" + v;
     }

@@ -38,6 +38,9 @@ const Command kCommands[] = {
      "convert [--image-opts] [--target-is-zero] [-U] [-C] [-c] [-p] [-q] [-n] [-f fmt] [-t cache] [-T src_cache] "
      "[-O output_fmt] [-B backing_file [-F backing_fmt]] [-o options] [-S sparse_size] [-r rate_limit] "
      "[-m num_coroutines] [-W] filename output_filename"},
+    {"commit", vblk::cli::cmd_commit,
+     "commit [--object objectdef] [--image-opts] [-q] [-f fmt] [-t cache] [-b base] [-r rate_limit] [-d] [-p] "
+     "filename"},
     {"create", vblk::cli::cmd_create, "create [-q] [-f fmt] [-o options] filename [size]"},
     {"info", vblk::cli::cmd_info, "info [--image-opts] [-f fmt] [--output=ofmt] [--backing-chain] [-U] filename"},
     {"io", vblk::cli::cmd_io,
@@ -45,6 +48,9 @@ const Command kCommands[] = {
     {"nbd", vblk::cli::cmd_nbd,
      "nbd [-f fmt] [-r] [-x name] [-D text] [-k path | -p port [-b addr]] [-t] [-e shared] [-n | --cache=mode] "
      "[--aio=mode] [--image-opts] [--fork] [--pid-file=path] filename"},
+    {"rebase", vblk::cli::cmd_rebase,
+     "rebase [--object objectdef] [--image-opts] [-U] [-q] [-f fmt] [-t cache] [-T src_cache] [-p] [-u] [-c] -b "
+     "backing_file [-F backing_fmt] filename"},
     {"resize", vblk::cli::cmd_resize,
      "resize [--image-opts] [-f fmt] [--preallocation=prealloc] [-q] [--shrink] filename [+ | -]size"},
     {"serve", vblk::cli::cmd_serve,

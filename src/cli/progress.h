@@ -9,10 +9,11 @@ namespace vblk::cli {
 class Progress {
  public:
   Progress(bool enabled, float min_skip) : enabled_(enabled), min_skip_(min_skip) {}
-  // Adds delta percent of max (qemu_progress_print semantics).
+  // Adds delta percent of max (qemu_progress_print semantics); max 0 sets
+  // the meter to delta.
   void print(float delta, int max) {
     if (!enabled_) return;
-    current_ += (delta / 100) * static_cast<float>(max);
+    current_ = max == 0 ? delta : current_ + (delta / 100) * static_cast<float>(max);
     if (current_ > 100) current_ = 100;
     if (current_ > last_ + min_skip_ || current_ < last_ - min_skip_ || current_ == 100 || current_ == 0) {
       last_ = current_;

@@ -79,6 +79,17 @@ class ImageFormat {
   // bdrv_set_backing_hd + bdrv_change_backing_file, for block-stream and
   // block-commit). ENOTSUP for drivers without backing files.
   virtual Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt);
+  // Records `file` and `fmt` in the image as its backing file name and
+  // format ("" file: none), leaving the open backing child as it is (QEMU's
+  // bdrv_change_backing_file, for qemu-img rebase: its data copy already
+  // made the image read the same over either chain, or -u asked for the
+  // header alone). ENOTSUP for drivers without backing files.
+  virtual Task<Status> change_backing_file(const std::string& file, const std::string& fmt);
+  // Drops everything the image itself stores for its virtual disk, so that
+  // every range reads from the backing file again (QEMU's bdrv_make_empty,
+  // for qemu-img commit without -d). Internal snapshots keep their data.
+  // ENOTSUP for drivers that cannot (raw: qemu-img commit leaves it).
+  virtual Task<Status> make_empty();
   // QAPI's ImageInfoSpecific as data (format_info.h), or nullopt; the layer
   // that shows it renders it.
   virtual std::optional<FormatInfo> format_info() const { return std::nullopt; }
@@ -150,6 +161,8 @@ uint64_t cluster_size(const Node& n);
 std::string backing_file_name(const Node& n);
 std::string backing_file_format(const Node& n);
 Task<Status> set_backing(Node& n, std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt);
+Task<Status> change_backing_file(Node& n, const std::string& file, const std::string& fmt);
+Task<Status> make_empty(Node& n);
 Task<Result<CheckResult>> check(Node& n, uint32_t fix);
 Status can_store_new_bitmap(const Node& n, const std::string& name, uint64_t granularity);
 Task<Status> remove_persistent_bitmap(Node& n, const std::string& name);

@@ -452,6 +452,15 @@ Task<Status> Qcow2Node::do_discard(uint64_t offset, uint64_t bytes) {
   co_return co_await discard_range(offset, bytes, false);
 }
 
+// Every cluster of the active L1 table unallocated (QEMU's qcow2_make_empty
+// fallback: a full discard of the whole disk; the clusters are freed, so
+// reads fall through to the backing file). Snapshots keep what they share.
+Task<Status> Qcow2Node::make_empty() {
+  if (read_only() || corrupt()) co_return Error(EACCES);
+  VBLK_CO_TRY(co_await discard_range(0, length(), true));
+  co_return co_await flush();
+}
+
 Task<Status> Qcow2Node::do_flush() {
   // Dropped driver after a fatal corruption in check: nothing to flush.
   if (check_dead_) co_return Status{};

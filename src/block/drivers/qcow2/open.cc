@@ -53,26 +53,31 @@ Task<Status> Qcow2Node::write_header_as(Header h) {
 }
 
 Task<Status> Qcow2Node::set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) {
-  if (read_only() || corrupt()) co_return Error(EACCES);
-  {
-    // The header names the new backing file before reads go there: a
-    // crash in between leaves an image that reads as the new chain does.
-    auto g = co_await lock_.scoped();
-    Header h = h_;
-    h.backing_file = backing ? file : std::string();
-    h.backing_format = backing ? fmt : std::string();
-    const bool rename = !h.backing_file.empty() && !h_.backing_file.empty() && h.backing_format == h_.backing_format &&
-                        h.backing_file != h_.backing_file;
-    if (rename) {
-      VBLK_CO_TRY(co_await rename_backing(std::move(h)));
-    } else {
-      VBLK_CO_TRY(co_await write_header_as(std::move(h)));
-    }
-  }
+  // The header names the new backing file before reads go there: a crash
+  // in between leaves an image that reads as the new chain does.
+  // (Named first: no temporaries made by ?: inside a co_await, which GCC
+  // 12 miscompiles.)
+  const std::string name = backing ? file : std::string();
+  const std::string format = backing ? fmt : std::string();
+  VBLK_CO_TRY(co_await change_backing_file(name, format));
   backing_ = backing.get();
   replace_child("backing", std::move(backing));
   (void)refresh_perms();
   co_return Status{};
+}
+
+Task<Status> Qcow2Node::change_backing_file(const std::string& file, const std::string& fmt) {
+  if (read_only() || corrupt()) co_return Error(EACCES);
+  // QEMU's qcow2_change_backing_file: the header field holds 1023 bytes.
+  if (file.size() > 1023) co_return Error(EINVAL);
+  auto g = co_await lock_.scoped();
+  Header h = h_;
+  h.backing_file = file;
+  h.backing_format = file.empty() ? std::string() : fmt;
+  const bool rename = !h.backing_file.empty() && !h_.backing_file.empty() && h.backing_format == h_.backing_format &&
+                      h.backing_file != h_.backing_file;
+  if (rename) co_return co_await rename_backing(std::move(h));
+  co_return co_await write_header_as(std::move(h));
 }
 
 // The header names another backing file of the same format, the change

@@ -127,6 +127,8 @@ class Qcow2Node final : public Node, public ImageFormat {
   std::string backing_file_name() const override { return h_.backing_file; }
   std::string backing_file_format() const override { return h_.backing_format; }
   Task<Status> set_backing(std::shared_ptr<Node> backing, const std::string& file, const std::string& fmt) override;
+  Task<Status> change_backing_file(const std::string& file, const std::string& fmt) override;
+  Task<Status> make_empty() override;
   std::optional<FormatInfo> format_info() const override;
   bool dirty_flag() const override { return h_.incompatible_features & kIncompatDirty; }
   bool encrypted() const override { return h_.crypt_method != kCryptNone; }
