@@ -312,7 +312,8 @@ Task<Status> Node::write_zeroes(uint64_t offset, uint64_t bytes, uint32_t flags)
       bool emulate_fua = (flags & kReqFua) && !caps_.native_fua;
       for (uint64_t pos = head_end; pos < mid_end && st.ok();) {
         uint64_t n = std::min(max, mid_end - pos);
-        st = co_await do_write_zeroes(pos, n, emulate_fua ? flags & ~kReqFua : flags);
+        const uint32_t f = emulate_fua ? flags & ~kReqFua : flags;
+        st = co_await do_write_zeroes(pos, n, f);
         pos += n;
       }
       if (st.ok() && growable_ && mid_end > length_) length_ = mid_end;

@@ -181,7 +181,8 @@ Task<Status> Client::request(Pending& p, uint16_t type, uint16_t flags, uint64_t
   put32(h.data() + 24, length);
   {
     auto g = co_await send_lock_.scoped();
-    Status st = co_await send_all(loop_, fd_.get(), h, payload.empty() ? 0 : MSG_MORE);
+    const int more = payload.empty() ? 0 : MSG_MORE;
+    Status st = co_await send_all(loop_, fd_.get(), h, more);
     if (st && !payload.empty()) st = co_await send_all(loop_, fd_.get(), payload);
     if (!st) {
       pending_.erase(cookie);
@@ -311,7 +312,8 @@ Task<Status> Client::read(uint64_t offset, std::span<uint8_t> buf) {
 
 Task<Status> Client::write(uint64_t offset, std::span<const uint8_t> buf, bool fua) {
   Pending p(loop_);
-  co_return co_await request(p, kCmdWrite, fua ? kCmdFlagFua : 0, offset, static_cast<uint32_t>(buf.size()), buf);
+  const uint16_t flags = fua ? kCmdFlagFua : 0;
+  co_return co_await request(p, kCmdWrite, flags, offset, static_cast<uint32_t>(buf.size()), buf);
 }
 
 Task<Status> Client::write_zeroes(uint64_t offset, uint32_t bytes, uint16_t cmd_flags) {

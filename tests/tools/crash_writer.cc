@@ -109,7 +109,8 @@ Task<void> one_op(State& s, WaitGroup& wg) {
     log_line(s, "Z " + std::to_string(seq) + " " + std::to_string(first) + " " + std::to_string(count));
     Status st;
     if (kind < 9) {
-      st = co_await s.node.write_zeroes(first * kBlock, count * kBlock, kind == 8 ? uint32_t{kReqMayUnmap} : 0u);
+      const uint32_t f = kind == 8 ? uint32_t{kReqMayUnmap} : 0u;
+      st = co_await s.node.write_zeroes(first * kBlock, count * kBlock, f);
     } else {
       st = co_await s.node.discard(first * kBlock, count * kBlock);
     }

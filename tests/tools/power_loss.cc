@@ -179,9 +179,11 @@ struct Guest {
       AlignedBuffer buf(op.bytes);
       for (uint64_t s = 0; s < op.bytes / kSector; ++s)
         fill_sector(buf.data() + s * kSector, op.id, op.offset / kSector + s);
-      st = co_await n.write(op.offset, buf.span(), op.kind == 'c' ? uint32_t{kReqCompressed} : 0u);
+      const uint32_t f = op.kind == 'c' ? uint32_t{kReqCompressed} : 0u;
+      st = co_await n.write(op.offset, buf.span(), f);
     } else if (op.kind == 'z') {
-      st = co_await n.write_zeroes(op.offset, op.bytes, (rng() & 1) ? uint32_t{kReqMayUnmap} : 0u);
+      const uint32_t f = (rng() & 1) ? uint32_t{kReqMayUnmap} : 0u;
+      st = co_await n.write_zeroes(op.offset, op.bytes, f);
     } else {
       // qcow2 without a backing file reads discarded clusters as zeroes;
       // partial clusters are left as they are, so only whole ones count.

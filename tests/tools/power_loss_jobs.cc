@@ -136,7 +136,8 @@ struct Guest {
   Task<void> run_op(NodeRef& device, Op op, WaitGroup& wg) {
     Status st;
     if (op.zero) {
-      st = co_await device->write_zeroes(op.offset, op.bytes, (rng() & 1) ? uint32_t{kReqMayUnmap} : 0u);
+      const uint32_t f = (rng() & 1) ? uint32_t{kReqMayUnmap} : 0u;
+      st = co_await device->write_zeroes(op.offset, op.bytes, f);
     } else {
       AlignedBuffer buf(op.bytes);
       for (uint64_t s = 0; s < op.bytes / kSector; ++s)

@@ -586,7 +586,8 @@ Task<void> Backend::run_session(Fd sock) {
     bool replied = false;
     Status st = co_await handle(s, *m, replied);
     bool ack = (s.protocol & bit(kPfReplyAck)) && (m->hdr.flags & kFlagNeedReply) && !replied;
-    if (ack) (void)co_await reply_u64(s, m->hdr.request, st ? 0 : 1);
+    const uint64_t failed = st ? 0 : 1;
+    if (ack) (void)co_await reply_u64(s, m->hdr.request, failed);
     if (!st) {
       std::string name = request_name(m->hdr.request);
       if (name == "request") name += " " + std::to_string(m->hdr.request);

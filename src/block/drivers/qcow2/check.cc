@@ -310,7 +310,8 @@ struct Qcow2Checker {
     } else {
       put64(p, kOflagZero);
     }
-    auto st = co_await pre_write_check(active ? kOlActiveL2 : 0, l2_offset + i * esz, esz);
+    const int ol = active ? kOlActiveL2 : 0;
+    auto st = co_await pre_write_check(ol, l2_offset + i * esz, esz);
     if (!st) {
       *overlap = true;
       say("ERROR: Overlap check failed\n");
