@@ -47,6 +47,45 @@ class JsonFilenameTest(InteropTestCase):
         with open(out, "rb") as a, open(raw, "rb") as b:
             self.assertTrue(a.read() == b.read())
 
+    def test_blkdebug_legacy_names(self):
+        # blkdebug:[CONFIG]:IMAGE, with QEMU's config file format and its
+        # errors (qemu-iotests name images this way).
+        raw = os.path.join(self.tmp, "r.raw")
+        qcow2 = os.path.join(self.tmp, "q.qcow2")
+        with open(raw, "wb") as f:
+            f.truncate(4 * MiB)
+            f.seek(2 * MiB)
+            f.write(b"\x22" * 65536)
+        self.assertEqual(both("convert", "-f", "raw", "-O", "qcow2", raw, qcow2)[0].rc, 0)
+        confs = {
+            "s.conf": '# comment\n[inject-error]\nevent = "read_aio"\nerrno = "5"\nsector = "4096"\nonce ="off"\n',
+            "group.conf": "[bogus]\n",
+            "colon.conf": "[inject-error]\nevent: x\n",
+            "nospace.conf": '[inject-error]\nevent="x"\n',
+            "nogroup.conf": 'event = "x"\n',
+        }
+        for name, text in confs.items():
+            with open(os.path.join(self.tmp, name), "w") as f:
+                f.write(text)
+        c = lambda name: os.path.join(self.tmp, name)  # noqa: E731
+        out = os.path.join(self.tmp, "o.raw")
+        cases = [
+            ["info", "blkdebug::" + qcow2],
+            ["map", "--output=json", "-f", "raw", "blkdebug::" + raw],
+            ["compare", "blkdebug::" + qcow2, raw],
+            ["convert", "-f", "raw", "-O", "raw", "blkdebug:%s:%s" % (c("s.conf"), raw), out],
+            ["info", "blkdebug:%s:%s" % (c("missing.conf"), raw)],
+            ["info", "blkdebug:" + raw],
+        ] + [["info", "blkdebug:%s:%s" % (c(n), raw)] for n in ("group.conf", "colon.conf", "nospace.conf",
+                                                                 "nogroup.conf")]
+        for cmd in cases:
+            v, q = both(*cmd)
+            self.assertSameResult(v, q, cmd)
+        # The injected error reached the copy at the configured sector.
+        v, _ = both(*cases[3])
+        self.assertEqual(v.rc, 1, v)
+        self.assertIn("error while reading at byte 2097152: Input/output error", v.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()

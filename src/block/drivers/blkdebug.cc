@@ -13,6 +13,10 @@
 // request; a flush only matches sector -1. `once` rules are removed after
 // they fire. `set-state` rules move the state machine on an event.
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
 
 #include "vblk/filter_node.h"
 #include "vblk/open.h"
@@ -228,6 +232,69 @@ Result<Rule> parse_rule(Json e, const std::string& path, bool set_state) {
   return r;
 }
 
+// A blkdebug config file (the legacy blkdebug:CONFIG:IMAGE name, or the
+// config option) in QEMU's qemu_config_parse format: "[inject-error]" or
+// "[set-state]" groups of `key = "value"` lines, '#' comments, read with
+// the same scanf patterns and refused with the same words. Each group
+// becomes a rule object with string values, as keyval options are.
+Status read_config(const std::string& path, std::vector<Json>& inject, std::vector<Json>& set_state) {
+  std::ifstream f(path);
+  if (!f) return Error(errno, std::string("Could not read blkdebug config file: ") + std::strerror(errno));
+  static const std::vector<std::string> kInjectKeys = {"event", "state",       "errno", "sector",
+                                                       "once",  "immediately", "iotype"};
+  static const std::vector<std::string> kSetStateKeys = {"event", "state", "new_state"};
+  std::vector<Json>* group = nullptr;
+  const std::vector<std::string>* keys = nullptr;
+  std::string line;
+  while (std::getline(f, line)) {
+    char name[64], arg[64], value[1024];
+    const auto first = line.find_first_not_of(" \t\r\n");
+    if (first == std::string::npos || line[first] == '#') continue;
+    if (std::sscanf(line.c_str(), "[%63s \"%63[^\"]\"]", name, value) == 2)
+      return Error(EINVAL, std::string("There is no option group '") + name + "'");
+    if (std::sscanf(line.c_str(), "[%63[^]]]", name) == 1) {
+      if (!std::strcmp(name, "inject-error")) {
+        group = &inject;
+        keys = &kInjectKeys;
+      } else if (!std::strcmp(name, "set-state")) {
+        group = &set_state;
+        keys = &kSetStateKeys;
+      } else {
+        return Error(EINVAL, std::string("There is no option group '") + name + "'");
+      }
+      group->push_back(Json::object());
+      continue;
+    }
+    value[0] = 0;
+    if (std::sscanf(line.c_str(), " %63s = \"%1023[^\"]\"", arg, value) == 2 ||
+        std::sscanf(line.c_str(), " %63s = \"\"", arg) == 1) {
+      if (!group) return Error(EINVAL, "no group defined");
+      if (std::find(keys->begin(), keys->end(), arg) == keys->end())
+        return Error(EINVAL, std::string("Invalid parameter '") + arg + "'");
+      if (!std::strcmp(arg, "iotype"))
+        group->back()[arg] = Json::array({value});
+      else
+        group->back()[arg] = value;
+      continue;
+    }
+    return Error(EINVAL, "parse error");
+  }
+  return {};
+}
+
+// blkdebug:[CONFIG]:IMAGE (QEMU's blkdebug_parse_filename): the config file
+// and the image's file name, which is opened by its own protocol.
+Status parse_blkdebug_filename(const std::string& filename, Json& opts) {
+  const std::string rest = filename.substr(std::strlen("blkdebug:"));
+  const auto colon = rest.find(':');
+  if (colon == std::string::npos) return Error(EINVAL, "blkdebug requires both config file and image path");
+  if (colon) opts["config"] = rest.substr(0, colon);
+  opts["x-image"] = rest.substr(colon + 1);
+  return {};
+}
+
+const char* const kBlkdebugPrefixes[] = {"blkdebug:"};
+
 }  // namespace
 
 namespace drivers {
@@ -239,21 +306,37 @@ Result<std::shared_ptr<Node>> open_blkdebug(OpenContext& ctx, Json& opts) {
     return Error(EINVAL, "Cannot meet constraints with align " + std::to_string(**align));
   auto cfg = take_string(opts, "config");
   VBLK_TRY(cfg);
-  if (*cfg) return Error(ENOTSUP, "blkdebug config files are not supported by vblk");
-  std::vector<Rule> inject, set_state;
+  // The config file's rules come first, then the options' (QEMU's read_config).
+  std::vector<Json> inject_specs, set_state_specs;
+  if (*cfg) VBLK_TRY(read_config(**cfg, inject_specs, set_state_specs));
   auto ie = take_list(opts, "inject-error");
   VBLK_TRY(ie);
-  for (size_t i = 0; i < ie->size(); ++i) {
-    auto r = parse_rule((*ie)[i], "inject-error[" + std::to_string(i) + "]", false);
+  inject_specs.insert(inject_specs.end(), ie->begin(), ie->end());
+  auto ss = take_list(opts, "set-state");
+  VBLK_TRY(ss);
+  set_state_specs.insert(set_state_specs.end(), ss->begin(), ss->end());
+  std::vector<Rule> inject, set_state;
+  for (size_t i = 0; i < inject_specs.size(); ++i) {
+    auto r = parse_rule(inject_specs[i], "inject-error[" + std::to_string(i) + "]", false);
     VBLK_TRY(r);
     inject.push_back(*r);
   }
-  auto ss = take_list(opts, "set-state");
-  VBLK_TRY(ss);
-  for (size_t i = 0; i < ss->size(); ++i) {
-    auto r = parse_rule((*ss)[i], "set-state[" + std::to_string(i) + "]", true);
+  for (size_t i = 0; i < set_state_specs.size(); ++i) {
+    auto r = parse_rule(set_state_specs[i], "set-state[" + std::to_string(i) + "]", true);
     VBLK_TRY(r);
     set_state.push_back(*r);
+  }
+  // x-image: the image named by a blkdebug:CONFIG:IMAGE file name.
+  auto x_image = take_string(opts, "x-image");
+  VBLK_TRY(x_image);
+  if (*x_image && !opts.contains("image")) {
+    const DriverInfo& proto = protocol_for_filename(**x_image);
+    Json child = {{"driver", proto.name}};
+    if (proto.parse_filename)
+      VBLK_TRY(proto.parse_filename(**x_image, child));
+    else
+      child["filename"] = **x_image;
+    opts["image"] = std::move(child);
   }
   auto ro = take_bool(opts, "read-only");
   VBLK_TRY(ro);
@@ -269,7 +352,11 @@ Result<std::shared_ptr<Node>> open_blkdebug(OpenContext& ctx, Json& opts) {
 
 // A protocol in QEMU's sense (it has a protocol name, "blkdebug:"), though it
 // passes I/O to its image: errors and query-named-block-nodes treat it so.
-extern const DriverInfo blkdebug_driver = {.name = "blkdebug", .kind = DriverKind::Protocol, .open = open_blkdebug};
+extern const DriverInfo blkdebug_driver = {.name = "blkdebug",
+                                           .kind = DriverKind::Protocol,
+                                           .open = open_blkdebug,
+                                           .prefixes = kBlkdebugPrefixes,
+                                           .parse_filename = parse_blkdebug_filename};
 
 }  // namespace drivers
 }  // namespace vblk
