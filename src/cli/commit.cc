@@ -12,7 +12,6 @@
 
 #include <getopt.h>
 
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -89,25 +88,6 @@ Parsed<CommitCommand> parse_commit(int argc, char** argv) {
     return 1;
   }
   return c;
-}
-
-std::string canonical(const std::string& p) {
-  char buf[PATH_MAX];
-  return ::realpath(p.c_str(), buf) ? std::string(buf) : std::string();
-}
-
-bool path_has_protocol(const std::string& p) {
-  size_t colon = p.find(':');
-  return colon != std::string::npos && p.find('/') > colon;
-}
-
-// QEMU's bdrv_find_backing_image for one step: whether the backing file
-// `recorded` of the image `overlay_file` is the one `name` names (both
-// relative to that image's directory, compared as real paths).
-bool names_backing(const std::string& overlay_file, const std::string& recorded, const std::string& name) {
-  if (path_has_protocol(name) || path_has_protocol(recorded)) return name == recorded;
-  std::string want = canonical(path_combine(overlay_file, recorded));
-  return !want.empty() && want == canonical(path_combine(overlay_file, name));
 }
 
 // The chain below the image, opened as QEMU 7.2 does it: first read-only,

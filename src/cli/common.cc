@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -404,6 +405,26 @@ int create_target(const std::string& filename, const std::string& fmt, const std
   int rc = cmd_create(static_cast<int>(args.size()), argv.data());
   g_create_error_context.clear();
   return rc;
+}
+
+namespace {
+
+std::string canonical(const std::string& p) {
+  char buf[PATH_MAX];
+  return ::realpath(p.c_str(), buf) ? std::string(buf) : std::string();
+}
+
+bool path_has_protocol(const std::string& p) {
+  size_t colon = p.find(':');
+  return colon != std::string::npos && p.find('/') > colon;
+}
+
+}  // namespace
+
+bool names_backing(const std::string& overlay_file, const std::string& recorded, const std::string& name) {
+  if (path_has_protocol(name) || path_has_protocol(recorded)) return name == recorded;
+  std::string want = canonical(path_combine(overlay_file, recorded));
+  return !want.empty() && want == canonical(path_combine(overlay_file, name));
 }
 
 }  // namespace vblk::cli

@@ -78,6 +78,12 @@ struct CacheMode {
 // none/off, writeback, writethrough, directsync, unsafe.
 bool parse_cache_mode(const std::string& mode, CacheMode& out);
 
+// QEMU's bdrv_find_backing_image, one step: whether `name` names the backing
+// file `recorded` of the image `overlay_file` (both relative to that image's
+// directory, compared as real paths; protocol names compared as written).
+// rebase and commit find their base in the chain with it.
+bool names_backing(const std::string& overlay_file, const std::string& recorded, const std::string& name);
+
 // QEMU's JSON pretty printer (4-space indent, uppercase \u escapes), over
 // ordered JSON so key order is ours to choose.
 std::string qemu_json_pretty(const nlohmann::ordered_json& j);

@@ -17,7 +17,6 @@
 #include <getopt.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -59,31 +58,13 @@ bool compare_buffers(const uint8_t* a, const uint8_t* b, uint64_t bytes, uint64_
   return res;
 }
 
-bool path_has_protocol(const std::string& p) {
-  size_t colon = p.find(':');
-  return colon != std::string::npos && p.find('/') > colon;
-}
-
-std::string canonical(const std::string& p) {
-  char buf[PATH_MAX];
-  return ::realpath(p.c_str(), buf) ? std::string(buf) : std::string();
-}
-
 // QEMU's bdrv_find_backing_image as qemu-img rebase asks it: the node below
 // the one in top's chain whose recorded backing file is `name` (both taken
 // relative to that image), or nullptr.
 Node* find_backing_image(Node& top, const std::string& name) {
-  const bool proto = path_has_protocol(name);
   for (Node* cur = skip_filters(&top); cur && filter_or_cow_child(*cur);) {
     Node* below = skip_filters(filter_or_cow_child(*cur));
-    const std::string recorded = image::backing_file_name(*cur);
-    if (proto || path_has_protocol(recorded)) {
-      if (name == recorded) return below;
-    } else {
-      std::string want = canonical(path_combine(cur->filename(), recorded));
-      std::string have = canonical(path_combine(cur->filename(), name));
-      if (!want.empty() && want == have) return below;
-    }
+    if (names_backing(cur->filename(), image::backing_file_name(*cur), name)) return below;
     cur = below;
   }
   return nullptr;
